@@ -1,0 +1,1091 @@
+# SPDX-License-Identifier: Apache-2.0
+"""
+kv_offload: vLLM's simple CPU KV-cache offload (eager mode), all of it in one file.
+
+What it is: a runnable, tested reference of the scheduler-side offload manager, the prefix-cache
+block pool it sits on, the GPU<->CPU copy worker, and a toy engine that drives them the way vLLM's
+scheduler does, so the bug of vLLM issue #53498 and its fix (PR #53532) can be *run*.
+
+It follows vLLM 0.33:
+  vllm/v1/core/kv_cache_utils.py          hashing, KVCacheBlock, FreeKVCacheBlockQueue
+  vllm/v1/core/block_pool.py              BlockHashToBlockMap, BlockPool
+  vllm/v1/core/single_type_kv_cache_manager.py, kv_cache_coordinator.py   find_longest_cache_hit
+  vllm/v1/simple_kv_offload/{metadata,manager,worker,copy_backend}.py     the connector
+  vllm/distributed/kv_transfer/kv_connector/utils.py                      yield_req_data
+with the same names, ref counts, allocation and eviction order, and guards.
+
+The two bugs (PR #53532), both kept runnable in PreFixCPUOffloadScheduler:
+  1. registration: CPU blocks were stamped with their hash at allocation, so registering them
+     through BlockPool._insert_block_hash() hit its early-return guard: the hash map stayed empty
+     and every lookup missed. Fix: reset_hash() first, then insert the GPU block's primary *and*
+     fine-grained secondary hashes.
+  2. final flush: blocks confirmed in a request's last step(s) were never stored. Fix: queue them
+     at finish (_pending_finished_stores) and merge them into the next store event.
+
+But it leaves out:
+  - lazy offload mode (the GPU free-queue cursor), the disk backend, KV-cache events, metrics;
+  - sliding-window, Mamba, chunked-local and cross-attention groups (every group here is full
+    attention), EAGLE block drop, DCP/PCP, LoRA / multimodal extra keys, boundary-state hand-offs,
+    fine-grained *partial-tail* stores (vLLM enables them only with Mamba "align" groups);
+  - cuMemcpyBatchAsync and its background thread: the worker copies with torch slice copies on
+    low-priority streams (runs of consecutive ids coalesced), the same ordering rules;
+  - vLLM's config objects: sizes are plain constructor arguments.
+
+Sections, bottom-up (every name is defined before it is used):
+  1. hashing and requests          5. the pre-fix variant
+  2. block pool + cache-hit lookup 6. copy worker
+  3. connector messages            7. toy model and MiniEngine
+  4. scheduler-side manager        8. `python kv_offload.py` demo / --bench
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# -----------------------------------------------------------------------------
+# 1. Hashing and requests
+
+# Seed of every hash chain. A fixed constant (not Python's randomized hash()) so that the same
+# tokens give the same bytes in every process, as vLLM's sha256 default does.
+NONE_HASH: bytes = hashlib.sha256(b"kv_offload-none-hash").digest()
+
+
+def hash_block_tokens(parent_block_hash: bytes | None, token_ids: Sequence[int],
+                      extra_keys: Any = None) -> bytes:
+    """sha256(parent hash, the block's token ids, extra keys): 32 bytes that fingerprint the
+    whole prefix ending at this block, because the parent already fingerprints everything before."""
+    h = hashlib.sha256(parent_block_hash or NONE_HASH)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))  # fixed width and byte order
+    if extra_keys is not None:
+        h.update(repr(extra_keys).encode())
+    return h.digest()
+
+
+def make_block_hash_with_group_id(block_hash: bytes, group_id: int) -> bytes:
+    """Key of the prefix-cache map: hash bytes + 4-byte big-endian KV-cache group id (no tuple,
+    so no extra Python object per key, as in vLLM)."""
+    return block_hash + group_id.to_bytes(4, "big")
+
+
+def get_block_hash(key: bytes) -> bytes:
+    return key[:-4]
+
+
+def get_group_id(key: bytes) -> int:
+    return int.from_bytes(key[-4:], "big")
+
+
+class Request:
+    """The parts of vLLM's Request that the block pool and the connector read.
+
+    `block_hashes[i]` covers tokens [0, (i+1) * hash_block_size): one hash per *full* chunk of
+    `all_token_ids`, kept up to date as output tokens are appended (vLLM's request_block_hasher).
+    `num_computed_tokens` is advanced by the engine after each forward pass.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], hash_block_size: int,
+                 max_tokens: int = 1):
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: prompt_token_ids is empty")
+        if hash_block_size < 1 or max_tokens < 1:
+            raise ValueError(f"request {request_id!r}: hash_block_size ({hash_block_size}) and "
+                             f"max_tokens ({max_tokens}) must be >= 1")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.hash_block_size = hash_block_size
+        self.max_tokens = max_tokens
+        self.num_computed_tokens = 0
+        # tokens scheduled but not yet produced (async scheduling); always 0 here
+        self.num_output_placeholders = 0
+        self.skip_reading_prefix_cache = False
+        self.block_hashes: list[bytes] = []
+        self._update_block_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        self.all_token_ids.extend([token_ids] if isinstance(token_ids, int) else token_ids)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        # Hash only the chunks that became full since the last call (incremental, O(new tokens)).
+        bs, toks = self.hash_block_size, self.all_token_ids
+        start = len(self.block_hashes) * bs
+        while start + bs <= len(toks):
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.append(hash_block_tokens(parent, toks[start:start + bs]))
+            start += bs
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# -----------------------------------------------------------------------------
+# 2. Block pool
+
+@dataclass(slots=True, eq=False)
+class KVCacheBlock:
+    """Metadata of one KV-cache block (GPU or CPU: both pools use this class)."""
+    # index into the pool's KV tensors; 0 is the pool's null block
+    block_id: int
+    # number of holders: running requests, in-flight copies, lookup pins. 0 = in the free queue
+    ref_cnt: int = 0
+    # primary prefix-cache key (hash + group id), set only by BlockPool through set_block_hash().
+    # The pre-fix offload code wrote this field directly: that is bug 1.
+    _block_hash: bytes | None = None
+    # prefix tokens covered by _block_hash (None when the registrar does not know, e.g. CPU copies)
+    _block_hash_num_tokens: int | None = None
+    # links of the free queue; only FreeKVCacheBlockQueue touches them
+    prev_free_block: KVCacheBlock | None = None
+    next_free_block: KVCacheBlock | None = None
+    # the placeholder block 0: never freed, touched, hashed or evicted
+    is_null: bool = False
+
+    @property
+    def block_hash(self) -> bytes | None:
+        return self._block_hash
+
+    @property
+    def block_hash_num_tokens(self) -> int | None:
+        return self._block_hash_num_tokens
+
+    def set_block_hash(self, key: bytes, num_tokens: int | None = None) -> None:
+        assert self._block_hash is None and self._block_hash_num_tokens is None, (
+            f"block {self.block_id} already has a hash: a block must be evicted (reset_hash) "
+            "before it is registered under a new key")
+        self._block_hash, self._block_hash_num_tokens = key, num_tokens
+
+    def reset_hash(self) -> None:
+        self._block_hash = self._block_hash_num_tokens = None
+
+    def __repr__(self) -> str:  # ids only: the links would recurse through the whole queue
+        return (f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, "
+                f"block_hash={self._block_hash.hex()[:8] if self._block_hash else None})")
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly linked list of free blocks, threaded through the blocks' own prev/next fields.
+
+    Front = evicted (reused) first. Starts in block-id order. Freed blocks without a hash go to
+    the front (reused first: they can never be a cache hit), freed cached blocks to the back, so
+    the front is the least recently used cached block (LRU).
+    NOTE: not a deque, because touch() must take a cached block out of the *middle* in O(1) when
+    a new request hits it; and no Python list is built, so no allocation per operation.
+    Two sentinels (fake head, fake tail) remove the empty-list branches.
+    """
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self.num_free_blocks = len(blocks)
+        self.fake_free_list_head = KVCacheBlock(-1)
+        self.fake_free_list_tail = KVCacheBlock(-1)
+        chain = [self.fake_free_list_head, *blocks, self.fake_free_list_tail]
+        for a, b in zip(chain, chain[1:]):
+            a.next_free_block, b.prev_free_block = b, a
+
+    def popleft(self) -> KVCacheBlock:
+        if self.num_free_blocks == 0:
+            raise ValueError("No free blocks available")
+        return self.popleft_n(1)[0]
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        assert 0 <= n <= self.num_free_blocks, f"popleft_n({n}) with {self.num_free_blocks} free"
+        ret, curr = [], self.fake_free_list_head.next_free_block
+        for _ in range(n):
+            ret.append(curr)
+            nxt = curr.next_free_block
+            curr.prev_free_block = curr.next_free_block = None
+            curr = nxt
+        self.fake_free_list_head.next_free_block, curr.prev_free_block = curr, self.fake_free_list_head
+        self.num_free_blocks -= n
+        return ret
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free_block, block.next_free_block
+        if prev is None or nxt is None:
+            raise RuntimeError(f"remove() of a block that is not in the free queue: {block}")
+        prev.next_free_block, nxt.prev_free_block = nxt, prev
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        self.append_n([block])
+
+    def append_n(self, blocks: list[KVCacheBlock]) -> None:
+        self._link_after(self.fake_free_list_tail.prev_free_block, blocks)
+
+    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        self._link_after(self.fake_free_list_head, blocks)
+
+    def _link_after(self, prev: KVCacheBlock, blocks: list[KVCacheBlock]) -> None:
+        # splice `blocks`, in order, between `prev` and its current successor
+        if not blocks:
+            return
+        nxt = prev.next_free_block
+        for b in blocks:
+            prev.next_free_block, b.prev_free_block = b, prev
+            prev = b
+        prev.next_free_block, nxt.prev_free_block = nxt, prev
+        self.num_free_blocks += len(blocks)
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        """Front to back. O(n): for tests and pictures only."""
+        ret, curr = [], self.fake_free_list_head.next_free_block
+        while curr is not self.fake_free_list_tail:
+            ret.append(curr)
+            curr = curr.next_free_block
+        return ret
+
+
+class BlockHashToBlockMap:
+    """Prefix-cache map: key (hash + group id) -> the blocks cached under it.
+
+    Several blocks may carry one key: vLLM does not de-duplicate (a block table must stay
+    append-only, so a block that becomes full keeps its id even if an identical one is cached).
+    get_one_block() returns the first inserted.
+    NOTE: vLLM stores a bare block for the common single-block case to spare the GC an inner
+    dict; here every value is a dict {block_id: block} (insertion-ordered), same behaviour.
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[bytes, dict[int, KVCacheBlock]] = {}
+
+    def get_one_block(self, key: bytes) -> KVCacheBlock | None:
+        blocks = self._cache.get(key)
+        return next(iter(blocks.values())) if blocks else None
+
+    def contain(self, key: bytes, block_id: int) -> bool:
+        return block_id in self._cache.get(key, ())
+
+    def insert(self, key: bytes, block: KVCacheBlock) -> None:
+        self._cache.setdefault(key, {})[block.block_id] = block
+
+    def pop(self, key: bytes, block_id: int) -> KVCacheBlock | None:
+        blocks = self._cache.get(key)
+        if blocks is None:
+            return None
+        block = blocks.pop(block_id, None)
+        if not blocks:
+            del self._cache[key]
+        return block
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+
+class BlockPool:
+    """Allocates, frees and prefix-caches KV blocks; the GPU pool and the CPU pool alike.
+
+    Invariants: a block is in free_block_queue iff ref_cnt == 0 (the null block is in neither:
+    ref_cnt is not maintained for it). A block with a hash is findable through
+    cached_block_hash_to_block under its primary key and under every secondary key listed in
+    cached_block_hashes_by_block[block_id]. Eviction is lazy: a free cached block keeps its keys
+    (and stays a hit) until get_new_blocks() hands it out again.
+    """
+
+    def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int):
+        if not isinstance(num_gpu_blocks, int) or num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be an int >= 1, got {num_gpu_blocks!r}")
+        if not isinstance(hash_block_size, int) or hash_block_size < 1:
+            raise ValueError(f"hash_block_size must be an int >= 1, got {hash_block_size!r}")
+        self.num_gpu_blocks = num_gpu_blocks  # vLLM's name; the CPU pool uses it too
+        self.enable_caching = enable_caching
+        self.hash_block_size = hash_block_size
+        self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        # secondary keys: fine-grained prefix boundaries inside a block that already has a primary
+        self.cached_block_hashes_by_block: dict[int, set[bytes]] = {}
+        # block 0 is a placeholder (e.g. skipped sliding-window slots); never handed out
+        self.null_block = self.free_block_queue.popleft()
+        self.null_block.is_null = True
+
+    def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list[int]
+                         ) -> list[KVCacheBlock] | None:
+        """One cached block per group for this hash, or None if any group misses."""
+        out = []
+        for g in kv_cache_group_ids:
+            block = self.cached_block_hash_to_block.get_one_block(
+                make_block_hash_with_group_id(block_hash, g))
+            if block is None:
+                return None
+            out.append(block)
+        return out
+
+    def cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_cached_blocks: int,
+                          num_full_blocks: int, block_size: int, kv_cache_group_id: int) -> None:
+        """Register blocks[num_cached_blocks:num_full_blocks] (now full of computed KV) under
+        their block hashes. A block_size-block's hash is the last fine hash inside it, since every
+        fine hash chains over its whole prefix."""
+        if num_cached_blocks >= num_full_blocks:
+            return
+        scale = block_size // self.hash_block_size
+        for i in range(num_cached_blocks, num_full_blocks):
+            blk = blocks[i]
+            if blk.is_null:
+                continue
+            num_tokens = (i + 1) * block_size
+            key = make_block_hash_with_group_id(request.block_hashes[(i + 1) * scale - 1],
+                                                kv_cache_group_id)
+            if blk.block_hash is not None:
+                # only valid case: a partial-tail entry (cache_partial_block) being promoted
+                assert blk.block_hash_num_tokens is not None and blk.block_hash_num_tokens < num_tokens, (
+                    f"block {blk.block_id} is already cached as full: cached twice?")
+                self._remove_cached_block_hashes(blk)
+            self._insert_block_hash(key, blk, num_tokens)
+
+    def cache_partial_block(self, request: Request, block: KVCacheBlock, num_tokens: int,
+                            kv_cache_group_id: int) -> bytes | None:
+        """Make `block` reachable from the fine-grained boundary at `num_tokens` (a multiple of
+        hash_block_size inside the block). A block that already carries a longer (e.g. full) key
+        gets this one as a *secondary* key; that is where GPU secondaries come from."""
+        if block.is_null:
+            return None
+        key = make_block_hash_with_group_id(
+            request.block_hashes[num_tokens // self.hash_block_size - 1], kv_cache_group_id)
+        cached = block.block_hash == key or self.cached_block_hash_to_block.contain(key, block.block_id)
+        if (not cached and block.block_hash is not None and block.block_hash_num_tokens is not None
+                and block.block_hash_num_tokens < num_tokens):
+            self._remove_cached_block_hashes(block)  # a longer partial entry replaces a shorter one
+        self._insert_block_hash(key, block, num_tokens)
+        return key
+
+    def _remove_cached_block_hashes(self, block: KVCacheBlock) -> list[bytes]:
+        """Take the primary and every secondary key of `block` out of the map; reset its hash."""
+        keys = [block.block_hash] if block.block_hash is not None else []
+        keys.extend(self.cached_block_hashes_by_block.pop(block.block_id, ()))
+        if not keys:
+            return []
+        removed = [k for k in keys
+                   if self.cached_block_hash_to_block.pop(k, block.block_id) is not None]
+        block.reset_hash()
+        return removed
+
+    def _insert_block_hash(self, key: bytes, block: KVCacheBlock, num_tokens: int | None) -> None:
+        # Guard 1: the block already carries this key as its primary -> assumed registered.
+        # This is the guard bug 1 walked into: a block *stamped* with the key but never inserted
+        # returns here and the map never learns about it.
+        if block.block_hash == key:
+            return
+        # Guard 2: already registered (as a secondary key) for this very block.
+        if self.cached_block_hash_to_block.contain(key, block.block_id):
+            return
+        if block.block_hash is None:
+            block.set_block_hash(key, num_tokens)
+        else:
+            self.cached_block_hashes_by_block.setdefault(block.block_id, set()).add(key)
+        self.cached_block_hash_to_block.insert(key, block)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop `num_blocks` from the front of the free queue (LRU first), evicting their cached
+        keys now (lazy eviction). Returned blocks have ref_cnt == 1 and no hash."""
+        if not isinstance(num_blocks, int) or num_blocks < 0:
+            raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
+        if num_blocks > self.get_num_free_blocks():
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool "
+                             f"({self.get_num_free_blocks()} free)")
+        ret = self.free_block_queue.popleft_n(num_blocks)
+        for block in ret:
+            if self.enable_caching:
+                self._remove_cached_block_hashes(block)
+            assert block.ref_cnt == 0, f"block {block.block_id} in the free queue with refs"
+            block.ref_cnt = 1
+        return ret
+
+    def _check_owned(self, blocks: Iterable[KVCacheBlock], freeing: bool) -> list[KVCacheBlock]:
+        # Validate everything before changing anything, so bad input loses nothing.
+        blocks = list(blocks)
+        pending: dict[int, int] = {}
+        for b in blocks:
+            if b.is_null:
+                continue
+            if not 0 <= b.block_id < self.num_gpu_blocks or self.blocks[b.block_id] is not b:
+                raise ValueError(f"block {b.block_id} does not belong to this pool")
+            if not freeing and b.ref_cnt == 0 and b.prev_free_block is None:
+                raise ValueError(f"touch: block {b.block_id} has ref_cnt 0 but is not in the free queue")
+            if freeing:
+                pending[b.block_id] = n = pending.get(b.block_id, 0) + 1
+                if n > b.ref_cnt:
+                    raise ValueError(f"free_blocks: block {b.block_id} freed more often than "
+                                     f"referenced (ref_cnt={b.ref_cnt}): a double free")
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take one more reference (a prefix hit, a pinned copy). A free cached block leaves the
+        free queue, so it can no longer be evicted."""
+        for block in self._check_owned(blocks, freeing=False):
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference each; blocks reaching 0 return to the free queue in the given order
+        (first = evicted first): unhashed ones to the front, hashed ones to the back."""
+        first, last = [], []
+        for block in self._check_owned(ordered_blocks, freeing=True):
+            if block.is_null:
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                (last if block.block_hash is not None and self.enable_caching else first).append(block)
+        self.free_block_queue.prepend_n(first)  # never a hit: reuse first (LIFO, GPU locality)
+        self.free_block_queue.append_n(last)    # cached: keep as long as possible (LRU)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached key (e.g. after a weight update). Refused (False) while any block
+        but the null block is in use: a running request could still hit its own blocks."""
+        if self.num_gpu_blocks - self.get_num_free_blocks() != 1:
+            return False
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.cached_block_hashes_by_block.clear()
+        for block in self.blocks:
+            block.reset_hash()
+        return True
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        total = self.num_gpu_blocks - 1  # the null block is not capacity
+        return 1.0 - self.get_num_free_blocks() / total if total else 0.0
+
+
+def find_longest_cache_hit(block_hashes: Sequence[bytes], max_length: int, kv_cache_group_ids: list[int],
+                           block_pool: BlockPool, block_size: int, alignment_tokens: int | None = None
+                           ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+    """Longest cached prefix (full attention) of at most `max_length` tokens, for every group in
+    `kv_cache_group_ids` at once. Returns (blocks per group, hit tokens).
+
+    `block_hashes` is at hash_block_size granularity. Phase 1 walks whole blocks and stops at the
+    first miss (a miss means every later block misses: the hashes chain). Phase 2 runs only when
+    the alignment (default: hash_block_size) is finer than block_size: it probes the next block's
+    interior boundaries from the longest down and takes the first hit, which can only be a
+    *secondary* key of a cached block. vLLM's FullAttentionManager.find_longest_cache_hit.
+    """
+    hbs = block_pool.hash_block_size
+    align = hbs if alignment_tokens is None else alignment_tokens
+    scale = block_size // hbs
+    fine = align < block_size
+    if fine and align != hbs:
+        raise ValueError(f"fine-grained alignment must equal hash_block_size ({hbs}), got {align}")
+    computed: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
+    for i in range(min(max_length // block_size, len(block_hashes) // scale)):
+        cached = block_pool.get_cached_block(block_hashes[(i + 1) * scale - 1], kv_cache_group_ids)
+        if not cached:
+            break
+        for dst, blk in zip(computed, cached):
+            dst.append(blk)
+    hit_length = len(computed[0]) * block_size
+    if fine:
+        first = len(computed[0]) * scale
+        for idx in range(min(first + scale - 1, max_length // hbs, len(block_hashes)) - 1, first - 1, -1):
+            cached = block_pool.get_cached_block(block_hashes[idx], kv_cache_group_ids)
+            if cached:
+                for dst, blk in zip(computed, cached):
+                    dst.append(blk)
+                hit_length = (idx + 1) * hbs
+                break
+    hit_length -= hit_length % align
+    for dst in computed:
+        del dst[cdiv(hit_length, block_size):]
+    return computed, hit_length
+
+
+# -----------------------------------------------------------------------------
+# 3. Connector messages (scheduler <-> worker)
+
+@dataclass
+class TransferMeta:
+    """One batch of block copies; gpu_block_ids[i] <-> cpu_block_ids[i]."""
+    gpu_block_ids: list[int]
+    cpu_block_ids: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    """The parts of vLLM's SchedulerOutput the connector reads, for one step."""
+    # req_id -> tokens the forward pass of this step computes (insertion order = vLLM's order:
+    # newly scheduled requests first, then running and resumed ones)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # req_id -> GPU block ids allocated to it this step, per KV-cache group (new or resumed
+    # request: its whole table)
+    new_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
+    # requests that come back after a preemption (their table is new)
+    resumed_req_ids: set[str] = field(default_factory=set)
+    # requests preempted this step: their blocks are freed and may be reused at once
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+
+def yield_req_data(scheduler_output: SchedulerOutput) -> Iterator[tuple[str, tuple[list[int], ...] | None, bool]]:
+    """(req_id, new block ids or None, resumed) for every request of the step."""
+    for req_id in scheduler_output.num_scheduled_tokens:
+        yield (req_id, scheduler_output.new_block_ids.get(req_id),
+               req_id in scheduler_output.resumed_req_ids)
+    for req_id, ids in scheduler_output.new_block_ids.items():
+        if req_id not in scheduler_output.num_scheduled_tokens:
+            yield req_id, ids, req_id in scheduler_output.resumed_req_ids
+
+
+@dataclass
+class SimpleCPUOffloadMetadata:
+    """Scheduler -> worker, once per step. The worker never sees request ids except through
+    load_event_to_reqs (to say which requests' loads finished)."""
+    # -1 = nothing to load this step; else a monotonically growing event index
+    load_event: int = -1
+    load_gpu_blocks: list[int] = field(default_factory=list)  # destinations
+    load_cpu_blocks: list[int] = field(default_factory=list)  # sources, index-parallel
+    # every outstanding load event -> its requests (not only this step's: completions of
+    # earlier events are reported against the latest metadata)
+    load_event_to_reqs: dict[int, list[str]] = field(default_factory=dict)
+    store_event: int = -1
+    store_gpu_blocks: list[int] = field(default_factory=list)  # sources
+    store_cpu_blocks: list[int] = field(default_factory=list)  # destinations
+    # a request was preempted: its GPU blocks may be reused, so wait for every copy first
+    need_flush: bool = False
+
+
+@dataclass
+class SimpleCPUOffloadWorkerMetadata:
+    """Worker -> scheduler: store events completed since the last report, {event: n workers}."""
+    completed_store_events: dict[int, int]
+
+    def aggregate(self, other: SimpleCPUOffloadWorkerMetadata) -> SimpleCPUOffloadWorkerMetadata:
+        merged = dict(self.completed_store_events)
+        for k, v in other.completed_store_events.items():
+            merged[k] = merged.get(k, 0) + v
+        return SimpleCPUOffloadWorkerMetadata(merged)
+
+
+@dataclass
+class KVConnectorOutput:
+    # requests whose CPU->GPU load finished (they may now be scheduled to compute)
+    finished_recving: set[str] = field(default_factory=set)
+    kv_connector_worker_meta: SimpleCPUOffloadWorkerMetadata | None = None
+
+
+# -----------------------------------------------------------------------------
+# 4. Scheduler-side manager (eager mode)
+
+@dataclass
+class LoadRequestState:
+    request: Request
+    transfer_meta: TransferMeta  # CPU sources -> GPU destinations, both sides pinned
+    # event index once sent to the worker; None = not sent yet (no copy can be running)
+    load_event: int | None = None
+    # the request finished while its load was in flight: clean up when the load completes
+    finished: bool = False
+
+
+@dataclass
+class StoreRequestState:
+    request: Request
+    # the request's GPU block table per group, accumulated from each step's new_block_ids
+    block_ids: tuple[list[int], ...]
+    # per-group cursor: blocks of the table already stored or skipped (cached, in flight)
+    num_stored_blocks: list[int]
+    # store events still in flight that carry this request's blocks
+    store_events: set[int] = field(default_factory=set)
+    # finished while store_events were in flight: clean up when the last one completes
+    finished: bool = False
+
+
+class SimpleCPUOffloadScheduler:
+    """Scheduler side of the CPU offload connector, eager mode (vLLM's manager.py).
+
+    Stores: every step, each scheduled request's blocks whose KV is *confirmed* (computed by a
+    forward pass that has finished, i.e. num_computed_tokens) and not yet on CPU get a CPU block
+    and are copied GPU->CPU; the GPU block is pinned (touch) until the copy completes, then the
+    CPU block is registered in the CPU prefix cache. A step's blocks are stored one step late.
+    Loads: a new request's prefix beyond its GPU hit is looked up in the CPU cache; hit blocks
+    are pinned and copied CPU->GPU before the request computes.
+    Ref-count contract: every ref this class takes on either pool is dropped exactly once, by a
+    completion, by request_finished(), or by reset() — the reliability tests check this.
+    """
+
+    def __init__(self, num_cpu_blocks: int, block_size: int, hash_block_size: int | None = None,
+                 group_block_sizes: list[int] | None = None, world_size: int = 1):
+        hbs = block_size if hash_block_size is None else hash_block_size
+        sizes = list(group_block_sizes) if group_block_sizes is not None else [block_size]
+        if not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 2:
+            raise ValueError(f"num_cpu_blocks must be >= 2 (block 0 is the null block), got {num_cpu_blocks!r}")
+        if min([block_size, hbs, world_size, *sizes]) < 1 or not sizes:
+            raise ValueError("block_size, hash_block_size, world_size and group_block_sizes must be >= 1")
+        if block_size % hbs or any(s % hbs or block_size % s for s in sizes):
+            raise ValueError(f"block sizes must nest: hash_block_size ({hbs}) must divide every group "
+                             f"block size ({sizes}), and each of those the block_size ({block_size})")
+        self.block_size = block_size          # scheduler block size: loads start on its multiples
+        self.hash_block_size = hbs
+        self.group_block_sizes = sizes
+        self.num_cpu_blocks = num_cpu_blocks  # counts the CPU pool's null block
+        self.world_size = world_size          # workers that must report a store before it counts
+        self.cpu_block_pool = BlockPool(num_cpu_blocks, True, hbs)
+        self._gpu_block_pool: BlockPool | None = None
+        # groups of one block size are looked up together (vLLM's SpecGroup); dict keeps order
+        self._groups_by_size: dict[int, list[int]] = {}
+        for g, s in enumerate(sizes):
+            self._groups_by_size.setdefault(s, []).append(g)
+        # loads
+        self._reqs_to_load: dict[str, LoadRequestState] = {}
+        self._load_event_to_reqs: dict[int, list[str]] = {}  # the worker reports events, not requests
+        # req -> (hit blocks per group, hit tokens, num_computed_tokens of the lookup), pinned
+        # between get_num_new_matched_tokens() and update_state_after_alloc()
+        self._pending_cpu_hits: dict[str, tuple[tuple[list[KVCacheBlock], ...], int, int]] = {}
+        self._abandoned_reqs_to_load: dict[str, LoadRequestState] = {}
+        # stores
+        self._reqs_to_store: dict[str, StoreRequestState] = {}
+        self._store_event_to_blocks: dict[int, TransferMeta] = {}
+        self._store_event_to_reqs: dict[int, list[str]] = {}
+        self._abandoned_store_event_to_blocks: dict[int, TransferMeta] = {}
+        self._in_flight_store_gpu_blocks: set[int] = set()  # dedup: never copy one block twice at once
+        self._pending_finished_stores: list[TransferMeta] = []  # the fix for bug 2
+        self._store_event_pending_counts: dict[int, int] = {}  # event -> workers reported so far
+        # monotonic, never reset: the workers' high-water marks must never see an index twice
+        self._load_event_counter = 0
+        self._store_event_counter = 0
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        self._gpu_block_pool = gpu_block_pool
+
+    # --- lookup and load ------------------------------------------------------
+
+    def _find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_length: int
+                                ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        # vLLM's coordinators: with several block sizes, look each size up in turn, capped by the
+        # current candidate, until the length stops shrinking; then trim every group to it.
+        # Alignment is the scheduler block size: loads move whole blocks.
+        hits: list[list[KVCacheBlock]] = [[] for _ in self.group_block_sizes]
+        found: dict[int, int] = {}
+        hit_length = max_length
+        while True:
+            curr = hit_length
+            for size, gids in self._groups_by_size.items():
+                if size in found:  # full attention is downward-closed: no second lookup
+                    curr = min(curr, found[size])
+                    continue
+                blocks, curr = find_longest_cache_hit(block_hashes, curr, gids, self.cpu_block_pool,
+                                                      size, alignment_tokens=self.block_size)
+                found[size] = curr
+                for g, b in zip(gids, blocks):
+                    hits[g] = b
+            if curr >= hit_length:
+                break
+            hit_length = curr
+        for g, size in enumerate(self.group_block_sizes):
+            del hits[g][cdiv(hit_length, size):]
+        return tuple(hits), hit_length
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond the local (GPU) hit that the CPU cache holds, and True if they will be
+        loaded asynchronously. Pins the hit CPU blocks until update_state_after_alloc()."""
+        if not 0 <= num_computed_tokens <= request.num_tokens:
+            raise ValueError(f"num_computed_tokens={num_computed_tokens} outside [0, {request.num_tokens}]")
+        # a retry (e.g. after a failed allocation) drops the earlier pin first
+        if (stale := self._pending_cpu_hits.pop(request.request_id, None)) is not None:
+            self._free_pending_cpu_hit(stale)
+        # loads copy whole blocks: the external part must start on a block boundary
+        if request.skip_reading_prefix_cache or num_computed_tokens % self.block_size:
+            return 0, False
+        remaining = request.block_hashes[num_computed_tokens // self.hash_block_size:]
+        max_hit_len = request.num_tokens - 1 - num_computed_tokens  # the last token is always recomputed
+        if not remaining or max_hit_len <= 0:
+            return 0, False
+        hit_blocks, hit_length = self._find_longest_cache_hit(remaining, max_hit_len)
+        if hit_length == 0:
+            return 0, False
+        # pin: LRU eviction between the two scheduler calls must not take these blocks
+        self.cpu_block_pool.touch(b for grp in hit_blocks for b in grp if not b.is_null)
+        self._pending_cpu_hits[request.request_id] = (hit_blocks, hit_length, num_computed_tokens)
+        return hit_length, True
+
+    def update_state_after_alloc(self, request: Request, blocks: tuple[list[KVCacheBlock], ...],
+                                 num_external_tokens: int) -> None:
+        """The scheduler allocated `blocks` (the request's GPU table per group) and accepted
+        `num_external_tokens` of the offered hit (maybe fewer). Registers the request for eager
+        stores and sets up its load: GPU blocks right after the local hit <- CPU hit blocks."""
+        rid = request.request_id
+        ids = tuple([b.block_id for b in grp] for grp in blocks)
+        pending = self._pending_cpu_hits.get(rid)
+        # validate everything before any state changes
+        if len(ids) != len(self.group_block_sizes):
+            raise ValueError(f"{rid}: blocks has {len(ids)} groups, expected {len(self.group_block_sizes)}")
+        if num_external_tokens < 0 or num_external_tokens % self.hash_block_size:
+            raise ValueError(f"{rid}: num_external_tokens={num_external_tokens} is misaligned: "
+                             f"must be a non-negative multiple of hash_block_size={self.hash_block_size}")
+        if num_external_tokens:
+            if pending is None:
+                raise ValueError(f"{rid}: num_external_tokens={num_external_tokens} but "
+                                 "get_num_new_matched_tokens() offered no CPU hit")
+            if num_external_tokens > pending[1]:
+                raise ValueError(f"{rid}: num_external_tokens={num_external_tokens} exceeds the "
+                                 f"CPU hit of {pending[1]} tokens")
+            if rid in self._reqs_to_load:
+                raise ValueError(f"{rid}: a load is already pending for this request")
+            for g, size in enumerate(self.group_block_sizes):
+                if pending[2] // size + cdiv(num_external_tokens, size) > len(ids[g]):
+                    raise ValueError(f"{rid}: group {g} has {len(ids[g])} GPU blocks, too few for "
+                                     f"{pending[2]} local + {num_external_tokens} external tokens")
+        if rid not in self._reqs_to_store:  # also with 0 external tokens: it will be stored
+            self._reqs_to_store[rid] = StoreRequestState(
+                request, tuple([] for _ in ids), [0] * len(ids))
+        self._pending_cpu_hits.pop(rid, None)
+        if pending is None:
+            return
+        if num_external_tokens == 0:  # the scheduler declined the hit
+            self._free_pending_cpu_hit(pending)
+            return
+        hit_blocks, _, num_computed = pending
+        gpu_ids, cpu_blocks = [], []
+        for g, size in enumerate(self.group_block_sizes):
+            start = num_computed // size  # the load lands right after the local hit
+            for i, cpu_blk in enumerate(hit_blocks[g][:cdiv(num_external_tokens, size)]):
+                if not cpu_blk.is_null:
+                    gpu_ids.append(ids[g][start + i])
+                    cpu_blocks.append(cpu_blk)
+        # pin both sides for the copy, then drop the lookup pin (that order: never a 0 in between)
+        self.cpu_block_pool.touch(cpu_blocks)
+        self._free_pending_cpu_hit(pending)
+        gpu_pool = self._require_gpu_pool()
+        gpu_pool.touch(gpu_pool.blocks[b] for b in gpu_ids)
+        self._reqs_to_load[rid] = LoadRequestState(
+            request, TransferMeta(gpu_ids, [b.block_id for b in cpu_blocks]))
+
+    # --- one step: build the worker's metadata -----------------------------------
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> SimpleCPUOffloadMetadata:
+        """At most one store event (this step's confirmed blocks + queued finish flushes) and one
+        load event (every load not yet sent) per step."""
+        for rid, ids in scheduler_output.new_block_ids.items():
+            self._check_gpu_block_ids(ids, f"new_block_ids[{rid!r}]")
+        store_gpu, store_cpu, store_req_ids = self._prepare_eager_store_specs(scheduler_output)
+        for transfer in self._pending_finished_stores:  # bug-2 fix: merge the finish flushes
+            store_gpu.extend(transfer.gpu_block_ids)
+            store_cpu.extend(transfer.cpu_block_ids)
+        self._pending_finished_stores.clear()
+        store_event = -1
+        if store_gpu:
+            store_event = self._store_event_counter
+            self._store_event_counter += 1
+            self._store_event_to_blocks[store_event] = TransferMeta(store_gpu, store_cpu)
+            if store_req_ids:
+                self._store_event_to_reqs[store_event] = store_req_ids
+                for rid in store_req_ids:
+                    self._reqs_to_store[rid].store_events.add(store_event)
+        load_event, load_gpu, load_cpu, load_req_ids = -1, [], [], []
+        for rid, state in self._reqs_to_load.items():
+            if state.load_event is None:
+                load_gpu.extend(state.transfer_meta.gpu_block_ids)
+                load_cpu.extend(state.transfer_meta.cpu_block_ids)
+                load_req_ids.append(rid)
+        if load_req_ids:
+            load_event = self._load_event_counter
+            self._load_event_counter += 1
+            for rid in load_req_ids:
+                self._reqs_to_load[rid].load_event = load_event
+            self._load_event_to_reqs[load_event] = load_req_ids
+        return SimpleCPUOffloadMetadata(
+            load_event=load_event, load_gpu_blocks=load_gpu, load_cpu_blocks=load_cpu,
+            load_event_to_reqs={e: list(r) for e, r in self._load_event_to_reqs.items()},
+            store_event=store_event, store_gpu_blocks=store_gpu, store_cpu_blocks=store_cpu,
+            need_flush=bool(scheduler_output.preempted_req_ids))
+
+    def _prepare_eager_store_specs(self, so: SchedulerOutput) -> tuple[list[int], list[int], list[str]]:
+        gpu_pool = self._gpu_block_pool
+        if gpu_pool is None:
+            return [], [], []
+        n_groups = len(self.group_block_sizes)
+        for rid in so.preempted_req_ids:  # its blocks are gone; it resumes with a new table
+            if (state := self._reqs_to_store.get(rid)) is not None:
+                state.block_ids, state.num_stored_blocks = tuple([] for _ in range(n_groups)), [0] * n_groups
+        all_gpu, all_cpu, req_ids = [], [], []
+        for rid, new_ids, resumed in yield_req_data(so):
+            state = self._reqs_to_store.get(rid)
+            if state is None or state.finished:
+                continue
+            if resumed:
+                state.block_ids = tuple([] for _ in range(n_groups))
+            for g, ids in enumerate((new_ids or ())[:n_groups]):
+                if ids is not None:
+                    state.block_ids[g].extend(ids)
+            if not so.num_scheduled_tokens.get(rid, 0):
+                continue
+            gpu_ids, advanced = self._select_eager_blocks_to_store(state, state.block_ids)
+            if gpu_ids:
+                all_gpu.extend(gpu_ids)
+                all_cpu.extend(self._allocate_cpu_blocks(gpu_ids))
+                req_ids.append(rid)
+                self._in_flight_store_gpu_blocks.update(gpu_ids)
+                gpu_pool.touch(gpu_pool.blocks[b] for b in gpu_ids)  # pinned until the copy completes
+            for g in range(n_groups):
+                state.num_stored_blocks[g] += advanced[g]
+        return all_gpu, all_cpu, list(dict.fromkeys(req_ids))
+
+    def _select_eager_blocks_to_store(self, state: StoreRequestState, block_ids_by_group: tuple[list[int], ...]
+                                      ) -> tuple[list[int], list[int]]:
+        """Confirmed blocks past the request's cursors that are worth storing, up to the CPU
+        pool's free blocks, over every group; and how far each cursor may advance (skipped
+        blocks count). Pure: allocates, pins and advances nothing. Shared by the per-step scan
+        and the finish flush, so both skip exactly the same blocks."""
+        req, gpu_blocks = state.request, self._require_gpu_pool().blocks
+        confirmed = req.num_computed_tokens - req.num_output_placeholders
+        # vLLM's hybrid coordinator only caches scheduler-block-aligned prefixes
+        cacheable = confirmed if len(self.group_block_sizes) == 1 else confirmed - confirmed % self.block_size
+        num_free = self.cpu_block_pool.get_num_free_blocks()
+        out: list[int] = []
+        advanced = [0] * len(self.group_block_sizes)
+        for g, ids in enumerate(block_ids_by_group):
+            if len(out) >= num_free:
+                break
+            size = self.group_block_sizes[g]
+            scale = size // self.hash_block_size
+            for i in range(state.num_stored_blocks[g], min(len(ids), cacheable // size)):
+                blk = gpu_blocks[ids[i]]
+                if blk.is_null and (i + 1) * scale <= len(req.block_hashes):
+                    # a null slot may still have its KV cached elsewhere in the GPU pool
+                    hit = self._gpu_block_pool.get_cached_block(req.block_hashes[(i + 1) * scale - 1], [g])
+                    blk = hit[0] if hit else blk
+                if not self._is_store_candidate(blk):
+                    advanced[g] += 1
+                    continue
+                if len(out) >= num_free:  # CPU full: the cursor stays, a later step retries
+                    break
+                out.append(blk.block_id)
+                advanced[g] += 1
+        return out, advanced
+
+    def _is_store_candidate(self, gpu_block: KVCacheBlock) -> bool:
+        return not (gpu_block.is_null or gpu_block.block_hash is None
+                    or gpu_block.block_id in self._in_flight_store_gpu_blocks
+                    or self.cpu_block_pool.cached_block_hash_to_block.get_one_block(gpu_block.block_hash) is not None)
+
+    def _allocate_cpu_blocks(self, gpu_block_ids: list[int]) -> list[int]:
+        """CPU destinations for a selection (may evict LRU CPU blocks). Hook for the pre-fix variant."""
+        return [b.block_id for b in self.cpu_block_pool.get_new_blocks(len(gpu_block_ids))]
+
+    # --- completions ------------------------------------------------------------
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Loads complete per request (finished_recving); stores per event, once all
+        world_size workers reported it (counts accumulate across steps)."""
+        for rid in list(connector_output.finished_recving or ()):
+            self._cleanup_load_request(rid)
+        meta = connector_output.kv_connector_worker_meta
+        if meta is None:
+            return
+        for event, count in meta.completed_store_events.items():
+            total = self._store_event_pending_counts.get(event, 0) + count
+            if total >= self.world_size:
+                self._store_event_pending_counts.pop(event, None)
+                self._process_store_event(event)
+            else:
+                self._store_event_pending_counts[event] = total
+
+    def _process_store_event(self, event: int) -> None:
+        transfer = self._store_event_to_blocks.pop(event, None)
+        if transfer is None:
+            if (transfer := self._abandoned_store_event_to_blocks.pop(event, None)) is not None:
+                self._release_transfer_refs(transfer)  # sent before a reset(): cache nothing
+            return  # else stale (from before a reset) or a duplicate report: ignore
+        self._in_flight_store_gpu_blocks.difference_update(transfer.gpu_block_ids)
+        self._process_store_completion(transfer.gpu_block_ids, transfer.cpu_block_ids)
+        for rid in self._store_event_to_reqs.pop(event, []):
+            if (state := self._reqs_to_store.get(rid)) is not None:
+                state.store_events.discard(event)
+                if state.finished and not state.store_events:
+                    self._cleanup_store_request(rid)
+
+    def _process_store_completion(self, gpu_block_ids: list[int], cpu_block_ids: list[int]) -> None:
+        """Register the copied CPU blocks in the CPU prefix cache, then drop both pins."""
+        gpu_pool = self._require_gpu_pool()
+        cpu_blocks = [self.cpu_block_pool.blocks[b] for b in cpu_block_ids]
+        for gpu_id, cpu_block in zip(gpu_block_ids, cpu_blocks):
+            self._register_stored_block(cpu_block, gpu_pool.blocks[gpu_id])
+        # ref 0 with a hash: they join the back of the free queues as cached (LRU) blocks
+        self.cpu_block_pool.free_blocks(cpu_blocks)
+        gpu_pool.free_blocks(gpu_pool.blocks[b] for b in gpu_block_ids)
+
+    def _register_stored_block(self, cpu_block: KVCacheBlock, gpu_block: KVCacheBlock) -> None:
+        """The bug-1 fix. The keys come from the GPU source block, still pinned, so its hashes
+        cannot have been evicted: the primary and every fine-grained secondary key."""
+        primary = gpu_block.block_hash
+        assert primary is not None, (
+            f"GPU block {gpu_block.block_id} lost its hash while pinned for a store: "
+            "this indicates a bug in the KV connector")
+        # reset_hash() first: _insert_block_hash returns early when the block already carries
+        # this key as its primary, and pre-fix code stamped CPU blocks at allocation. vLLM has
+        # since stopped stamping; the reset stays so a future stamp cannot silently disable the
+        # cache again.
+        cpu_block.reset_hash()
+        self.cpu_block_pool._insert_block_hash(primary, cpu_block, gpu_block.block_hash_num_tokens)
+        for key in self._gpu_block_pool.cached_block_hashes_by_block.get(gpu_block.block_id, ()):
+            self.cpu_block_pool._insert_block_hash(key, cpu_block, None)  # as vLLM: count unknown
+
+    def _release_transfer_refs(self, transfer: TransferMeta) -> None:
+        """Drop a transfer's pins without caching anything (its data is not to be trusted)."""
+        gpu_pool = self._require_gpu_pool()
+        self.cpu_block_pool.free_blocks(self.cpu_block_pool.blocks[b] for b in transfer.cpu_block_ids)
+        gpu_pool.free_blocks(gpu_pool.blocks[b] for b in transfer.gpu_block_ids)
+
+    def has_pending_stores(self) -> bool:
+        """True while a store is queued (finish flush) or in flight, also after a reset()."""
+        return bool(self._pending_finished_stores or self._store_event_to_blocks
+                    or self._abandoned_store_event_to_blocks)
+
+    def has_pending_push_work(self) -> bool:
+        """The connector's name for it: an engine keeps stepping while this is True, even with no
+        request left, so that queued finish flushes get sent and completed."""
+        return self.has_pending_stores()
+
+    # --- finish and reset ----------------------------------------------------------
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
+        """(False, None): the GPU blocks may be freed at once; in-flight copies hold their own refs."""
+        rid = request.request_id
+        if (pending := self._pending_cpu_hits.pop(rid, None)) is not None:
+            self._free_pending_cpu_hit(pending)  # aborted between lookup and allocation
+        if (load := self._reqs_to_load.get(rid)) is not None:
+            if load.load_event is not None:
+                load.finished = True  # the copy may be running: release at completion
+            else:
+                self._cleanup_load_request(rid)
+        if (store := self._reqs_to_store.get(rid)) is not None:
+            if store.store_events:
+                store.finished = True
+            else:
+                self._cleanup_store_request(rid)
+        return False, None
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, None]:
+        self._check_gpu_block_ids(block_ids, "block_ids")
+        self._queue_finished_eager_store(request, block_ids)
+        return self.request_finished(request, block_ids=[])
+
+    def _queue_finished_eager_store(self, request: Request, block_ids: tuple[list[int], ...]) -> None:
+        """The bug-2 fix: blocks confirmed in the request's last step(s) would never be seen by a
+        later per-step scan. Select them the same way, allocate and pin now, send with the next
+        build_connector_meta()."""
+        state = self._reqs_to_store.get(request.request_id)
+        if state is None or self._gpu_block_pool is None:
+            return
+        gpu_ids, _ = self._select_eager_blocks_to_store(state, block_ids)
+        if not gpu_ids:
+            return
+        self._pending_finished_stores.append(TransferMeta(gpu_ids, self._allocate_cpu_blocks(gpu_ids)))
+        self._in_flight_store_gpu_blocks.update(gpu_ids)
+        self._gpu_block_pool.touch(self._gpu_block_pool.blocks[b] for b in gpu_ids)
+
+    def _free_pending_cpu_hit(self, pending: tuple[tuple[list[KVCacheBlock], ...], int, int]) -> None:
+        self.cpu_block_pool.free_blocks(b for grp in pending[0] for b in grp if not b.is_null)
+
+    def _cleanup_load_request(self, rid: str) -> None:
+        state = self._reqs_to_load.pop(rid, None) or self._abandoned_reqs_to_load.pop(rid, None)
+        if state is None:
+            return  # duplicate or stale report
+        if state.load_event is not None and (reqs := self._load_event_to_reqs.get(state.load_event)) is not None:
+            if rid in reqs:
+                reqs.remove(rid)
+            if not reqs:
+                del self._load_event_to_reqs[state.load_event]
+        gpu_pool = self._require_gpu_pool()
+        self.cpu_block_pool.free_blocks(self.cpu_block_pool.blocks[b] for b in state.transfer_meta.cpu_block_ids)
+        gpu_pool.free_blocks(gpu_pool.blocks[b] for b in state.transfer_meta.gpu_block_ids)
+
+    def _cleanup_store_request(self, rid: str) -> None:
+        """Metadata only: the blocks belong to the store events, which release them."""
+        state = self._reqs_to_store.pop(rid, None)
+        if state is None:
+            return
+        for event in state.store_events:
+            if (reqs := self._store_event_to_reqs.get(event)) is not None:
+                if rid in reqs:
+                    reqs.remove(rid)
+                if not reqs:
+                    del self._store_event_to_reqs[event]
+        state.store_events.clear()
+
+    def reset(self) -> bool:
+        """Drop the CPU prefix cache (e.g. after a weight update). Transfers no worker has seen are
+        released now; sent ones are *abandoned*: their completions release the refs and cache
+        nothing. Returns True only once the CPU cache was actually reset (nothing abandoned left)."""
+        for pending in self._pending_cpu_hits.values():
+            self._free_pending_cpu_hit(pending)
+        self._pending_cpu_hits.clear()
+        self._abandoned_store_event_to_blocks.update(self._store_event_to_blocks)
+        for transfer in self._pending_finished_stores:
+            self._release_transfer_refs(transfer)
+        self._pending_finished_stores.clear()
+        self._store_event_to_blocks.clear()
+        self._in_flight_store_gpu_blocks.clear()
+        for rid in list(self._reqs_to_load):
+            if self._reqs_to_load[rid].load_event is None:
+                self._cleanup_load_request(rid)
+            else:
+                self._abandoned_reqs_to_load[rid] = self._reqs_to_load.pop(rid)
+        self._reqs_to_store.clear()
+        self._store_event_to_reqs.clear()
+        self._store_event_pending_counts = {e: c for e, c in self._store_event_pending_counts.items()
+                                            if e in self._abandoned_store_event_to_blocks}
+        if self._abandoned_store_event_to_blocks or self._abandoned_reqs_to_load:
+            return False
+        return self.cpu_block_pool.reset_prefix_cache()
+
+    # --- helpers ---------------------------------------------------------------
+
+    def _require_gpu_pool(self) -> BlockPool:
+        assert self._gpu_block_pool is not None, "bind_gpu_block_pool() was not called"
+        return self._gpu_block_pool
+
+    def _check_gpu_block_ids(self, ids_by_group: Sequence[Sequence[int] | None], what: str) -> None:
+        n = self._gpu_block_pool.num_gpu_blocks if self._gpu_block_pool is not None else None
+        if len(ids_by_group) > len(self.group_block_sizes):
+            raise ValueError(f"{what}: {len(ids_by_group)} groups, the connector has {len(self.group_block_sizes)}")
+        for ids in ids_by_group:
+            for b in ids or ():
+                if not isinstance(b, int) or (n is not None and not 0 <= b < n):
+                    raise ValueError(f"{what}: GPU block id {b!r} out of range [0, {n})")
+
+
+# -----------------------------------------------------------------------------
+# 5. The pre-fix variant (vLLM before PR #53532), kept runnable so each bug can be shown
+
+class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
+    """The manager as it was before PR #53532. Each flag turns one bug back on."""
+
+    def __init__(self, *args: Any, registration_bug: bool = True, flush_bug: bool = True, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.registration_bug = registration_bug
+        self.flush_bug = flush_bug
+
+    def _allocate_cpu_blocks(self, gpu_block_ids: list[int]) -> list[int]:
+        cpu_ids = super()._allocate_cpu_blocks(gpu_block_ids)
+        if self.registration_bug:
+            # before: each destination was stamped with the source's hash right away
+            # (`cpu_blk._block_hash = bhash`), bypassing the pool's bookkeeping
+            for gpu_id, cpu_id in zip(gpu_block_ids, cpu_ids):
+                self.cpu_block_pool.blocks[cpu_id]._block_hash = self._gpu_block_pool.blocks[gpu_id].block_hash
+        return cpu_ids
+
+    def _register_stored_block(self, cpu_block: KVCacheBlock, gpu_block: KVCacheBlock) -> None:
+        if not self.registration_bug:
+            return super()._register_stored_block(cpu_block, gpu_block)
+        # before: no reset_hash(), so guard 1 (`block.block_hash == key`) returns and the map
+        # never gets the key; and only the primary was passed, secondaries were never copied
+        self.cpu_block_pool._insert_block_hash(gpu_block.block_hash, cpu_block, None)
+
+    def _queue_finished_eager_store(self, request: Request, block_ids: tuple[list[int], ...]) -> None:
+        if not self.flush_bug:
+            return super()._queue_finished_eager_store(request, block_ids)
+        # before: `TODO: flush on finish` -- the request's state was dropped, nothing queued
