@@ -41,9 +41,12 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 # -----------------------------------------------------------------------------
 # 1. Hashing and requests
@@ -1089,3 +1092,507 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         if not self.flush_bug:
             return super()._queue_finished_eager_store(request, block_ids)
         # before: `TODO: flush on finish` -- the request's state was dropped, nothing queued
+
+
+# -----------------------------------------------------------------------------
+# 6. Copy worker (vLLM's worker.py + copy_backend.py)
+
+def _coalesce_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, length) for runs consecutive on *both* sides: one slice copy each."""
+    runs: list[list[int]] = []
+    for s, d in zip(src_ids, dst_ids):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return [tuple(r) for r in runs]
+
+
+class SimpleCPUOffloadWorker:
+    """Worker side: owns the CPU mirrors and runs the copies the metadata asks for.
+
+    CUDA: loads (CPU->GPU) run on `load_stream`, stores (GPU->CPU) on `store_stream`, both at
+    the lowest priority so they yield to compute. A store waits on a compute-done event recorded
+    on the compute stream: it must not read KV a kernel has not finished writing. A load waits
+    for the compute stream's earlier work: its GPU destination may be a block a finished request
+    was still being read from. Completion is polled (event.query(), never a sync) in FIFO order,
+    one high-water mark per direction: event i done => every event <= i of that stream done.
+    CPU: the same calls, copies done synchronously (events are None = already complete).
+    """
+
+    def __init__(self, num_cpu_blocks: int):
+        if not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 2:
+            raise ValueError(f"num_cpu_blocks must be >= 2, got {num_cpu_blocks!r}")
+        self.num_cpu_blocks = num_cpu_blocks
+        self.num_gpu_blocks = 0
+        self.gpu_caches: dict[str, torch.Tensor] = {}  # region -> [num_gpu_blocks, ...] view
+        self.cpu_caches: dict[str, torch.Tensor] = {}  # region -> [num_cpu_blocks, ...] mirror
+        self.device = torch.device("cpu")
+        self.load_stream = self.store_stream = None
+        self._load_events: list[tuple[int, Any]] = []   # (event index, torch.cuda.Event | None), FIFO
+        self._store_events: list[tuple[int, Any]] = []
+        self._load_hwm = self._store_hwm = -1           # highest completed event per direction
+        self._pending_load_event_indices: set[int] = set()
+        self._pending_store_event_indices: set[int] = set()
+        self._completed_store_events: dict[int, int] = {}
+        self._connector_metadata: SimpleCPUOffloadMetadata | None = None
+        self._store_compute_done = None  # reused: copies are FIFO per stream
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_gpu_blocks: int | None = None) -> None:
+        """Each tensor is [num_blocks, ...] or FlashAttention-shaped (2, num_blocks, ...), which
+        is split into a K and a V region. `num_gpu_blocks` settles the ambiguous case of a
+        leading 2 (default: the first dimension that is not 2, else FlashAttention-shaped)."""
+        if not kv_caches:
+            raise ValueError("register_kv_caches: no KV caches given")
+        tensors = list(kv_caches.values())
+        if num_gpu_blocks is None:
+            num_gpu_blocks = next((t.shape[0] for t in tensors if t.shape[0] != 2), None) or tensors[0].shape[1]
+        regions: dict[str, torch.Tensor] = {}
+        seen: set[tuple[int, tuple[int, ...]]] = set()
+        for name, t in kv_caches.items():
+            if t.device != tensors[0].device:
+                raise ValueError(f"KV cache {name!r} is on {t.device}, others on {tensors[0].device}")
+            if t.dim() >= 2 and t.shape[0] != num_gpu_blocks and t.shape[0] == 2 and t.shape[1] == num_gpu_blocks:
+                parts = {f"{name}.k": t[0], f"{name}.v": t[1]}
+            elif t.dim() >= 1 and t.shape[0] == num_gpu_blocks:
+                parts = {name: t}
+            else:
+                raise ValueError(f"KV cache {name!r} has shape {tuple(t.shape)}: expected "
+                                 f"[{num_gpu_blocks}, ...] or (2, {num_gpu_blocks}, ...)")
+            for key, region in parts.items():
+                if not region.is_contiguous():
+                    raise ValueError(f"KV cache region {key!r} is not contiguous")
+                ident = (region.data_ptr(), tuple(region.shape))
+                if ident not in seen:  # layers sharing storage are copied once
+                    seen.add(ident)
+                    regions[key] = region
+        self.device, self.num_gpu_blocks, self.gpu_caches = tensors[0].device, num_gpu_blocks, regions
+        pin = self.device.type == "cuda"  # pinned host memory: async DMA, no staging copy
+        self.cpu_caches = {k: torch.zeros((self.num_cpu_blocks, *r.shape[1:]), dtype=r.dtype, pin_memory=pin)
+                           for k, r in regions.items()}
+        if pin:
+            low_priority = torch.cuda.Stream.priority_range()[0]  # (least, greatest): 0 is lowest
+            self.load_stream = torch.cuda.Stream(self.device, priority=low_priority)
+            self.store_stream = torch.cuda.Stream(self.device, priority=low_priority)
+
+    # --- per step ---------------------------------------------------------------
+
+    def bind_connector_metadata(self, metadata: SimpleCPUOffloadMetadata) -> None:
+        self._connector_metadata = metadata
+        if metadata.load_event >= 0:
+            self._pending_load_event_indices.add(metadata.load_event)
+        if metadata.store_event >= 0:
+            self._pending_store_event_indices.add(metadata.store_event)
+
+    def clear_connector_metadata(self) -> None:
+        self._connector_metadata = None
+
+    def handle_preemptions(self, metadata: SimpleCPUOffloadMetadata) -> None:
+        """A preempted request's GPU blocks may be reused at once: finish every copy first."""
+        if not metadata.need_flush:
+            return
+        for events, is_store in ((self._load_events, False), (self._store_events, True)):
+            for idx, ev in events:
+                if ev is not None:
+                    ev.synchronize()  # note: a CPU-GPU sync point, only on preemption
+                self._set_hwm(is_store, idx)
+            events.clear()
+
+    def start_load_kv(self) -> None:
+        m = self._connector_metadata
+        if m is not None and m.load_cpu_blocks:
+            self._launch(m.load_cpu_blocks, m.load_gpu_blocks, is_store=False, event_idx=m.load_event)
+
+    def wait_for_save(self) -> None:
+        m = self._connector_metadata
+        if m is not None and m.store_gpu_blocks:
+            self._launch(m.store_gpu_blocks, m.store_cpu_blocks, is_store=True, event_idx=m.store_event)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[None, set[str] | None]:
+        """Non-blocking. (None, requests whose loads completed); store completions are reported
+        through build_connector_worker_meta() instead (stores have no request)."""
+        m, finished_recving = self._connector_metadata, set()
+        if self._pending_load_event_indices:
+            hwm = self._poll(is_store=False)
+            for j in [j for j in self._pending_load_event_indices if j <= hwm]:
+                self._pending_load_event_indices.discard(j)
+                finished_recving.update(m.load_event_to_reqs.get(j, ()) if m is not None else ())
+        if self._pending_store_event_indices:
+            hwm = self._poll(is_store=True)
+            for j in [j for j in self._pending_store_event_indices if j <= hwm]:
+                self._pending_store_event_indices.discard(j)
+                self._completed_store_events[j] = 1
+        return None, finished_recving or None
+
+    def build_connector_worker_meta(self) -> SimpleCPUOffloadWorkerMetadata | None:
+        if not self._completed_store_events:
+            return None
+        meta, self._completed_store_events = SimpleCPUOffloadWorkerMetadata(self._completed_store_events), {}
+        return meta
+
+    # --- copies -----------------------------------------------------------------
+
+    def _launch(self, src_ids: list[int], dst_ids: list[int], is_store: bool, event_idx: int) -> None:
+        n_src, n_dst = (self.num_gpu_blocks, self.num_cpu_blocks) if is_store else (self.num_cpu_blocks, self.num_gpu_blocks)
+        self._check_ids(src_ids, dst_ids, n_src, n_dst, "store" if is_store else "load")
+        src, dst = (self.gpu_caches, self.cpu_caches) if is_store else (self.cpu_caches, self.gpu_caches)
+        runs = _coalesce_runs(src_ids, dst_ids)
+        event = None
+        if self.device.type == "cuda":
+            stream = self.store_stream if is_store else self.load_stream
+            compute = torch.cuda.current_stream(self.device)
+            if is_store:
+                if self._store_compute_done is None:
+                    self._store_compute_done = torch.cuda.Event()
+                self._store_compute_done.record(compute)
+                stream.wait_event(self._store_compute_done)
+            else:
+                stream.wait_stream(compute)
+            with torch.cuda.stream(stream):
+                for name, s in src.items():
+                    d = dst[name]
+                    for s0, d0, n in runs:
+                        d[d0:d0 + n].copy_(s[s0:s0 + n], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+        else:
+            # CPU: numpy slice assignment is a plain memcpy; a torch copy_ per run costs several
+            # microseconds of dispatch, which dominates for scattered ids (see --bench)
+            for name, s in src.items():
+                s_np, d_np = _byte_rows(s), _byte_rows(dst[name])
+                for s0, d0, n in runs:
+                    d_np[d0:d0 + n] = s_np[s0:s0 + n]
+        (self._store_events if is_store else self._load_events).append((event_idx, event))
+
+    @staticmethod
+    def _check_ids(src_ids: list[int], dst_ids: list[int], n_src: int, n_dst: int, what: str) -> None:
+        if len(src_ids) != len(dst_ids):
+            raise ValueError(f"{what}: {len(src_ids)} source ids but {len(dst_ids)} destination ids")
+        for ids, n, side in ((src_ids, n_src, "source"), (dst_ids, n_dst, "destination")):
+            bad = [b for b in ids if not isinstance(b, int) or not 0 <= b < n]
+            if bad:
+                raise ValueError(f"{what}: {side} block ids {bad[:4]} out of range [0, {n})")
+
+    def _poll(self, is_store: bool) -> int:
+        events = self._store_events if is_store else self._load_events
+        while events and (events[0][1] is None or events[0][1].query()):
+            self._set_hwm(is_store, events.pop(0)[0])
+        return self._store_hwm if is_store else self._load_hwm
+
+    def _set_hwm(self, is_store: bool, idx: int) -> None:
+        if is_store:
+            self._store_hwm = idx
+        else:
+            self._load_hwm = idx
+
+
+def _byte_rows(t: torch.Tensor):
+    """A CPU tensor [num_blocks, ...] as a numpy uint8 array [num_blocks, block_bytes] (a view)."""
+    return t.reshape(t.shape[0], -1).view(torch.uint8).numpy()
+
+
+# -----------------------------------------------------------------------------
+# 7. Toy model and MiniEngine
+
+class ToyModel:
+    """Deterministic stand-in for a transformer's KV writes. Each token's K and V depend on
+    (token id, position) only, through `rounds` integer mixing rounds per layer, chained across
+    layers: real work that grows linearly with tokens. Integer arithmetic, so the values are
+    bit-identical whatever the batch, chunking or device: recompute and CPU load must agree
+    exactly, and expected_kv() is the oracle. (A real model's KV would also depend on earlier
+    tokens; for offload only "same prefix -> same KV" matters, and this has it.)"""
+
+    _MOD, _MUL = 2_147_483_629, 1_103_515_245  # a prime < 2**31, an LCG multiplier: no int64 overflow
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float16,
+                 device: str | torch.device = "cpu", rounds: int = 4, vocab_size: int = 32000):
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.dtype, self.device, self.rounds, self.vocab_size = dtype, torch.device(device), rounds, vocab_size
+        # per-feature offsets: K and V of every head get different streams
+        self._feature = torch.arange(2 * num_kv_heads * head_dim, device=self.device, dtype=torch.int64)
+
+    def compute_kv(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[num_layers, 2, n, num_kv_heads, head_dim] for n tokens at the given positions."""
+        x = (token_ids[:, None] * 7919 + positions[:, None] * 104_729 + self._feature[None, :] * 31) % self._MOD
+        out = []
+        for layer in range(self.num_layers):
+            for _ in range(self.rounds):
+                x = (x * self._MUL + 12_345 + layer) % self._MOD
+                x = x ^ (x >> 11)
+            # k/256 with |k| <= 512: exact in float16
+            out.append(((x % 1024) - 512).to(torch.float32).div_(256).to(self.dtype))
+        kv = torch.stack(out)  # [L, n, 2*H*D]
+        return kv.view(self.num_layers, -1, 2, self.num_kv_heads, self.head_dim).permute(0, 2, 1, 3, 4)
+
+    def expected_kv(self, token_ids: Sequence[int]) -> torch.Tensor:
+        t = torch.as_tensor(list(token_ids), dtype=torch.int64, device=self.device)
+        return self.compute_kv(t, torch.arange(len(t), device=self.device))
+
+    def forward(self, kv_caches: dict[str, torch.Tensor], token_ids: Sequence[int], positions: Sequence[int],
+                slot_mapping: torch.Tensor) -> None:
+        """Write the KV of the given tokens into the paged caches at `slot_mapping`
+        (slot = block_id * block_size + offset); caches are (2, num_blocks, block_size, H, D)."""
+        kv = self.compute_kv(torch.as_tensor(token_ids, dtype=torch.int64, device=self.device),
+                             torch.as_tensor(positions, dtype=torch.int64, device=self.device))
+        for layer, cache in enumerate(kv_caches.values()):
+            cache.view(2, -1, self.num_kv_heads, self.head_dim)[:, slot_mapping] = kv[layer]
+
+    def next_token(self, kv_caches: dict[str, torch.Tensor], slots: torch.Tensor) -> int:
+        """Greedy 'sampling' that reads the sequence's KV back from the paged cache, so a wrong
+        load changes the output. Sum of multiples of 1/256 in float64: exact, order-independent."""
+        last = list(kv_caches.values())[-1].view(2, -1, self.num_kv_heads, self.head_dim)
+        return int(last[:, slots].double().sum().item() * 256) % self.vocab_size
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    computed_tokens: int = 0   # tokens the model ran for this request (prefill + decode)
+    gpu_hit_tokens: int = 0    # prefix found in the GPU prefix cache
+    cpu_hit_tokens: int = 0    # prefix loaded from the CPU cache
+    ttft_s: float = 0.0        # add_request() -> first output token
+    output_token_ids: list[int] = field(default_factory=list)
+    kv: torch.Tensor | None = None  # with capture_kv: the prompt's KV read back before freeing
+
+
+class MiniEngine:
+    """A one-group engine that drives the connector the way vLLM's scheduler does, per step:
+    schedule (running first, then waiting: GPU prefix lookup -> get_num_new_matched_tokens ->
+    allocate -> update_state_after_alloc) -> build_connector_meta -> worker: preemption flush,
+    loads, forward, stores, completions -> update_connector_output; finished requests:
+    request_finished_all_groups, then their GPU blocks are freed.
+    A request with a CPU hit waits (WAITING_FOR_REMOTE_KVS) until its load is reported, and
+    only then computes the rest. Running out of GPU blocks preempts the last running request
+    (its blocks freed, recomputed later, reported to the connector as preempted, then resumed).
+    """
+
+    def __init__(self, num_gpu_blocks: int, block_size: int, max_num_batched_tokens: int, model: ToyModel,
+                 connector: SimpleCPUOffloadScheduler | None = None,
+                 worker: SimpleCPUOffloadWorker | list[SimpleCPUOffloadWorker] | None = None,
+                 capture_kv: bool = False):
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        if connector is not None and (connector.block_size != block_size or connector.group_block_sizes != [block_size]):
+            raise ValueError(f"connector block sizes {connector.group_block_sizes} do not match the "
+                             f"engine's single group of block_size {block_size}")
+        self.workers = worker if isinstance(worker, list) else [worker] if worker is not None else []
+        if connector is not None and any(w.num_cpu_blocks != connector.num_cpu_blocks for w in self.workers):
+            raise ValueError("worker and connector disagree on num_cpu_blocks")
+        self.hash_block_size = connector.hash_block_size if connector is not None else block_size
+        self.block_size, self.max_num_batched_tokens = block_size, max_num_batched_tokens
+        self.model, self.connector, self.capture_kv = model, connector, capture_kv
+        self.gpu_block_pool = BlockPool(num_gpu_blocks, True, self.hash_block_size)
+        # FlashAttention layout per layer: (2, num_blocks, block_size, num_kv_heads, head_dim)
+        self.kv_caches = {f"layers.{i}": torch.zeros(2, num_gpu_blocks, block_size, model.num_kv_heads,
+                                                     model.head_dim, dtype=model.dtype, device=model.device)
+                          for i in range(model.num_layers)}
+        if connector is not None:
+            connector.bind_gpu_block_pool(self.gpu_block_pool)
+        for w in self.workers:
+            w.register_kv_caches(self.kv_caches, num_gpu_blocks)
+        self.waiting: list[Request] = []   # FIFO; preempted requests go to the front
+        self.running: list[Request] = []
+        self.loading: dict[str, int] = {}  # req -> tokens computed once its load lands
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # blocks registered in the GPU prefix cache
+        self.stats: dict[str, RequestStats] = {}
+        self._t_arrival: dict[str, float] = {}
+        self._resumed: set[str] = set()
+        self._recving_counts: dict[str, int] = {}
+        self.num_steps = 0
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.stats:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.hash_block_size != self.hash_block_size:
+            raise ValueError(f"request hash_block_size {request.hash_block_size} != engine's {self.hash_block_size}")
+        self.waiting.append(request)
+        self.stats[request.request_id] = RequestStats(prompt_tokens=request.num_prompt_tokens)
+        self._t_arrival[request.request_id] = time.perf_counter()
+
+    def reset_gpu_prefix_cache(self) -> bool:
+        return self.gpu_block_pool.reset_prefix_cache()
+
+    def has_unfinished_work(self) -> bool:
+        c = self.connector
+        return bool(self.waiting or self.running or self.loading) or (c is not None and (
+            c.has_pending_push_work() or bool(c._reqs_to_load or c._abandoned_reqs_to_load)))
+
+    def run(self, max_steps: int = 100_000) -> dict[str, RequestStats]:
+        while self.has_unfinished_work():
+            if self.num_steps >= max_steps:
+                raise RuntimeError(f"no progress after {max_steps} steps")
+            self.step()
+        return self.stats
+
+    # --- scheduling ---------------------------------------------------------------
+
+    def _allocate(self, req: Request, num_tokens: int) -> list[KVCacheBlock] | None:
+        """Grow the request's table to cover num_tokens; None (nothing taken) if the pool is short."""
+        blocks = self.req_blocks.setdefault(req.request_id, [])
+        need = cdiv(num_tokens, self.block_size) - len(blocks)
+        if need > self.gpu_block_pool.get_num_free_blocks():
+            return None
+        new = self.gpu_block_pool.get_new_blocks(max(need, 0))
+        blocks.extend(new)
+        return new
+
+    def _cache_blocks(self, req: Request, num_tokens: int) -> None:
+        # vLLM hashes blocks at scheduling time, for tokens this step will have computed
+        full = min(num_tokens, len(req.block_hashes) * self.hash_block_size) // self.block_size
+        rid = req.request_id
+        self.gpu_block_pool.cache_full_blocks(req, self.req_blocks[rid], self.num_cached_blocks.get(rid, 0),
+                                              full, self.block_size, 0)
+        self.num_cached_blocks[rid] = max(full, self.num_cached_blocks.get(rid, 0))
+
+    def _free(self, req: Request) -> None:
+        # reversed: a request's tail blocks are the least likely to be shared, so evicted first
+        self.gpu_block_pool.free_blocks(reversed(self.req_blocks.pop(req.request_id, [])))
+        self.num_cached_blocks.pop(req.request_id, None)
+
+    def _preempt(self, so: SchedulerOutput) -> Request:
+        victim = self.running.pop()
+        self._free(victim)
+        victim.num_computed_tokens = 0
+        self.waiting.insert(0, victim)
+        so.preempted_req_ids.add(victim.request_id)
+        so.num_scheduled_tokens.pop(victim.request_id, None)
+        so.new_block_ids.pop(victim.request_id, None)
+        self._resumed.add(victim.request_id)
+        return victim
+
+    def _schedule(self) -> SchedulerOutput:
+        so, budget = SchedulerOutput(), self.max_num_batched_tokens
+        for req in list(self.running):
+            if budget == 0 or req not in self.running:
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while (new := self._allocate(req, req.num_computed_tokens + n)) is None:
+                if self._preempt(so) is req:
+                    break
+            if new is None:
+                continue
+            self._cache_blocks(req, req.num_computed_tokens + n)
+            so.num_scheduled_tokens[req.request_id] = n
+            if new:
+                so.new_block_ids[req.request_id] = ([b.block_id for b in new],)
+            budget -= n
+        while self.waiting and budget > 0 and not so.preempted_req_ids:
+            req = self.waiting[0]
+            rid = req.request_id
+            if rid in self.loading:
+                break  # FIFO: wait for its load (vLLM skips it; FIFO keeps this engine simple)
+            if rid in self.req_blocks:  # its load landed: compute the rest
+                local, ext, hit_blocks = req.num_computed_tokens, 0, []
+            else:
+                (hit_blocks,), local = find_longest_cache_hit(req.block_hashes, req.num_tokens - 1, [0],
+                                                              self.gpu_block_pool, self.block_size)
+                ext, load_async = (self.connector.get_num_new_matched_tokens(req, local)
+                                   if self.connector is not None else (0, False))
+            n = 0 if ext else min(req.num_tokens - local, budget)
+            # new blocks, plus hit blocks that touch() will take out of the free queue
+            need = (cdiv(local + ext + n, self.block_size) - len(self.req_blocks.get(rid, hit_blocks))
+                    + sum(b.ref_cnt == 0 for b in hit_blocks))
+            if need > self.gpu_block_pool.get_num_free_blocks():
+                break  # no room: stays waiting (the connector's pin is dropped on the next lookup)
+            if rid not in self.req_blocks:
+                self.gpu_block_pool.touch(hit_blocks)
+                self.req_blocks[rid] = list(hit_blocks)
+                self.num_cached_blocks[rid] = len(hit_blocks)
+                st = self.stats[rid]
+                if rid not in self._resumed:
+                    st.gpu_hit_tokens, st.cpu_hit_tokens = local, ext
+                req.num_computed_tokens = local
+                new = self._allocate(req, local + ext + n)
+                if self.connector is not None:
+                    self.connector.update_state_after_alloc(req, (self.req_blocks[rid],), ext)
+                if ext:  # WAITING_FOR_REMOTE_KVS: not scheduled until the load is reported
+                    self.loading[rid] = local + ext
+                    continue
+            else:
+                self._allocate(req, local + n)
+            self.waiting.pop(0)
+            self.running.append(req)
+            self._cache_blocks(req, req.num_computed_tokens + n)
+            so.num_scheduled_tokens[rid] = n
+            so.new_block_ids[rid] = ([b.block_id for b in self.req_blocks[rid]],)  # whole table
+            if rid in self._resumed:
+                so.resumed_req_ids.add(rid)
+                self._resumed.discard(rid)
+            budget -= n
+        return so
+
+    # --- one step -------------------------------------------------------------------
+
+    def step(self) -> None:
+        self.num_steps += 1
+        so = self._schedule()
+        meta = self.connector.build_connector_meta(so) if self.connector is not None else None
+        for w in self.workers:
+            w.bind_connector_metadata(meta)
+            w.handle_preemptions(meta)
+            w.start_load_kv()
+        self._forward(so)
+        finished_recving: set[str] = set()
+        worker_meta = None
+        for w in self.workers:
+            w.wait_for_save()
+            _, recv = w.get_finished(set())
+            for rid in recv or ():  # a load is done once every worker (TP rank) reported it
+                self._recving_counts[rid] = self._recving_counts.get(rid, 0) + 1
+                if self._recving_counts[rid] == len(self.workers):
+                    del self._recving_counts[rid]
+                    finished_recving.add(rid)
+            wm = w.build_connector_worker_meta()
+            worker_meta = wm if worker_meta is None else worker_meta.aggregate(wm) if wm else worker_meta
+            w.clear_connector_metadata()
+        self._update_from_output(so)
+        if self.connector is not None:
+            self.connector.update_connector_output(KVConnectorOutput(finished_recving, worker_meta))
+        for rid in finished_recving:
+            if (tokens := self.loading.pop(rid, None)) is not None:
+                req = next(r for r in self.waiting if r.request_id == rid)
+                req.num_computed_tokens = tokens
+                self._cache_blocks(req, tokens)  # loaded blocks become GPU prefix-cache hits
+
+    def _slots(self, rid: str, start: int, end: int) -> torch.Tensor:
+        ids = torch.tensor([b.block_id for b in self.req_blocks[rid]], dtype=torch.int64)
+        pos = torch.arange(start, end)
+        return (ids[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.model.device)
+
+    def _forward(self, so: SchedulerOutput) -> None:
+        for req in self.running:
+            n = so.num_scheduled_tokens.get(req.request_id, 0)
+            if n:
+                start = req.num_computed_tokens
+                self.model.forward(self.kv_caches, req.all_token_ids[start:start + n], range(start, start + n),
+                                   self._slots(req.request_id, start, start + n))
+
+    def _update_from_output(self, so: SchedulerOutput) -> None:
+        for req in list(self.running):
+            rid, n = req.request_id, so.num_scheduled_tokens.get(req.request_id, 0)
+            if not n:
+                continue
+            req.num_computed_tokens += n
+            st = self.stats[rid]
+            st.computed_tokens += n
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # chunked prefill: more to come
+            token = self.model.next_token(self.kv_caches, self._slots(rid, 0, req.num_computed_tokens))
+            if not st.output_token_ids:
+                st.ttft_s = time.perf_counter() - self._t_arrival[rid]
+            st.output_token_ids.append(token)
+            req.append_output_token_ids(token)
+            if len(st.output_token_ids) >= req.max_tokens:
+                self._finish(req)
+
+    def _finish(self, req: Request) -> None:
+        rid = req.request_id
+        if self.capture_kv:
+            slots = self._slots(rid, 0, req.num_prompt_tokens)
+            self.stats[rid].kv = torch.stack([c.view(2, -1, self.model.num_kv_heads, self.model.head_dim)[:, slots]
+                                              for c in self.kv_caches.values()]).cpu()
+        if self.connector is not None:
+            self.connector.request_finished_all_groups(req, ([b.block_id for b in self.req_blocks[rid]],))
+        self.running.remove(req)
+        self._free(req)
