@@ -1596,3 +1596,166 @@ class MiniEngine:
             self.connector.request_finished_all_groups(req, ([b.block_id for b in self.req_blocks[rid]],))
         self.running.remove(req)
         self._free(req)
+
+
+# -----------------------------------------------------------------------------
+# 8. `python kv_offload.py` (the story) and `python kv_offload.py --bench`
+
+def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: int = 8192, block_size: int = 16,
+              max_num_batched_tokens: int = 1024, device: str = "cpu", seed: int = 0, **scheduler_kwargs: Any) -> dict:
+    """Request A (a long prompt, prefilled in chunks), then the GPU prefix cache is dropped, then
+    request B with the same prompt. Returns what happened to B, and whether its KV is exact."""
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, 32000, (prompt_tokens,), generator=gen).tolist()
+    num_blocks = prompt_tokens // block_size + 64
+    model = ToyModel(num_layers=4, num_kv_heads=4, head_dim=64, device=device, rounds=8)
+    connector = scheduler_cls(num_blocks, block_size, **scheduler_kwargs)
+    engine = MiniEngine(num_blocks, block_size, max_num_batched_tokens, model, connector,
+                        SimpleCPUOffloadWorker(num_blocks), capture_kv=True)
+    engine.add_request(Request("A", prompt, block_size))
+    a = engine.run()["A"]
+    stored = len(connector.cpu_block_pool.cached_block_hash_to_block)
+    assert engine.reset_gpu_prefix_cache(), "GPU blocks still in use after run()"
+    engine.add_request(Request("B", prompt, block_size))
+    b = engine.run()["B"]
+    return dict(cacheable_blocks=(prompt_tokens - 1) // block_size, cpu_blocks_registered=stored,
+                cpu_hit_tokens=b.cpu_hit_tokens, recomputed_tokens=b.computed_tokens, ttft_a_s=a.ttft_s,
+                ttft_b_s=b.ttft_s, same_output=a.output_token_ids == b.output_token_ids,
+                kv_exact=bool(torch.equal(b.kv, model.expected_kv(prompt))),
+                all_free=engine.gpu_block_pool.get_num_free_blocks() == num_blocks - 1
+                and connector.cpu_block_pool.get_num_free_blocks() == num_blocks - 1)
+
+
+def _print_table(rows: dict[str, dict], fmt: dict[str, str]) -> None:
+    keys = list(next(iter(rows.values())))
+    print(f"{'':28}" + "".join(f"{name:>22}" for name in rows))
+    for k in keys:
+        print(f"{k:28}" + "".join(f"{fmt.get(k, '{}').format(r[k]):>22}" for r in rows.values()))
+
+
+def bench_manager(prompt_tokens: int = 65536, chunk: int = 4096, block_size: int = 16) -> dict[str, float]:
+    """µs per block of the manager's own calls (no hashing, no GPU allocation timed): a prompt
+    stored eagerly chunk by chunk, final flush included, then looked up and loaded by an
+    identical request."""
+    n_blocks = prompt_tokens // block_size
+    gpu = BlockPool(2 * n_blocks + 2, True, block_size)
+    mgr = SimpleCPUOffloadScheduler(n_blocks + 2, block_size)
+    mgr.bind_gpu_block_pool(gpu)
+    prompt = list(range(prompt_tokens))
+    req_a, req_b = Request("a", prompt, block_size), Request("b", prompt, block_size)
+    blocks = gpu.get_new_blocks(n_blocks)
+    t = time.perf_counter()
+    mgr.get_num_new_matched_tokens(req_a, 0)
+    mgr.update_state_after_alloc(req_a, (blocks,), 0)
+    spent, event = time.perf_counter() - t, -1
+    for step in range(prompt_tokens // chunk + 1):
+        new = [b.block_id for b in blocks[step * chunk // block_size:(step + 1) * chunk // block_size]]
+        so = SchedulerOutput({"a": chunk}, {"a": (new,)} if new else {})
+        gpu.cache_full_blocks(req_a, blocks, step * chunk // block_size, len(blocks) if not new else
+                              (step + 1) * chunk // block_size, block_size, 0)  # the GPU side: not timed
+        t = time.perf_counter()
+        if step == prompt_tokens // chunk:  # the request finished: flush what the last step confirmed
+            mgr.request_finished_all_groups(req_a, ([b.block_id for b in blocks],))
+            so = SchedulerOutput()
+        meta = mgr.build_connector_meta(so)
+        done = {event: 1} if event >= 0 else {}
+        mgr.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(done)))
+        spent += time.perf_counter() - t
+        event = meta.store_event
+        req_a.num_computed_tokens = min((step + 1) * chunk, prompt_tokens)
+    t = time.perf_counter()
+    mgr.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata({event: 1})))
+    spent += time.perf_counter() - t
+    gpu.free_blocks(reversed(blocks))
+    stored = len(mgr.cpu_block_pool.cached_block_hash_to_block)
+    blocks_b = gpu.get_new_blocks(n_blocks)
+    t = time.perf_counter()
+    hit, _ = mgr.get_num_new_matched_tokens(req_b, 0)
+    mgr.update_state_after_alloc(req_b, (blocks_b,), hit)
+    meta = mgr.build_connector_meta(SchedulerOutput())
+    mgr.update_connector_output(KVConnectorOutput({"b"}))
+    load_s = time.perf_counter() - t
+    assert stored == n_blocks and len(meta.load_gpu_blocks) == hit // block_size == n_blocks - 1
+    return {"store_us_per_block": spent / stored * 1e6, "load_us_per_block": load_s / (hit // block_size) * 1e6}
+
+
+def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_copy: int = 512, reps: int = 5) -> list[dict]:
+    """Worker copy throughput vs one plain copy of the same bytes (same run, same buffers)."""
+    rows, g = [], torch.Generator().manual_seed(0)
+    elems = block_kib * 1024 // 2  # float16
+    layouts = {"per-layer (2,N,..) x4": {f"l{i}": torch.zeros(2, num_blocks, elems // 2, dtype=torch.float16, device=device)
+                                          for i in range(4)},
+               "cross-layer [N,...]": {"all": torch.zeros(num_blocks, 4, elems, dtype=torch.float16, device=device)}}
+    for layout, caches in layouts.items():
+        w = SimpleCPUOffloadWorker(num_blocks)
+        w.register_kv_caches(caches, num_blocks)
+        nbytes = sum(r[:n_copy].numel() * r.element_size() for r in w.gpu_caches.values())
+        # baseline: one copy of the same number of bytes between the same kind of memory
+        plain_src = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        plain_dst = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
+        for ids_kind in ("contiguous", "scattered"):
+            gpu_ids = list(range(1, n_copy + 1)) if ids_kind == "contiguous" else \
+                (torch.randperm(num_blocks - 1, generator=g)[:n_copy] + 1).tolist()
+            cpu_ids = list(range(1, n_copy + 1)) if ids_kind == "contiguous" else \
+                (torch.randperm(num_blocks - 1, generator=g)[:n_copy] + 1).tolist()
+            for direction in ("store", "load"):
+                meta = SimpleCPUOffloadMetadata(**({"store_event": 0, "store_gpu_blocks": gpu_ids, "store_cpu_blocks": cpu_ids}
+                                                   if direction == "store" else
+                                                   {"load_event": 0, "load_gpu_blocks": gpu_ids, "load_cpu_blocks": cpu_ids}))
+                w.bind_connector_metadata(meta)
+                run = w.wait_for_save if direction == "store" else w.start_load_kv
+                plain = (lambda: plain_dst.copy_(plain_src, non_blocking=True)) if direction == "store" else \
+                    (lambda: plain_src.copy_(plain_dst, non_blocking=True))
+                t_worker, t_plain = (_time_it(f, device, reps) for f in (run, plain))
+                w._store_events.clear(), w._load_events.clear()
+                rows.append(dict(device=device, layout=layout, ids=ids_kind, direction=direction, block_kib=block_kib,
+                                 worker_gbps=nbytes / t_worker / 1e9, plain_gbps=nbytes / t_plain / 1e9,
+                                 ratio=t_plain / t_worker))
+    return rows
+
+
+def _time_it(fn, device: str, reps: int) -> float:
+    fn()  # warm-up
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t) / reps
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bench", action="store_true", help="manager and copy benchmarks instead of the story")
+    p.add_argument("--prompt-tokens", type=int, default=8192)
+    args = p.parse_args(argv)
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    if not args.bench:
+        print(f"Request A: {args.prompt_tokens}-token prompt, chunked prefill (1024 tokens/step), 1 output token.\n"
+              "GPU prefix cache dropped. Request B: the same prompt.\n")
+        rows = {"pre-fix (both bugs)": run_story(PreFixCPUOffloadScheduler, args.prompt_tokens),
+                "pre-fix: registration": run_story(PreFixCPUOffloadScheduler, args.prompt_tokens, flush_bug=False),
+                "pre-fix: final flush": run_story(PreFixCPUOffloadScheduler, args.prompt_tokens, registration_bug=False),
+                "fixed (PR #53532)": run_story(SimpleCPUOffloadScheduler, args.prompt_tokens)}
+        _print_table(rows, {"ttft_a_s": "{:.3f}", "ttft_b_s": "{:.3f}"})
+        return
+    m = bench_manager()
+    print(f"manager: {m['store_us_per_block']:.2f} µs per stored block, {m['load_us_per_block']:.2f} µs per CPU-hit "
+          "block (65,536-token prompt, 4096-token chunks, block 16; vLLM 0.33 on the 2-core dev box: 2.0 / 1.1)")
+    print(f"\n{'device':7}{'layout':24}{'ids':12}{'dir':7}{'KiB/blk':>8}{'worker GB/s':>13}{'plain GB/s':>12}{'ratio':>7}")
+    for d in devices:
+        for r in bench_copies(d) + bench_copies(d, block_kib=256, num_blocks=256, n_copy=128):
+            print(f"{r['device']:7}{r['layout']:24}{r['ids']:12}{r['direction']:7}{r['block_kib']:>8}"
+                  f"{r['worker_gbps']:>13.2f}{r['plain_gbps']:>12.2f}{r['ratio']:>7.2f}")
+    print("\nTTFT of the repeated prompt (request B), pre-fix vs fixed:")
+    for d in devices:
+        pre, fix = (run_story(c, args.prompt_tokens, device=d) for c in (PreFixCPUOffloadScheduler, SimpleCPUOffloadScheduler))
+        print(f"  {d}: pre-fix {pre['ttft_b_s']:.3f} s ({pre['recomputed_tokens']} tokens computed), "
+              f"fixed {fix['ttft_b_s']:.3f} s ({fix['recomputed_tokens']} computed, {fix['cpu_hit_tokens']} loaded)")
+
+
+if __name__ == "__main__":
+    main()
