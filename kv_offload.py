@@ -406,28 +406,17 @@ class BlockPool:
             block.ref_cnt = 1
         return ret
 
-    def _check_owned(self, blocks: Iterable[KVCacheBlock], freeing: bool) -> list[KVCacheBlock]:
-        # Validate everything before changing anything, so bad input loses nothing.
-        blocks = list(blocks)
-        pending: dict[int, int] = {}
-        for b in blocks:
-            if b.is_null:
-                continue
-            if not 0 <= b.block_id < self.num_gpu_blocks or self.blocks[b.block_id] is not b:
-                raise ValueError(f"block {b.block_id} does not belong to this pool")
-            if not freeing and b.ref_cnt == 0 and b.prev_free_block is None:
-                raise ValueError(f"touch: block {b.block_id} has ref_cnt 0 but is not in the free queue")
-            if freeing:
-                pending[b.block_id] = n = pending.get(b.block_id, 0) + 1
-                if n > b.ref_cnt:
-                    raise ValueError(f"free_blocks: block {b.block_id} freed more often than "
-                                     f"referenced (ref_cnt={b.ref_cnt}): a double free")
-        return blocks
+    def _owns(self, block: KVCacheBlock) -> bool:
+        return 0 <= block.block_id < self.num_gpu_blocks and self.blocks[block.block_id] is block
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference (a prefix hit, a pinned copy). A free cached block leaves the
         free queue, so it can no longer be evicted."""
-        for block in self._check_owned(blocks, freeing=False):
+        blocks = list(blocks)
+        for b in blocks:  # validate first: a failed touch must change nothing
+            if not b.is_null and (not self._owns(b) or (b.ref_cnt == 0 and b.prev_free_block is None)):
+                raise ValueError(f"touch: block {b.block_id} is not a block of this pool's free queue or in use")
+        for block in blocks:
             if block.is_null:
                 continue
             if block.ref_cnt == 0:
@@ -437,13 +426,19 @@ class BlockPool:
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference each; blocks reaching 0 return to the free queue in the given order
         (first = evicted first): unhashed ones to the front, hashed ones to the back."""
-        first, last = [], []
-        for block in self._check_owned(ordered_blocks, freeing=True):
+        first, last, done = [], [], []
+        for block in ordered_blocks:
             if block.is_null:
                 continue
+            if block.ref_cnt <= 0 or not self._owns(block):
+                for b in done:  # undo: bad input changes nothing (the queue is not touched yet)
+                    b.ref_cnt += 1
+                raise ValueError(f"free_blocks: block {block.block_id} is free already (a double free) "
+                                 "or not a block of this pool")
             block.ref_cnt -= 1
+            done.append(block)
             if block.ref_cnt == 0:
-                (last if block.block_hash is not None and self.enable_caching else first).append(block)
+                (last if block._block_hash is not None and self.enable_caching else first).append(block)
         self.free_block_queue.prepend_n(first)  # never a hit: reuse first (LIFO, GPU locality)
         self.free_block_queue.append_n(last)    # cached: keep as long as possible (LRU)
 
@@ -1409,6 +1404,20 @@ class MiniEngine:
         self.waiting.append(request)
         self.stats[request.request_id] = RequestStats(prompt_tokens=request.num_prompt_tokens)
         self._t_arrival[request.request_id] = time.perf_counter()
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request wherever it is (waiting, loading, running), as vLLM's abort does: the
+        connector hears request_finished_all_groups, then the GPU blocks are freed. Copies in
+        flight keep their own refs until they complete."""
+        req = next((r for r in self.running + self.waiting if r.request_id == request_id), None)
+        if req is None:
+            raise ValueError(f"abort_request: unknown or finished request id {request_id!r}")
+        (self.running if req in self.running else self.waiting).remove(req)
+        self.loading.pop(request_id, None)
+        self._resumed.discard(request_id)
+        if self.connector is not None:
+            self.connector.request_finished_all_groups(req, ([b.block_id for b in self.req_blocks.get(request_id, [])],))
+        self._free(req)
 
     def reset_gpu_prefix_cache(self) -> bool:
         return self.gpu_block_pool.reset_prefix_cache()
