@@ -155,6 +155,8 @@ class KVCacheBlock:
     next_free_block: KVCacheBlock | None = None
     # the placeholder block 0: never freed, touched, hashed or evicted
     is_null: bool = False
+    # the owning pool (None for the queue's sentinels): lets touch/free reject foreign blocks
+    pool: BlockPool | None = field(default=None, repr=False)
 
     @property
     def block_hash(self) -> bytes | None:
@@ -257,27 +259,41 @@ class BlockHashToBlockMap:
     Several blocks may carry one key: vLLM does not de-duplicate (a block table must stay
     append-only, so a block that becomes full keeps its id even if an identical one is cached).
     get_one_block() returns the first inserted.
-    NOTE: vLLM stores a bare block for the common single-block case to spare the GC an inner
-    dict; here every value is a dict {block_id: block} (insertion-ordered), same behaviour.
+    NOTE: the value is a bare block in the common one-block case and a {block_id: block} dict
+    (insertion-ordered) otherwise, as in vLLM: no inner dict per key, less work for the GC.
     """
 
     def __init__(self) -> None:
-        self._cache: dict[bytes, dict[int, KVCacheBlock]] = {}
+        self._cache: dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]] = {}
 
     def get_one_block(self, key: bytes) -> KVCacheBlock | None:
         blocks = self._cache.get(key)
-        return next(iter(blocks.values())) if blocks else None
+        return blocks if blocks is None or type(blocks) is KVCacheBlock else next(iter(blocks.values()))
 
     def contain(self, key: bytes, block_id: int) -> bool:
-        return block_id in self._cache.get(key, ())
+        blocks = self._cache.get(key)
+        if blocks is None:
+            return False
+        return blocks.block_id == block_id if type(blocks) is KVCacheBlock else block_id in blocks
 
     def insert(self, key: bytes, block: KVCacheBlock) -> None:
-        self._cache.setdefault(key, {})[block.block_id] = block
+        blocks = self._cache.get(key)
+        if blocks is None:
+            self._cache[key] = block
+        elif type(blocks) is KVCacheBlock:
+            self._cache[key] = {blocks.block_id: blocks, block.block_id: block}
+        else:
+            blocks[block.block_id] = block
 
     def pop(self, key: bytes, block_id: int) -> KVCacheBlock | None:
         blocks = self._cache.get(key)
         if blocks is None:
             return None
+        if type(blocks) is KVCacheBlock:
+            if blocks.block_id != block_id:
+                return None
+            del self._cache[key]
+            return blocks
         block = blocks.pop(block_id, None)
         if not blocks:
             del self._cache[key]
@@ -305,7 +321,7 @@ class BlockPool:
         self.num_gpu_blocks = num_gpu_blocks  # vLLM's name; the CPU pool uses it too
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
-        self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
+        self.blocks = [KVCacheBlock(i, pool=self) for i in range(num_gpu_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         # secondary keys: fine-grained prefix boundaries inside a block that already has a primary
@@ -317,6 +333,10 @@ class BlockPool:
     def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list[int]
                          ) -> list[KVCacheBlock] | None:
         """One cached block per group for this hash, or None if any group misses."""
+        if len(kv_cache_group_ids) == 1:  # the common case, without the list building
+            block = self.cached_block_hash_to_block.get_one_block(
+                make_block_hash_with_group_id(block_hash, kv_cache_group_ids[0]))
+            return None if block is None else [block]
         out = []
         for g in kv_cache_group_ids:
             block = self.cached_block_hash_to_block.get_one_block(
@@ -366,10 +386,10 @@ class BlockPool:
 
     def _remove_cached_block_hashes(self, block: KVCacheBlock) -> list[bytes]:
         """Take the primary and every secondary key of `block` out of the map; reset its hash."""
-        keys = [block.block_hash] if block.block_hash is not None else []
+        if block._block_hash is None and block.block_id not in self.cached_block_hashes_by_block:
+            return []  # the common case on allocation: nothing cached
+        keys = [block._block_hash] if block._block_hash is not None else []
         keys.extend(self.cached_block_hashes_by_block.pop(block.block_id, ()))
-        if not keys:
-            return []
         removed = [k for k in keys
                    if self.cached_block_hash_to_block.pop(k, block.block_id) is not None]
         block.reset_hash()
@@ -379,12 +399,12 @@ class BlockPool:
         # Guard 1: the block already carries this key as its primary -> assumed registered.
         # This is the guard bug 1 walked into: a block *stamped* with the key but never inserted
         # returns here and the map never learns about it.
-        if block.block_hash == key:
+        if block._block_hash == key:
             return
         # Guard 2: already registered (as a secondary key) for this very block.
         if self.cached_block_hash_to_block.contain(key, block.block_id):
             return
-        if block.block_hash is None:
+        if block._block_hash is None:
             block.set_block_hash(key, num_tokens)
         else:
             self.cached_block_hashes_by_block.setdefault(block.block_id, set()).add(key)
@@ -406,41 +426,44 @@ class BlockPool:
             block.ref_cnt = 1
         return ret
 
-    def _owns(self, block: KVCacheBlock) -> bool:
-        return 0 <= block.block_id < self.num_gpu_blocks and self.blocks[block.block_id] is block
-
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference (a prefix hit, a pinned copy). A free cached block leaves the
         free queue, so it can no longer be evicted."""
-        blocks = list(blocks)
-        for b in blocks:  # validate first: a failed touch must change nothing
-            if not b.is_null and (not self._owns(b) or (b.ref_cnt == 0 and b.prev_free_block is None)):
-                raise ValueError(f"touch: block {b.block_id} is not a block of this pool's free queue or in use")
-        for block in blocks:
+        blocks, leaving = list(blocks), []
+        for i, block in enumerate(blocks):
             if block.is_null:
                 continue
+            if block.pool is not self or (block.ref_cnt == 0 and block.prev_free_block is None):
+                self._undo(blocks[:i], +1)
+                raise ValueError(f"touch: block {block.block_id} is not a block of this pool")
             if block.ref_cnt == 0:
-                self.free_block_queue.remove(block)
+                leaving.append(block)
             block.ref_cnt += 1
+        for block in leaving:  # only once all are valid: a failed touch changes nothing
+            self.free_block_queue.remove(block)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference each; blocks reaching 0 return to the free queue in the given order
         (first = evicted first): unhashed ones to the front, hashed ones to the back."""
-        first, last, done = [], [], []
-        for block in ordered_blocks:
+        blocks, first, last, caching = list(ordered_blocks), [], [], self.enable_caching
+        for i, block in enumerate(blocks):
             if block.is_null:
                 continue
-            if block.ref_cnt <= 0 or not self._owns(block):
-                for b in done:  # undo: bad input changes nothing (the queue is not touched yet)
-                    b.ref_cnt += 1
+            if block.ref_cnt <= 0 or block.pool is not self:
+                self._undo(blocks[:i], -1)
                 raise ValueError(f"free_blocks: block {block.block_id} is free already (a double free) "
                                  "or not a block of this pool")
             block.ref_cnt -= 1
-            done.append(block)
             if block.ref_cnt == 0:
-                (last if block._block_hash is not None and self.enable_caching else first).append(block)
+                (last if block._block_hash is not None and caching else first).append(block)
         self.free_block_queue.prepend_n(first)  # never a hit: reuse first (LIFO, GPU locality)
         self.free_block_queue.append_n(last)    # cached: keep as long as possible (LRU)
+
+    @staticmethod
+    def _undo(done: list[KVCacheBlock], applied: int) -> None:
+        for b in done:  # bad input changes nothing: revert the ref counts changed so far
+            if not b.is_null:
+                b.ref_cnt -= applied
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached key (e.g. after a weight update). Refused (False) while any block
