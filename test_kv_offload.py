@@ -12,11 +12,20 @@ engine; manager scenarios (vLLM's test_scheduler.py, PR #53532's seven tests); r
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import pathlib
+import random
+import re
 import struct
+from collections import Counter
+from dataclasses import dataclass, field, fields, is_dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 import kv_offload as ko
 
@@ -1350,3 +1359,818 @@ def test_pool_refuses_more_blocks_than_free(pool):
     p = getattr(h, pool)
     p.get_new_blocks(2)
     _raises_unchanged(h, r"(?i)free", p.get_new_blocks, p.get_num_free_blocks() + 1)
+
+
+# ===============================================================================================
+# from test_reliability_part.py
+REL_BS = 4  # tokens per block in every schedule: prompts of tens of tokens span a handful of blocks
+
+
+# -----------------------------------------------------------------------------
+# Invariants (check_invariants is the entry point other tests call)
+
+def rel_unwrap(obj):
+    """The real connector / worker behind fault-injection proxies (or obj itself)."""
+    while isinstance(obj, RelProxy):
+        obj = obj._rel_inner
+    return obj
+
+
+def rel_map_entries(pool: ko.BlockPool) -> dict[bytes, list[ko.KVCacheBlock]]:
+    """key -> blocks of the prefix-cache map. The map stores a bare block for one block and a
+    {block_id: block} dict for several (as vLLM does); both read the same here."""
+    return {key: [v] if isinstance(v, ko.KVCacheBlock) else list(v.values())
+            for key, v in pool.cached_block_hash_to_block._cache.items()}
+
+
+def rel_check_pool(pool: ko.BlockPool, name: str) -> None:
+    """Structure of one pool: the free list is a well-linked list of exactly the ref-0 blocks,
+    and the hash map and the blocks' own hashes describe each other exactly."""
+    q = pool.free_block_queue
+    free, prev, cur = [], q.fake_free_list_head, q.fake_free_list_head.next_free_block
+    while cur is not q.fake_free_list_tail:
+        assert cur is not None, f"{name}: free list broken after block {prev.block_id}"
+        assert cur.prev_free_block is prev, f"{name}: back link of free block {cur.block_id} is wrong"
+        free.append(cur)
+        assert len(free) < pool.num_gpu_blocks, f"{name}: free list has a cycle or holds the null block"
+        prev, cur = cur, cur.next_free_block
+    assert q.fake_free_list_tail.prev_free_block is prev, f"{name}: tail sentinel's back link is wrong"
+    assert len(free) == q.num_free_blocks, f"{name}: num_free_blocks={q.num_free_blocks}, list has {len(free)}"
+    in_free = {b.block_id for b in free}
+    assert len(in_free) == len(free), f"{name}: a block is in the free list twice"
+    null = pool.null_block
+    assert null is pool.blocks[0] and null.is_null and null.block_hash is None, f"{name}: null block changed"
+    assert 0 not in in_free and 0 not in pool.cached_block_hashes_by_block, f"{name}: null block freed or hashed"
+    for i, b in enumerate(pool.blocks):
+        assert b.block_id == i, f"{name}: blocks[{i}] has id {b.block_id}"
+        if i == 0:
+            continue
+        assert not b.is_null and b.ref_cnt >= 0, f"{name}: block {i} ref_cnt={b.ref_cnt}"
+        # no block is both in the free queue and referenced (nor neither: that one is lost)
+        assert (b.ref_cnt == 0) == (i in in_free), (
+            f"{name}: block {i} has ref_cnt={b.ref_cnt} but is {'' if i in in_free else 'not '}in the free queue")
+        if b.ref_cnt:
+            assert b.prev_free_block is None and b.next_free_block is None, f"{name}: used block {i} still linked"
+    for b in free:
+        assert pool.blocks[b.block_id] is b, f"{name}: free list holds a foreign block {b.block_id}"
+    entries = rel_map_entries(pool)
+    secondary = pool.cached_block_hashes_by_block
+    for key, blocks in entries.items():  # every map key points at a block that carries it
+        assert blocks, f"{name}: empty map entry"
+        for b in blocks:
+            assert pool.blocks[b.block_id] is b, f"{name}: map holds a foreign block {b.block_id}"
+            assert b.block_hash == key or key in secondary.get(b.block_id, ()), (
+                f"{name}: map key {key.hex()[:8]} points at block {b.block_id}, which does not carry it")
+    for b in pool.blocks:  # and every key a block carries is in the map
+        if b.block_hash is not None:
+            assert any(x is b for x in entries.get(b.block_hash, ())), (
+                f"{name}: block {b.block_id}'s primary key is not in the map (the bug-1 shape)")
+        for key in secondary.get(b.block_id, ()):
+            assert b.block_hash is not None and key != b.block_hash, f"{name}: block {b.block_id} bad secondary"
+            assert any(x is b for x in entries.get(key, ())), f"{name}: block {b.block_id} secondary not in map"
+    assert all(secondary.values()), f"{name}: empty secondary-key set left behind"
+    if not pool.enable_caching:
+        assert not entries and all(b.block_hash is None for b in pool.blocks), f"{name}: hashed without caching"
+
+
+# expected KV per (model, tokens, first position): ToyModel's KV depends on (token, position) only
+_REL_KV_CACHE: dict[tuple, torch.Tensor] = {}
+
+
+def rel_expected_block(model: ko.ToyModel, tokens: tuple[int, ...], start: int) -> torch.Tensor:
+    """[num_layers, 2, len(tokens), H, D]: the KV of `tokens` at positions start, start+1, ..."""
+    key = (model.num_layers, model.num_kv_heads, model.head_dim, model.dtype, model.rounds, tokens, start)
+    if key not in _REL_KV_CACHE:
+        if len(_REL_KV_CACHE) > 200_000:
+            _REL_KV_CACHE.clear()
+        t = torch.as_tensor(tokens, dtype=torch.int64, device=model.device)
+        _REL_KV_CACHE[key] = model.compute_kv(t, torch.arange(start, start + len(tokens), device=model.device)).cpu()
+    return _REL_KV_CACHE[key]
+
+
+def rel_expected_outputs(model: ko.ToyModel, prompt: list[int], n: int) -> list[int]:
+    """Greedy outputs recomputed from expected_kv (ToyModel.next_token sums the last layer's KV of
+    every token so far; exact in float64), independent of paging, chunking, loads and stores."""
+    toks, out = list(prompt), []
+    for _ in range(n):
+        last = model.expected_kv(toks)[-1]  # [2, len(toks), H, D]
+        out.append(int(last.double().sum().item() * 256) % model.vocab_size)
+        toks.append(out[-1])
+    return out
+
+
+def rel_check_cached_kv(engine: ko.MiniEngine, requests) -> None:
+    """Every cached block -- GPU, and CPU on every worker -- holds the KV of the prefix its keys
+    name, bit for bit. A stale or misdirected copy (a reset while copies run, a store completed
+    early, a block reused while pinned) shows up here the step it happens."""
+    model, bs, hbs = engine.model, engine.block_size, engine.hash_block_size
+    prefixes: dict[bytes, tuple[list[int], int]] = {}
+    for r in requests:
+        for i, h in enumerate(r.block_hashes):
+            prefixes.setdefault(ko.make_block_hash_with_group_id(h, 0), (r.all_token_ids, (i + 1) * hbs))
+
+    def check(block_kv: torch.Tensor, key: bytes, where: str) -> None:  # block_kv: [L, 2, bs, H, D]
+        assert key in prefixes, f"{where}: cached under a key no request produced"
+        toks, end = prefixes[key]
+        start = (end - 1) // bs * bs  # the block holding the key's last token
+        want = rel_expected_block(model, tuple(toks[start:end]), start)
+        assert torch.equal(block_kv[:, :, :end - start].cpu(), want), (
+            f"{where}: KV differs from expected_kv of the prefix its key names ({end} tokens)")
+
+    def keys(pool: ko.BlockPool, b: ko.KVCacheBlock) -> list[bytes]:
+        return [b.block_hash, *pool.cached_block_hashes_by_block.get(b.block_id, ())] if b.block_hash else []
+
+    gpu = engine.gpu_block_pool
+    layers = list(engine.kv_caches.values())  # each (2, num_blocks, bs, H, D)
+    for b in gpu.blocks:
+        for key in keys(gpu, b):
+            check(torch.stack([c[:, b.block_id] for c in layers]), key, f"GPU block {b.block_id}")
+    conn = rel_unwrap(engine.connector)
+    if conn is None:
+        return
+    for w_i, w in enumerate(rel_unwrap(w) for w in engine.workers):
+        for b in conn.cpu_block_pool.blocks:
+            for key in keys(conn.cpu_block_pool, b):
+                kv = torch.stack([torch.stack([w.cpu_caches[f"{n}.k"][b.block_id], w.cpu_caches[f"{n}.v"][b.block_id]])
+                                  for n in engine.kv_caches])
+                check(kv, key, f"CPU block {b.block_id} (worker {w_i})")
+
+
+def check_invariants(engine: ko.MiniEngine, requests=None, *, allow_stale_store_counts: bool = False) -> None:
+    """Everything that must hold between two engine steps, for any schedule.
+
+    - Both pools are well formed (rel_check_pool): free queue == the ref-0 blocks, map <-> hashes.
+    - Every reference on every block is accounted for. GPU: each request table that holds it, each
+      store (sent, queued flush, or abandoned by reset) and each load (live or abandoned) that copies
+      it. CPU: stores, loads, and lookup pins (`_pending_cpu_hits`). Nothing else may hold a ref.
+    - The in-flight set equals the GPU ids of live and queued stores; no GPU block is in two of
+      them; every store source still carries its hash (completion reads it).
+    - A CPU block with a hash has finished its copy (it is no store's destination); a load's GPU
+      destination has no hash yet.
+    - Event bookkeeping agrees with itself and with the engine (loading requests have loads).
+    - With `requests` (every Request ever added): every cached block's bytes match expected_kv.
+    `allow_stale_store_counts` tolerates RB-3 (RELIABILITY_BUGS.md): duplicate reports of a finished
+    store event leave a partial count behind.
+    """
+    gpu = engine.gpu_block_pool
+    rel_check_pool(gpu, "GPU")
+    running = [r.request_id for r in engine.running]
+    waiting = [r.request_id for r in engine.waiting]
+    assert len(set(running + waiting)) == len(running) + len(waiting), "a request is queued twice"
+    assert set(engine.loading) <= set(waiting), "a loading request is not waiting"
+    assert set(engine.req_blocks) <= set(running + waiting), "a finished request still has a block table"
+    for r in engine.running:
+        assert ko.cdiv(r.num_computed_tokens, engine.block_size) <= len(engine.req_blocks[r.request_id])
+    want_gpu = Counter(b.block_id for blocks in engine.req_blocks.values() for b in blocks if not b.is_null)
+    conn = rel_unwrap(engine.connector)
+    if conn is not None:
+        cpu = conn.cpu_block_pool
+        rel_check_pool(cpu, "CPU")
+        assert conn._gpu_block_pool is gpu, "connector bound to another GPU pool"
+        live = list(conn._store_event_to_blocks.values())
+        queued = list(conn._pending_finished_stores)
+        abandoned = list(conn._abandoned_store_event_to_blocks.values())
+        load_states = {**conn._abandoned_reqs_to_load, **conn._reqs_to_load}
+        loads = [s.transfer_meta for s in load_states.values()]
+        want_cpu = Counter()
+        for t in live + queued + abandoned + loads:
+            assert len(t.gpu_block_ids) == len(t.cpu_block_ids), f"transfer with unequal sides: {t}"
+            assert 0 not in t.gpu_block_ids and 0 not in t.cpu_block_ids, f"null block in a transfer: {t}"
+            want_gpu.update(t.gpu_block_ids)
+            want_cpu.update(t.cpu_block_ids)
+        for hit_blocks, _, _ in conn._pending_cpu_hits.values():
+            want_cpu.update(b.block_id for grp in hit_blocks for b in grp if not b.is_null)
+        for name, pool, want in (("CPU", cpu, want_cpu),):
+            got = Counter({b.block_id: b.ref_cnt for b in pool.blocks[1:] if b.ref_cnt})
+            assert got == want, f"{name} refs not accounted for: pool has {dict(got)}, holders {dict(want)}"
+        store_dsts = Counter(c for t in live + queued + abandoned for c in t.cpu_block_ids)
+        assert all(n == 1 for n in store_dsts.values()), f"a CPU block is the destination of two stores: {store_dsts}"
+        for b in cpu.blocks:
+            assert b.block_hash is None or b.block_id not in store_dsts, (
+                f"CPU block {b.block_id} is cached before its copy completed")
+        load_dsts = Counter(g for t in loads for g in t.gpu_block_ids)
+        assert all(n == 1 for n in load_dsts.values()), f"a GPU block is the destination of two loads: {load_dsts}"
+        for g in load_dsts:
+            assert gpu.blocks[g].block_hash is None, f"GPU block {g} is cached while its load is in flight"
+        for c in (c for t in loads for c in t.cpu_block_ids):
+            assert cpu.blocks[c].block_hash is not None, f"a load reads CPU block {c}, which holds no cached KV"
+        sources = Counter(g for t in live + queued for g in t.gpu_block_ids)
+        assert all(n == 1 for n in sources.values()), f"a GPU block is copied by two live stores: {sources}"
+        assert conn._in_flight_store_gpu_blocks == set(sources), (
+            f"in-flight set {sorted(conn._in_flight_store_gpu_blocks)} != live/queued store sources {sorted(sources)}")
+        for g in sources:
+            assert gpu.blocks[g].block_hash is not None, f"store source GPU block {g} lost its hash while pinned"
+        # event bookkeeping
+        live_ev, abandoned_ev = set(conn._store_event_to_blocks), set(conn._abandoned_store_event_to_blocks)
+        assert not live_ev & abandoned_ev, "a store event is both live and abandoned"
+        assert all(e < conn._store_event_counter for e in live_ev | abandoned_ev), "store event from the future"
+        for e, rids in conn._store_event_to_reqs.items():
+            assert e in live_ev and rids, f"store event {e} -> {rids} is not live"
+            for rid in rids:
+                assert e in conn._reqs_to_store[rid].store_events, f"{rid} does not know store event {e}"
+        for rid, state in conn._reqs_to_store.items():
+            for e in state.store_events:
+                assert rid in conn._store_event_to_reqs.get(e, ()), f"{rid} waits for unknown store event {e}"
+            assert not state.finished or state.store_events, f"{rid} finished, no store in flight, not cleaned up"
+        for e, count in conn._store_event_pending_counts.items():
+            if not allow_stale_store_counts:
+                assert e in live_ev | abandoned_ev, f"count {count} kept for finished/unknown store event {e} (RB-3)"
+                assert 0 < count < conn.world_size, f"store event {e} pending count {count}"
+        for e, rids in conn._load_event_to_reqs.items():
+            assert rids and all(rid in load_states and load_states[rid].load_event == e for rid in rids), (
+                f"load event {e} -> {rids} disagrees with the load states")
+        for rid, state in load_states.items():
+            assert state.load_event is None or rid in conn._load_event_to_reqs.get(state.load_event, ()), (
+                f"sent load of {rid} is not listed under its event")
+        # engine <-> connector
+        for rid in engine.loading:
+            assert rid in load_states, f"{rid} waits for a load the connector does not have"
+        for rid, state in conn._reqs_to_load.items():
+            assert rid in engine.loading or state.finished, f"live load of {rid}, which is neither loading nor finished"
+        for rid in conn._pending_cpu_hits:
+            assert rid in waiting, f"lookup pin of {rid}, which is not waiting"
+    got = Counter({b.block_id: b.ref_cnt for b in gpu.blocks[1:] if b.ref_cnt})
+    assert got == want_gpu, f"GPU refs not accounted for: pool has {dict(got)}, holders {dict(want_gpu)}"
+    if requests is not None:
+        rel_check_cached_kv(engine, requests)
+
+
+def rel_check_idle(engine: ko.MiniEngine, *, allow_stale_store_counts: bool = False) -> None:
+    """The end of a run: every pool free but its null block, nothing pending anywhere."""
+    conn = rel_unwrap(engine.connector)
+    gpu = engine.gpu_block_pool
+    assert gpu.get_num_free_blocks() == gpu.num_gpu_blocks - 1, "GPU blocks still in use after the run"
+    assert not (engine.waiting or engine.running or engine.loading or engine.req_blocks
+                or engine.num_cached_blocks or engine._recving_counts or engine._resumed), "engine not idle"
+    if conn is None:
+        return
+    cpu = conn.cpu_block_pool
+    assert cpu.get_num_free_blocks() == cpu.num_gpu_blocks - 1, "CPU blocks still in use after the run"
+    assert not conn.has_pending_push_work() and not conn.has_pending_stores(), "push work left after the run"
+    leftovers = {name: getattr(conn, name) for name in (
+        "_reqs_to_load", "_abandoned_reqs_to_load", "_load_event_to_reqs", "_pending_cpu_hits", "_reqs_to_store",
+        "_store_event_to_blocks", "_store_event_to_reqs", "_abandoned_store_event_to_blocks",
+        "_in_flight_store_gpu_blocks", "_pending_finished_stores")}
+    if not allow_stale_store_counts:
+        leftovers["_store_event_pending_counts"] = conn._store_event_pending_counts
+    assert not any(leftovers.values()), f"connector state left after the run: { {k: v for k, v in leftovers.items() if v} }"
+    for w in (rel_unwrap(w) for w in engine.workers):
+        assert not (w._pending_load_event_indices or w._pending_store_event_indices or w._load_events
+                    or w._store_events or w._completed_store_events), "worker has copies or reports left"
+
+
+# -----------------------------------------------------------------------------
+# Fault injection in the worker -> manager channel (no change to the module: proxies)
+
+@dataclass(frozen=True)
+class RelFaults:
+    load_delay: int = 0   # a worker holds each load report 0..load_delay steps
+    store_delay: int = 0  # a worker holds each store report 0..store_delay steps (per worker: partial counts)
+    conn_delay: int = 0   # the connector sees each aggregated store report 0..conn_delay steps late
+    dup: bool = False     # reports already delivered are delivered again later (and after each reset)
+    split: bool = False   # a step's load and store reports reach the connector in random order
+    exact: bool = False   # every delay is exactly its maximum (scripted scenarios)
+    seed: int = 0
+
+
+class RelProxy:
+    """Everything not overridden passes through to the wrapped object."""
+
+    def __init__(self, inner, faults: RelFaults, rng: random.Random, log: RelLog):
+        self._rel_inner, self._rel_faults, self._rel_rng, self._rel_log = inner, faults, rng, log
+        self._rel_step = 0
+        self.rel_hold = False  # scripted tests: hold every report until released
+
+    def __getattr__(self, name):
+        return getattr(self._rel_inner, name)
+
+    def _rel_delay(self, max_delay: int) -> int:
+        if self.rel_hold:
+            return 10 ** 9
+        return max_delay if self._rel_faults.exact else self._rel_rng.randint(0, max_delay)
+
+    def rel_release(self) -> None:
+        self.rel_hold = False
+
+
+class RelFaultyWorker(RelProxy):
+    """Delays each load report (get_finished) and store report (build_connector_worker_meta) of
+    one worker. Load reports are delayed here, not in the connector, so that the engine and the
+    connector see a load finish at the same step, as in vLLM. With world_size 2 each worker lags
+    on its own, so store events complete from partial counts spread over several steps."""
+
+    def __init__(self, inner, faults, rng, log, world_size: int):
+        super().__init__(inner, faults, rng, log)
+        self._rel_world_size = world_size
+        self._rel_recv: list[tuple[int, str]] = []            # (due step, request id)
+        self._rel_stores: list[tuple[int, dict[int, int]]] = []  # (due step, {event: count})
+        self._rel_delivered_recv: list[str] = []
+        self._rel_engine: ko.MiniEngine | None = None
+
+    def get_finished(self, finished_req_ids):
+        self._rel_step += 1
+        _, recv = self._rel_inner.get_finished(finished_req_ids)
+        for rid in sorted(recv or ()):
+            d = self._rel_delay(self._rel_faults.load_delay)
+            self._rel_log.delayed_reports += d > 0
+            self._rel_recv.append((self._rel_step + d, rid))
+        due = {rid for t, rid in self._rel_recv if t <= self._rel_step}
+        self._rel_recv = [(t, rid) for t, rid in self._rel_recv if t > self._rel_step]
+        self._rel_delivered_recv.extend(sorted(due))
+        if self._rel_faults.dup and self._rel_delivered_recv and self._rel_rng.random() < 0.3:
+            rid = self._rel_rng.choice(self._rel_delivered_recv)
+            # a load report names a request, not a load: a repeat is only unambiguous while that
+            # request has no load in flight, and only with one worker (the engine counts reports)
+            if self._rel_world_size == 1 and self._rel_safe_recv_dup(rid):
+                due.add(rid)
+                self._rel_log.duplicate_reports += 1
+        return None, due or None
+
+    def _rel_safe_recv_dup(self, rid: str) -> bool:
+        conn, eng = rel_unwrap(self._rel_engine.connector), self._rel_engine
+        return not (rid in eng.loading or rid in conn._reqs_to_load or rid in conn._abandoned_reqs_to_load
+                    or any(r == rid for _, r in self._rel_recv))
+
+    def build_connector_worker_meta(self):
+        meta = self._rel_inner.build_connector_worker_meta()
+        if meta is not None:
+            d = self._rel_delay(self._rel_faults.store_delay)
+            self._rel_log.delayed_reports += d > 0
+            self._rel_stores.append((self._rel_step + d, dict(meta.completed_store_events)))
+        due: dict[int, int] = {}
+        for t, m in self._rel_stores:
+            if t <= self._rel_step:
+                for e, n in m.items():
+                    due[e] = due.get(e, 0) + n
+                    self._rel_log.worker_reports[e] += n
+        self._rel_stores = [(t, m) for t, m in self._rel_stores if t > self._rel_step]
+        return ko.SimpleCPUOffloadWorkerMetadata(due) if due else None
+
+    def rel_release(self) -> None:
+        super().rel_release()
+        self._rel_recv = [(min(t, self._rel_step + 1), r) for t, r in self._rel_recv]
+        self._rel_stores = [(min(t, self._rel_step + 1), m) for t, m in self._rel_stores]
+
+    def rel_holding(self) -> bool:
+        return bool(self._rel_recv or self._rel_stores)
+
+
+class RelFaultyConnector(RelProxy):
+    """Sits between the engine and the connector: load reports (finished_recving) go through at
+    once -- the engine acts on them this step, so must the connector -- while the store part of
+    each output is held, reordered with the load part, duplicated, and replayed after resets."""
+
+    def __init__(self, inner, faults, rng, log):
+        super().__init__(inner, faults, rng, log)
+        self._rel_held: list[tuple[int, dict[int, int]]] = []
+        self._rel_delivered: list[dict[int, int]] = []
+
+    def update_connector_output(self, connector_output: ko.KVConnectorOutput) -> None:
+        self._rel_step += 1
+        meta = connector_output.kv_connector_worker_meta
+        if meta is not None and meta.completed_store_events:
+            d = self._rel_delay(self._rel_faults.conn_delay)
+            self._rel_log.delayed_reports += d > 0
+            self._rel_held.append((self._rel_step + d, dict(meta.completed_store_events)))
+        due = [m for t, m in self._rel_held if t <= self._rel_step]
+        self._rel_held = [(t, m) for t, m in self._rel_held if t > self._rel_step]
+        if self._rel_faults.dup and self._rel_delivered and self._rel_rng.random() < 0.3:
+            m = self._rel_rng.choice(self._rel_delivered)
+            if self._rel_safe_dup(m):
+                due.insert(self._rel_rng.randint(0, len(due)), m)
+                self._rel_log.duplicate_reports += 1
+        loads_first = not self._rel_faults.split or self._rel_rng.random() < 0.5
+        if loads_first:
+            self._rel_inner.update_connector_output(ko.KVConnectorOutput(set(connector_output.finished_recving)))
+        for m in due:
+            self._rel_deliver(m)
+        if not loads_first:
+            self._rel_inner.update_connector_output(ko.KVConnectorOutput(set(connector_output.finished_recving)))
+
+    def _rel_safe_dup(self, m: dict[int, int]) -> bool:
+        # A repeat of a report whose event still waits for another worker would complete it
+        # early: counts carry no worker identity, so that repeat is a protocol violation, not
+        # a fault the manager could detect.
+        return not any(e in self._rel_inner._store_event_pending_counts for e in m)
+
+    def _rel_deliver(self, m: dict[int, int]) -> None:
+        inner, log = self._rel_inner, self._rel_log
+        abandoned_dsts = []
+        for e in m:
+            if e in inner._abandoned_store_event_to_blocks:
+                log.stale_reports += 1
+                abandoned_dsts += inner._abandoned_store_event_to_blocks[e].cpu_block_ids
+            elif e not in inner._store_event_to_blocks:
+                log.ignored_reports += 1
+        live_before = set(inner._store_event_to_blocks)
+        inner.update_connector_output(ko.KVConnectorOutput(set(), ko.SimpleCPUOffloadWorkerMetadata(dict(m))))
+        self._rel_delivered.append(m)
+        log.partial_counts += bool(inner._store_event_pending_counts)
+        # a store abandoned by reset() caches nothing when it completes
+        for c in abandoned_dsts:
+            assert inner.cpu_block_pool.blocks[c].block_hash is None, (
+                f"CPU block {c} of a store abandoned by reset() was cached at completion")
+        # a store completes only once every worker reported it (world_size reports)
+        for e in live_before - set(inner._store_event_to_blocks) - set(inner._abandoned_store_event_to_blocks):
+            assert log.worker_reports[e] >= inner.world_size, (
+                f"store event {e} completed after {log.worker_reports[e]} of {inner.world_size} worker reports")
+
+    def rel_replay(self) -> None:
+        """Deliver every report seen so far once more: stale duplicates, which must be ignored."""
+        for m in list(self._rel_delivered):
+            if self._rel_safe_dup(m):
+                self._rel_deliver(m)
+                self._rel_log.duplicate_reports += 1
+
+    def rel_release(self) -> None:
+        super().rel_release()
+        self._rel_held = [(min(t, self._rel_step + 1), m) for t, m in self._rel_held]
+
+    def rel_holding(self) -> bool:
+        return bool(self._rel_held)
+
+
+# -----------------------------------------------------------------------------
+# Schedules: a plan, the driver that runs it, and the hypothesis strategy that draws plans
+
+@dataclass(frozen=True)
+class RelPlan:
+    """One schedule. `ops`, in order:
+      ("add", base, prefix_len, suffix, max_tokens)  a request: bases[base][:prefix_len] + suffix
+      ("step", n)                                    n engine steps
+      ("drain",)                                     steps until the engine is idle
+      ("abort", k)                                   abort live request k (loading / storing first)
+      ("reset",)                                     connector.reset()
+      ("reset_gpu",)                                 engine.reset_gpu_prefix_cache() (refused while in use)
+    then steps until the engine is idle."""
+    ops: tuple
+    bases: tuple = ((),)
+    num_gpu_blocks: int = 16
+    num_cpu_blocks: int = 8
+    budget: int = 8
+    hash_block_size: int = REL_BS
+    world_size: int = 1
+    faults: RelFaults = RelFaults()
+
+
+@dataclass
+class RelLog:
+    """What a run went through, so scenario tests can assert they reached their interleaving."""
+    steps: int = 0
+    preemptions: int = 0
+    cpu_hit_tokens: int = 0
+    aborts: int = 0
+    aborts_while_loading: int = 0
+    aborts_while_storing: int = 0
+    resets: int = 0
+    resets_refused: int = 0      # reset() returned False: transfers were abandoned
+    gpu_resets: int = 0
+    delayed_reports: int = 0
+    duplicate_reports: int = 0
+    stale_reports: int = 0       # store reports of events abandoned by a reset
+    ignored_reports: int = 0     # store reports of events already finished (repeats)
+    partial_counts: int = 0      # deliveries after which a store event waited for another worker
+    cpu_evictions: int = 0
+    worker_reports: Counter = field(default_factory=Counter)  # store event -> worker reports released
+
+
+def rel_prompt(bases, base: int, prefix_len: int, suffix) -> list[int]:
+    return list(bases[base % len(bases)][:prefix_len]) + list(suffix) or [0]
+
+
+def rel_max_need(plan_ops, bases, bs: int = REL_BS) -> int:
+    """GPU blocks the largest request needs on its own (prompt + outputs)."""
+    return max([ko.cdiv(len(rel_prompt(bases, *op[1:4])) + op[4], bs) for op in plan_ops if op[0] == "add"] or [1])
+
+
+REL_MODEL = dict(num_layers=1, num_kv_heads=1, head_dim=4)  # ToyModel(1, 1, 4): tiny, fast, still exact
+
+
+def rel_build(plan: RelPlan):
+    """Engine, connector, workers and proxies for a plan."""
+    log = RelLog()
+    rng = random.Random(plan.faults.seed)
+    model = ko.ToyModel(**REL_MODEL)
+    conn = ko.SimpleCPUOffloadScheduler(plan.num_cpu_blocks, REL_BS, hash_block_size=plan.hash_block_size,
+                                        world_size=plan.world_size)
+    proxy = RelFaultyConnector(conn, plan.faults, rng, log)
+    workers = [RelFaultyWorker(ko.SimpleCPUOffloadWorker(plan.num_cpu_blocks), plan.faults, rng, log, plan.world_size)
+               for _ in range(plan.world_size)]
+    engine = ko.MiniEngine(plan.num_gpu_blocks, REL_BS, plan.budget, model, proxy,
+                           workers if plan.world_size > 1 else workers[0], capture_kv=True)
+    for w in workers:
+        w._rel_engine = engine
+    return SimpleNamespace(engine=engine, conn=conn, proxy=proxy, workers=workers, model=model, log=log,
+                           requests={}, aborted=set())
+
+
+def rel_step(run, n: int = 1) -> None:
+    eng, log = run.engine, run.log
+    for _ in range(n):
+        resumed_before = set(eng._resumed)
+        evict_before = run.conn.cpu_block_pool.get_num_free_blocks()
+        eng.step()
+        log.steps += 1
+        log.preemptions += len(eng._resumed - resumed_before)
+        log.cpu_evictions += run.conn.cpu_block_pool.get_num_free_blocks() < evict_before
+        check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
+
+
+def rel_abort(run, k: int) -> None:
+    """Abort a live request; k indexes them with loading ones first, then those with a store in
+    flight, so small k (what hypothesis shrinks towards) hits the dangerous windows."""
+    eng, conn, log = run.engine, run.conn, run.log
+
+    def storing(rid):
+        st_ = conn._reqs_to_store.get(rid)
+        return st_ is not None and bool(st_.store_events)
+
+    live = sorted(eng.running + eng.waiting, key=lambda r: (r.request_id not in eng.loading,
+                                                            not storing(r.request_id)))
+    if not live:
+        return
+    rid = live[k % len(live)].request_id
+    log.aborts += 1
+    log.aborts_while_loading += rid in eng.loading
+    log.aborts_while_storing += storing(rid)
+    eng.abort_request(rid)
+    run.aborted.add(rid)
+    check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
+
+
+def rel_run_plan(plan: RelPlan, max_steps: int = 3000):
+    """Run a plan with every check: invariants after each step and op, then at the end an idle
+    engine, exact KV and outputs for every request, and a reset that now succeeds."""
+    run = rel_build(plan)
+    eng, log = run.engine, run.log
+    for op in plan.ops:
+        kind = op[0]
+        if kind == "add":
+            _, base, prefix_len, suffix, max_tokens = op
+            rid = f"r{len(run.requests)}"
+            req = ko.Request(rid, rel_prompt(plan.bases, base, prefix_len, suffix), plan.hash_block_size, max_tokens)
+            eng.add_request(req)
+            run.requests[rid] = req
+        elif kind == "step":
+            rel_step(run, op[1])
+        elif kind == "drain":
+            rel_drain(run, max_steps)
+        elif kind == "abort":
+            rel_abort(run, op[1])
+        elif kind == "reset":
+            log.resets += 1
+            log.resets_refused += not run.proxy.reset()
+            check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
+            if plan.faults.dup:
+                run.proxy.rel_replay()  # stale reports from before the reset
+                check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
+        elif kind == "reset_gpu":
+            log.gpu_resets += eng.reset_gpu_prefix_cache()
+            check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
+        else:
+            raise ValueError(f"unknown op {op!r}")
+    rel_finish(run, max_steps)
+    return run
+
+
+def rel_drain(run, max_steps: int = 3000) -> None:
+    eng, log = run.engine, run.log
+    start = log.steps
+    while eng.has_unfinished_work():
+        assert log.steps - start < max_steps, (
+            f"no progress after {max_steps} steps: waiting={[r.request_id for r in eng.waiting]} "
+            f"running={[r.request_id for r in eng.running]} loading={eng.loading} "
+            f"free GPU blocks={eng.gpu_block_pool.get_num_free_blocks()}")
+        rel_step(run)
+
+
+def rel_finish(run, max_steps: int = 3000) -> None:
+    eng, log = run.engine, run.log
+    rel_drain(run, max_steps)
+    assert not run.proxy.rel_holding() and not any(w.rel_holding() for w in run.workers), (
+        "a report was still held when the engine went idle: the engine stopped waiting for it")
+    run.proxy.rel_replay()  # late duplicates of every report: all must be ignored
+    check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
+    rel_check_idle(eng, allow_stale_store_counts=True)
+    # every request: KV bit for bit, and the outputs a plain recomputation gives
+    model = run.model
+    for rid, req in run.requests.items():
+        stats = eng.stats[rid]
+        want = rel_expected_outputs(model, req.prompt_token_ids, req.max_tokens)
+        log.cpu_hit_tokens += stats.cpu_hit_tokens
+        if rid in run.aborted:
+            assert stats.kv is None, f"{rid} was aborted but has captured KV"
+            assert stats.output_token_ids == want[:len(stats.output_token_ids)], f"{rid}: wrong output before abort"
+        else:
+            assert stats.kv is not None, f"{rid} never finished"
+            assert torch.equal(stats.kv, model.expected_kv(req.prompt_token_ids)), f"{rid}: KV differs from expected_kv"
+            assert stats.output_token_ids == want, f"{rid}: outputs {stats.output_token_ids} != {want}"
+    # idle: both prefix caches can now be dropped, and are
+    assert run.proxy.reset() is True, "connector.reset() refused although nothing is in flight"
+    assert len(run.conn.cpu_block_pool.cached_block_hash_to_block) == 0
+    assert eng.reset_gpu_prefix_cache() is True, "GPU prefix cache reset refused on an idle engine"
+    check_invariants(eng, run.requests.values())
+    rel_check_idle(eng)
+
+
+REL_TOKENS = st.integers(0, 40)  # a small vocabulary: unrelated prompts collide on short prefixes too
+
+
+@st.composite
+def rel_plans(draw, max_ops: int = 16) -> RelPlan:
+    """Tiny random schedules: 1-2 prompt bases; requests take a prefix of random length of one
+    (often all of it, so that later arrivals can hit what earlier ones stored) plus a short
+    suffix; GPU pools from 'the largest request barely fits' up; CPU pools of 1-9 usable blocks."""
+    bases = tuple(tuple(draw(st.lists(REL_TOKENS, min_size=2 * REL_BS, max_size=7 * REL_BS)))
+                  for _ in range(draw(st.integers(1, 2))))
+    prefix_len = st.one_of(st.just(7 * REL_BS), st.integers(0, 7 * REL_BS))
+    add = st.tuples(st.just("add"), st.integers(0, 1), prefix_len, st.lists(REL_TOKENS, max_size=5).map(tuple),
+                    st.integers(1, 4))
+    step = st.tuples(st.just("step"), st.integers(1, 6))
+    abort = st.tuples(st.just("abort"), st.integers(0, 7))
+    # chunks of ops that tend to reach the dangerous windows
+    chunk = st.one_of(
+        st.tuples(add), st.tuples(add), st.tuples(step), st.tuples(abort), st.just((("reset",),)),
+        st.just((("reset_gpu",),)),
+        st.just((("drain",), ("reset_gpu",))),   # a wave ends: later arrivals must hit the CPU cache
+        st.tuples(add, st.tuples(st.just("step"), st.integers(1, 2)), abort),  # abort soon after arrival: mid-load
+        st.tuples(step, st.just(("reset",))),     # reset while copies run
+    )
+    ops = (draw(add), *[o for c in draw(st.lists(chunk, min_size=2, max_size=max_ops // 2)) for o in c])
+    need = rel_max_need(ops, bases)
+    faults = RelFaults(load_delay=draw(st.integers(0, 3)), store_delay=draw(st.integers(0, 3)),
+                       conn_delay=draw(st.integers(0, 2)), dup=draw(st.booleans()), split=draw(st.booleans()),
+                       seed=draw(st.integers(0, 2 ** 16)))
+    return RelPlan(ops=ops, bases=bases,
+                   num_gpu_blocks=1 + need + draw(st.integers(0, need + 2)),
+                   num_cpu_blocks=draw(st.integers(2, 12)),
+                   budget=draw(st.sampled_from([2, 3, 4, 5, 7, 8, 12, 16])),
+                   hash_block_size=draw(st.sampled_from([REL_BS, REL_BS // 2])),
+                   world_size=draw(st.sampled_from([1, 2])),
+                   faults=faults)
+
+
+# Quick profile (CI): derandomized, so every run explores the same schedules. Long profile: set
+# KV_OFFLOAD_FUZZ_EXAMPLES; random exploration (hypothesis prints the failing plan and a blob).
+REL_FUZZ_EXAMPLES = int(os.environ.get("KV_OFFLOAD_FUZZ_EXAMPLES") or 0)
+rel_fuzz_settings = settings(
+    max_examples=REL_FUZZ_EXAMPLES or 250, derandomize=not REL_FUZZ_EXAMPLES, database=None, deadline=None,
+    print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@rel_fuzz_settings
+@given(plan=rel_plans())
+def test_rel_fuzz_random_schedules(plan):
+    run = rel_run_plan(plan)
+    log = run.log
+    event(f"steps: {min(log.steps // 25 * 25, 200)}+")
+    for name in ("preemptions", "cpu_hit_tokens", "aborts_while_loading", "aborts_while_storing", "resets_refused",
+                 "stale_reports", "partial_counts", "cpu_evictions"):
+        if getattr(log, name):
+            event(f"reached: {name}")
+
+
+# ===============================================================================================
+# from test_notebook_part.py
+NOTEBOOK = pathlib.Path(ko.__file__).resolve().parent / "walkthrough.ipynb"
+
+
+def _nb_text(cell) -> str:
+    """All stream and text/plain output of one executed code cell."""
+    parts = []
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "stream":
+            parts.append(out["text"])
+        elif "text/plain" in out.get("data", {}):
+            parts.append(out["data"]["text/plain"])
+    return "".join(parts)
+
+
+def _nb_tagged(nb, tag: str) -> str:
+    cells = [c for c in nb.cells if c.cell_type == "code" and tag in c.get("metadata", {}).get("tags", [])]
+    assert len(cells) == 1, f"expected exactly one notebook cell tagged {tag!r}, found {len(cells)}"
+    return _nb_text(cells[0])
+
+
+@pytest.fixture(scope="module")
+def executed_notebook():
+    """walkthrough.ipynb executed headless, top to bottom (cwd = the repository root)."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("ipykernel")
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+    try:
+        KernelSpecManager().get_kernel_spec("python3")
+    except NoSuchKernel:
+        pytest.skip("no python3 Jupyter kernel installed")
+    if not NOTEBOOK.exists():
+        pytest.fail(f"{NOTEBOOK} is missing")
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    # raises CellExecutionError (naming the cell and the traceback) as soon as a cell fails
+    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    return nb
+
+
+def test_notebook_executes_without_errors(executed_notebook):
+    errors = [o for c in executed_notebook.cells if c.cell_type == "code"
+              for o in c.outputs if o.get("output_type") == "error"]
+    assert not errors, f"notebook cell raised: {errors[0].get('ename')}: {errors[0].get('evalue')}"
+    pngs = sum("image/png" in o.get("data", {}) for c in executed_notebook.cells if c.cell_type == "code"
+               for o in c.outputs)
+    assert pngs >= 3, f"the notebook drew {pngs} pictures, expected at least 3"
+
+
+def test_notebook_claims_in_its_outputs(executed_notebook):
+    """The numbers the prose relies on, read from the freshly executed notebook."""
+    nb = executed_notebook
+    assert re.search(r"pre-fix lookup for the same prompt: 0 hit tokens", _nb_tagged(nb, "claim-bug1"))
+    assert re.search(r"cached_block_hash_to_block\) = 0\b", _nb_tagged(nb, "claim-bug1"))
+    fix = _nb_tagged(nb, "claim-fix")
+    assert re.search(r"cached_block_hash_to_block\) = 6\b", fix)
+    assert re.search(r"fixed lookup for the same prompt: 96 hit tokens", fix)
+    fine = _nb_tagged(nb, "claim-fine")
+    assert re.search(r"pre-fix .*fine-grained hit: 0 hit tokens", fine)
+    assert re.search(r"fixed .*fine-grained hit: 12 hit tokens", fine)
+    bug2 = _nb_tagged(nb, "claim-bug2")
+    assert re.search(r"pre-fix \(flush bug\)\s+31 steps, 210 of 217", bug2)
+    assert re.search(r"fixed\s+32 steps, 217 of 217", bug2)
+    story = _nb_tagged(nb, "claim-story").splitlines()
+    pre, fixed = (next(l for l in story if l.startswith(p)) for p in ("pre-fix", "fixed"))
+    assert "4096 tokens computed, 0 loaded" in pre and "16 tokens computed, 4080 loaded" in fixed
+    for line in (pre, fixed):
+        assert "same output token as A: True" in line and "torch.equal(B's KV, expected_kv): True" in line
+
+
+def test_notebook_is_committed_with_outputs():
+    """Readers open it on the web before running anything: every code cell must carry its output."""
+    nbformat = pytest.importorskip("nbformat")
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and all(c.execution_count is not None for c in code), "notebook saved without executing it"
+    assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), "cells were not run top to bottom"
+    pngs = sum("image/png" in o.get("data", {}) for c in code for o in c.outputs)
+    assert pngs >= 3, f"committed notebook has {pngs} pictures, expected at least 3"
+    assert not any(o.get("output_type") == "error" for c in code for o in c.outputs)
+    too_long = [len(c.source.splitlines()) for c in code if len(c.source.splitlines()) > 15]
+    assert not too_long, f"code cells of {too_long} lines: keep notebook cells to 15 lines or fewer"
+    assert "import kv_offload as ko" in code[0].source
+
+
+def _store_through(sched, prompt, block_size, partial_at=None):
+    """The notebook's `offload` helper: one request's store, driven in vLLM's call order."""
+    gpu = ko.BlockPool(32, True, sched.hash_block_size)
+    sched.bind_gpu_block_pool(gpu)
+    req = ko.Request("A", prompt, sched.hash_block_size)
+    blocks = gpu.get_new_blocks(len(prompt) // block_size)
+    gpu.cache_full_blocks(req, blocks, 0, len(blocks), block_size, 0)
+    if partial_at:
+        gpu.cache_partial_block(req, blocks[partial_at // block_size], partial_at, 0)
+    sched.update_state_after_alloc(req, (blocks,), 0)
+    req.num_computed_tokens = len(prompt)
+    meta = sched.build_connector_meta(ko.SchedulerOutput({"A": 1}, {"A": ([b.block_id for b in blocks],)}))
+    sched.update_connector_output(ko.KVConnectorOutput(
+        kv_connector_worker_meta=ko.SimpleCPUOffloadWorkerMetadata({meta.store_event: 1})))
+    return meta
+
+
+def test_notebook_claim_prefix_lookup_misses_fixed_hits():
+    """Steps 5-6, independently of the notebook: 97 tokens = 6 full blocks of 16 + 1; the lookup is
+    capped at num_tokens - 1 = 96 = 6 whole blocks. Pre-fix: 6 CPU blocks stamped, map empty, 0 hit."""
+    prompt = torch.randint(0, 32000, (97,), generator=torch.Generator().manual_seed(0)).tolist()
+    pre = ko.PreFixCPUOffloadScheduler(7, 16, registration_bug=True, flush_bug=False)
+    fixed = ko.SimpleCPUOffloadScheduler(7, 16)
+    for sched in (pre, fixed):
+        meta = _store_through(sched, prompt, 16)
+        assert len(meta.store_gpu_blocks) == 6
+    assert sum(b.block_hash is not None for b in pre.cpu_block_pool.blocks) == 6
+    assert len(pre.cpu_block_pool.cached_block_hash_to_block) == 0
+    assert pre.get_num_new_matched_tokens(ko.Request("B", prompt, 16), 0) == (0, False)
+    assert len(fixed.cpu_block_pool.cached_block_hash_to_block) == 6
+    assert fixed.get_num_new_matched_tokens(ko.Request("B", prompt, 16), 0) == (96, True)
+
+
+def test_notebook_claim_fine_grained_hit_needs_secondary_key():
+    """Step 6: blocks of 8, hashes every 4; the GPU block 8..15 has a secondary key at 12. A probe
+    sharing 12 tokens: whole-block phase hits block 0 (8 tokens), the fine phase hits 12 only through
+    the secondary key copied to CPU; pre-fix copies nothing findable (0)."""
+    prompt = list(range(16))
+    probe = ko.Request("C", prompt[:12] + [999, 998, 997, 996], 4)
+    hits = {}
+    for cls, kw in [(ko.PreFixCPUOffloadScheduler, dict(flush_bug=False)), (ko.SimpleCPUOffloadScheduler, {})]:
+        sched = cls(5, 8, hash_block_size=4, **kw)
+        _store_through(sched, prompt, 8, partial_at=12)
+        _, hits[cls] = ko.find_longest_cache_hit(probe.block_hashes, 16, [0], sched.cpu_block_pool, 8)
+    assert hits == {ko.PreFixCPUOffloadScheduler: 0, ko.SimpleCPUOffloadScheduler: 12}
+
+
+def test_notebook_claim_story_kv_bit_exact():
+    """Step 8 at a smaller size: B loads every whole block but the last token's from CPU, computes
+    one block, and its KV equals the oracle; pre-fix recomputes everything."""
+    fixed = ko.run_story(ko.SimpleCPUOffloadScheduler, prompt_tokens=512, max_num_batched_tokens=128)
+    pre = ko.run_story(ko.PreFixCPUOffloadScheduler, prompt_tokens=512, max_num_batched_tokens=128)
+    assert (fixed["cpu_hit_tokens"], fixed["recomputed_tokens"]) == (496, 16)
+    assert (pre["cpu_hit_tokens"], pre["recomputed_tokens"]) == (0, 512)
+    for r in (fixed, pre):
+        assert r["kv_exact"] and r["same_output"] and r["all_free"], json.dumps(r, default=str)
