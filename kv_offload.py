@@ -1712,9 +1712,11 @@ def bench_manager(prompt_tokens: int = 65536, chunk: int = 4096, block_size: int
 
 
 def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_copy: int = 512, reps: int = 5) -> list[dict]:
-    """Worker copy throughput vs one plain copy of the same bytes (same run, same buffers)."""
+    """Worker copy bandwidth vs one plain copy of the same number of bytes, same run. The plain
+    copy is the ceiling: on CUDA one device<->pinned-host copy_, on CPU one memcpy (numpy, single
+    thread like the worker; torch's threaded copy_ collapses when the 2 cores are busy)."""
     rows, g = [], torch.Generator().manual_seed(0)
-    elems = block_kib * 1024 // 2  # float16
+    elems = block_kib * 1024 // 2  # float16 elements per block (per layer: K and V together)
     layouts = {"per-layer (2,N,..) x4": {f"l{i}": torch.zeros(2, num_blocks, elems // 2, dtype=torch.float16, device=device)
                                           for i in range(4)},
                "cross-layer [N,...]": {"all": torch.zeros(num_blocks, 4, elems, dtype=torch.float16, device=device)}}
@@ -1722,23 +1724,20 @@ def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_cop
         w = SimpleCPUOffloadWorker(num_blocks)
         w.register_kv_caches(caches, num_blocks)
         nbytes = sum(r[:n_copy].numel() * r.element_size() for r in w.gpu_caches.values())
-        # baseline: one copy of the same number of bytes between the same kind of memory
-        plain_src = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        plain_dst = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
+        dev_buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        host_buf = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
         for ids_kind in ("contiguous", "scattered"):
-            gpu_ids = list(range(1, n_copy + 1)) if ids_kind == "contiguous" else \
-                (torch.randperm(num_blocks - 1, generator=g)[:n_copy] + 1).tolist()
-            cpu_ids = list(range(1, n_copy + 1)) if ids_kind == "contiguous" else \
-                (torch.randperm(num_blocks - 1, generator=g)[:n_copy] + 1).tolist()
+            gpu_ids, cpu_ids = ([list(range(1, n_copy + 1))] * 2 if ids_kind == "contiguous" else
+                                [(torch.randperm(num_blocks - 1, generator=g)[:n_copy] + 1).tolist() for _ in range(2)])
             for direction in ("store", "load"):
-                meta = SimpleCPUOffloadMetadata(**({"store_event": 0, "store_gpu_blocks": gpu_ids, "store_cpu_blocks": cpu_ids}
-                                                   if direction == "store" else
-                                                   {"load_event": 0, "load_gpu_blocks": gpu_ids, "load_cpu_blocks": cpu_ids}))
-                w.bind_connector_metadata(meta)
-                run = w.wait_for_save if direction == "store" else w.start_load_kv
-                plain = (lambda: plain_dst.copy_(plain_src, non_blocking=True)) if direction == "store" else \
-                    (lambda: plain_src.copy_(plain_dst, non_blocking=True))
-                t_worker, t_plain = (_time_it(f, device, reps) for f in (run, plain))
+                src, dst = (dev_buf, host_buf) if direction == "store" else (host_buf, dev_buf)
+                plain = ((lambda: dst.copy_(src, non_blocking=True)) if device == "cuda" else
+                         (lambda: _byte_rows(dst[None]).__setitem__(slice(None), _byte_rows(src[None]))))
+                w.bind_connector_metadata(SimpleCPUOffloadMetadata(
+                    store_event=0, store_gpu_blocks=gpu_ids, store_cpu_blocks=cpu_ids) if direction == "store" else
+                    SimpleCPUOffloadMetadata(load_event=0, load_gpu_blocks=gpu_ids, load_cpu_blocks=cpu_ids))
+                t_worker = _time_it(w.wait_for_save if direction == "store" else w.start_load_kv, device, reps)
+                t_plain = _time_it(plain, device, reps)
                 w._store_events.clear(), w._load_events.clear()
                 rows.append(dict(device=device, layout=layout, ids=ids_kind, direction=direction, block_kib=block_kib,
                                  worker_gbps=nbytes / t_worker / 1e9, plain_gbps=nbytes / t_plain / 1e9,
