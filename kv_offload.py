@@ -684,27 +684,18 @@ class SimpleCPUOffloadScheduler:
 
     def _find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_length: int
                                 ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        # vLLM's coordinators: with several block sizes, look each size up in turn, capped by the
-        # current candidate, until the length stops shrinking; then trim every group to it.
-        # Alignment is the scheduler block size: loads move whole blocks.
+        # vLLM's hybrid coordinator looks each block-size class up in turn, capped by the length
+        # the previous ones left, and repeats until the length is stable. Full attention is
+        # downward-closed (a prefix of a hit is a hit), so with full-attention groups only the
+        # first pass already is that fixed point. Alignment = scheduler block: loads move whole blocks.
         hits: list[list[KVCacheBlock]] = [[] for _ in self.group_block_sizes]
-        found: dict[int, int] = {}
         hit_length = max_length
-        while True:
-            curr = hit_length
-            for size, gids in self._groups_by_size.items():
-                if size in found:  # full attention is downward-closed: no second lookup
-                    curr = min(curr, found[size])
-                    continue
-                blocks, curr = find_longest_cache_hit(block_hashes, curr, gids, self.cpu_block_pool,
-                                                      size, alignment_tokens=self.block_size)
-                found[size] = curr
-                for g, b in zip(gids, blocks):
-                    hits[g] = b
-            if curr >= hit_length:
-                break
-            hit_length = curr
-        for g, size in enumerate(self.group_block_sizes):
+        for size, gids in self._groups_by_size.items():
+            blocks, hit_length = find_longest_cache_hit(block_hashes, hit_length, gids, self.cpu_block_pool,
+                                                        size, alignment_tokens=self.block_size)
+            for g, b in zip(gids, blocks):
+                hits[g] = b
+        for g, size in enumerate(self.group_block_sizes):  # trim groups looked up before the cap fell
             del hits[g][cdiv(hit_length, size):]
         return tuple(hits), hit_length
 
