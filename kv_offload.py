@@ -40,6 +40,7 @@ Sections, bottom-up (every name is defined before it is used):
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -644,9 +645,10 @@ class SimpleCPUOffloadScheduler:
             raise ValueError(f"num_cpu_blocks must be >= 2 (block 0 is the null block), got {num_cpu_blocks!r}")
         if min([block_size, hbs, world_size, *sizes]) < 1 or not sizes:
             raise ValueError("block_size, hash_block_size, world_size and group_block_sizes must be >= 1")
-        if block_size % hbs or any(s % hbs or block_size % s for s in sizes):
+        if any(s % hbs for s in sizes) or block_size != math.lcm(*sizes):
+            # vLLM's scheduler block size *is* the LCM of the group sizes (one group: its size)
             raise ValueError(f"block sizes must nest: hash_block_size ({hbs}) must divide every group "
-                             f"block size ({sizes}), and each of those the block_size ({block_size})")
+                             f"block size ({sizes}), and block_size ({block_size}) must be their LCM")
         self.block_size = block_size          # scheduler block size: loads start on its multiples
         self.hash_block_size = hbs
         self.group_block_sizes = sizes

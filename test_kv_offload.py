@@ -15,17 +15,11 @@ import hashlib
 import json
 import os
 import pathlib
-import random
 import re
 import struct
-from collections import Counter
-from dataclasses import dataclass, field, fields, is_dataclass
-from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
 
 import kv_offload as ko
 
@@ -1362,675 +1356,6 @@ def test_pool_refuses_more_blocks_than_free(pool):
 
 
 # ===============================================================================================
-# from test_reliability_part.py
-REL_BS = 4  # tokens per block in every schedule: prompts of tens of tokens span a handful of blocks
-
-
-# -----------------------------------------------------------------------------
-# Invariants (check_invariants is the entry point other tests call)
-
-def rel_unwrap(obj):
-    """The real connector / worker behind fault-injection proxies (or obj itself)."""
-    while isinstance(obj, RelProxy):
-        obj = obj._rel_inner
-    return obj
-
-
-def rel_map_entries(pool: ko.BlockPool) -> dict[bytes, list[ko.KVCacheBlock]]:
-    """key -> blocks of the prefix-cache map. The map stores a bare block for one block and a
-    {block_id: block} dict for several (as vLLM does); both read the same here."""
-    return {key: [v] if isinstance(v, ko.KVCacheBlock) else list(v.values())
-            for key, v in pool.cached_block_hash_to_block._cache.items()}
-
-
-def rel_check_pool(pool: ko.BlockPool, name: str) -> None:
-    """Structure of one pool: the free list is a well-linked list of exactly the ref-0 blocks,
-    and the hash map and the blocks' own hashes describe each other exactly."""
-    q = pool.free_block_queue
-    free, prev, cur = [], q.fake_free_list_head, q.fake_free_list_head.next_free_block
-    while cur is not q.fake_free_list_tail:
-        assert cur is not None, f"{name}: free list broken after block {prev.block_id}"
-        assert cur.prev_free_block is prev, f"{name}: back link of free block {cur.block_id} is wrong"
-        free.append(cur)
-        assert len(free) < pool.num_gpu_blocks, f"{name}: free list has a cycle or holds the null block"
-        prev, cur = cur, cur.next_free_block
-    assert q.fake_free_list_tail.prev_free_block is prev, f"{name}: tail sentinel's back link is wrong"
-    assert len(free) == q.num_free_blocks, f"{name}: num_free_blocks={q.num_free_blocks}, list has {len(free)}"
-    in_free = {b.block_id for b in free}
-    assert len(in_free) == len(free), f"{name}: a block is in the free list twice"
-    null = pool.null_block
-    assert null is pool.blocks[0] and null.is_null and null.block_hash is None, f"{name}: null block changed"
-    assert 0 not in in_free and 0 not in pool.cached_block_hashes_by_block, f"{name}: null block freed or hashed"
-    for i, b in enumerate(pool.blocks):
-        assert b.block_id == i, f"{name}: blocks[{i}] has id {b.block_id}"
-        if i == 0:
-            continue
-        assert not b.is_null and b.ref_cnt >= 0, f"{name}: block {i} ref_cnt={b.ref_cnt}"
-        # no block is both in the free queue and referenced (nor neither: that one is lost)
-        assert (b.ref_cnt == 0) == (i in in_free), (
-            f"{name}: block {i} has ref_cnt={b.ref_cnt} but is {'' if i in in_free else 'not '}in the free queue")
-        if b.ref_cnt:
-            assert b.prev_free_block is None and b.next_free_block is None, f"{name}: used block {i} still linked"
-    for b in free:
-        assert pool.blocks[b.block_id] is b, f"{name}: free list holds a foreign block {b.block_id}"
-    entries = rel_map_entries(pool)
-    secondary = pool.cached_block_hashes_by_block
-    for key, blocks in entries.items():  # every map key points at a block that carries it
-        assert blocks, f"{name}: empty map entry"
-        for b in blocks:
-            assert pool.blocks[b.block_id] is b, f"{name}: map holds a foreign block {b.block_id}"
-            assert b.block_hash == key or key in secondary.get(b.block_id, ()), (
-                f"{name}: map key {key.hex()[:8]} points at block {b.block_id}, which does not carry it")
-    for b in pool.blocks:  # and every key a block carries is in the map
-        if b.block_hash is not None:
-            assert any(x is b for x in entries.get(b.block_hash, ())), (
-                f"{name}: block {b.block_id}'s primary key is not in the map (the bug-1 shape)")
-        for key in secondary.get(b.block_id, ()):
-            assert b.block_hash is not None and key != b.block_hash, f"{name}: block {b.block_id} bad secondary"
-            assert any(x is b for x in entries.get(key, ())), f"{name}: block {b.block_id} secondary not in map"
-    assert all(secondary.values()), f"{name}: empty secondary-key set left behind"
-    if not pool.enable_caching:
-        assert not entries and all(b.block_hash is None for b in pool.blocks), f"{name}: hashed without caching"
-
-
-# expected KV per (model, tokens, first position): ToyModel's KV depends on (token, position) only
-_REL_KV_CACHE: dict[tuple, torch.Tensor] = {}
-
-
-def rel_expected_block(model: ko.ToyModel, tokens: tuple[int, ...], start: int) -> torch.Tensor:
-    """[num_layers, 2, len(tokens), H, D]: the KV of `tokens` at positions start, start+1, ..."""
-    key = (model.num_layers, model.num_kv_heads, model.head_dim, model.dtype, model.rounds, tokens, start)
-    if key not in _REL_KV_CACHE:
-        if len(_REL_KV_CACHE) > 200_000:
-            _REL_KV_CACHE.clear()
-        t = torch.as_tensor(tokens, dtype=torch.int64, device=model.device)
-        _REL_KV_CACHE[key] = model.compute_kv(t, torch.arange(start, start + len(tokens), device=model.device)).cpu()
-    return _REL_KV_CACHE[key]
-
-
-def rel_expected_outputs(model: ko.ToyModel, prompt: list[int], n: int) -> list[int]:
-    """Greedy outputs recomputed from expected_kv (ToyModel.next_token sums the last layer's KV of
-    every token so far; exact in float64), independent of paging, chunking, loads and stores."""
-    toks, out = list(prompt), []
-    for _ in range(n):
-        last = model.expected_kv(toks)[-1]  # [2, len(toks), H, D]
-        out.append(int(last.double().sum().item() * 256) % model.vocab_size)
-        toks.append(out[-1])
-    return out
-
-
-def rel_check_cached_kv(engine: ko.MiniEngine, requests) -> None:
-    """Every cached block -- GPU, and CPU on every worker -- holds the KV of the prefix its keys
-    name, bit for bit. A stale or misdirected copy (a reset while copies run, a store completed
-    early, a block reused while pinned) shows up here the step it happens."""
-    model, bs, hbs = engine.model, engine.block_size, engine.hash_block_size
-    prefixes: dict[bytes, tuple[list[int], int]] = {}
-    for r in requests:
-        for i, h in enumerate(r.block_hashes):
-            prefixes.setdefault(ko.make_block_hash_with_group_id(h, 0), (r.all_token_ids, (i + 1) * hbs))
-
-    def check(block_kv: torch.Tensor, key: bytes, where: str) -> None:  # block_kv: [L, 2, bs, H, D]
-        assert key in prefixes, f"{where}: cached under a key no request produced"
-        toks, end = prefixes[key]
-        start = (end - 1) // bs * bs  # the block holding the key's last token
-        want = rel_expected_block(model, tuple(toks[start:end]), start)
-        assert torch.equal(block_kv[:, :, :end - start].cpu(), want), (
-            f"{where}: KV differs from expected_kv of the prefix its key names ({end} tokens)")
-
-    def keys(pool: ko.BlockPool, b: ko.KVCacheBlock) -> list[bytes]:
-        return [b.block_hash, *pool.cached_block_hashes_by_block.get(b.block_id, ())] if b.block_hash else []
-
-    gpu = engine.gpu_block_pool
-    layers = list(engine.kv_caches.values())  # each (2, num_blocks, bs, H, D)
-    for b in gpu.blocks:
-        for key in keys(gpu, b):
-            check(torch.stack([c[:, b.block_id] for c in layers]), key, f"GPU block {b.block_id}")
-    conn = rel_unwrap(engine.connector)
-    if conn is None:
-        return
-    for w_i, w in enumerate(rel_unwrap(w) for w in engine.workers):
-        for b in conn.cpu_block_pool.blocks:
-            for key in keys(conn.cpu_block_pool, b):
-                kv = torch.stack([torch.stack([w.cpu_caches[f"{n}.k"][b.block_id], w.cpu_caches[f"{n}.v"][b.block_id]])
-                                  for n in engine.kv_caches])
-                check(kv, key, f"CPU block {b.block_id} (worker {w_i})")
-
-
-def check_invariants(engine: ko.MiniEngine, requests=None, *, allow_stale_store_counts: bool = False) -> None:
-    """Everything that must hold between two engine steps, for any schedule.
-
-    - Both pools are well formed (rel_check_pool): free queue == the ref-0 blocks, map <-> hashes.
-    - Every reference on every block is accounted for. GPU: each request table that holds it, each
-      store (sent, queued flush, or abandoned by reset) and each load (live or abandoned) that copies
-      it. CPU: stores, loads, and lookup pins (`_pending_cpu_hits`). Nothing else may hold a ref.
-    - The in-flight set equals the GPU ids of live and queued stores; no GPU block is in two of
-      them; every store source still carries its hash (completion reads it).
-    - A CPU block with a hash has finished its copy (it is no store's destination); a load's GPU
-      destination has no hash yet.
-    - Event bookkeeping agrees with itself and with the engine (loading requests have loads).
-    - With `requests` (every Request ever added): every cached block's bytes match expected_kv.
-    `allow_stale_store_counts` tolerates RB-3 (RELIABILITY_BUGS.md): duplicate reports of a finished
-    store event leave a partial count behind.
-    """
-    gpu = engine.gpu_block_pool
-    rel_check_pool(gpu, "GPU")
-    running = [r.request_id for r in engine.running]
-    waiting = [r.request_id for r in engine.waiting]
-    assert len(set(running + waiting)) == len(running) + len(waiting), "a request is queued twice"
-    assert set(engine.loading) <= set(waiting), "a loading request is not waiting"
-    assert set(engine.req_blocks) <= set(running + waiting), "a finished request still has a block table"
-    for r in engine.running:
-        assert ko.cdiv(r.num_computed_tokens, engine.block_size) <= len(engine.req_blocks[r.request_id])
-    want_gpu = Counter(b.block_id for blocks in engine.req_blocks.values() for b in blocks if not b.is_null)
-    conn = rel_unwrap(engine.connector)
-    if conn is not None:
-        cpu = conn.cpu_block_pool
-        rel_check_pool(cpu, "CPU")
-        assert conn._gpu_block_pool is gpu, "connector bound to another GPU pool"
-        live = list(conn._store_event_to_blocks.values())
-        queued = list(conn._pending_finished_stores)
-        abandoned = list(conn._abandoned_store_event_to_blocks.values())
-        load_states = {**conn._abandoned_reqs_to_load, **conn._reqs_to_load}
-        loads = [s.transfer_meta for s in load_states.values()]
-        want_cpu = Counter()
-        for t in live + queued + abandoned + loads:
-            assert len(t.gpu_block_ids) == len(t.cpu_block_ids), f"transfer with unequal sides: {t}"
-            assert 0 not in t.gpu_block_ids and 0 not in t.cpu_block_ids, f"null block in a transfer: {t}"
-            want_gpu.update(t.gpu_block_ids)
-            want_cpu.update(t.cpu_block_ids)
-        for hit_blocks, _, _ in conn._pending_cpu_hits.values():
-            want_cpu.update(b.block_id for grp in hit_blocks for b in grp if not b.is_null)
-        for name, pool, want in (("CPU", cpu, want_cpu),):
-            got = Counter({b.block_id: b.ref_cnt for b in pool.blocks[1:] if b.ref_cnt})
-            assert got == want, f"{name} refs not accounted for: pool has {dict(got)}, holders {dict(want)}"
-        store_dsts = Counter(c for t in live + queued + abandoned for c in t.cpu_block_ids)
-        assert all(n == 1 for n in store_dsts.values()), f"a CPU block is the destination of two stores: {store_dsts}"
-        for b in cpu.blocks:
-            assert b.block_hash is None or b.block_id not in store_dsts, (
-                f"CPU block {b.block_id} is cached before its copy completed")
-        load_dsts = Counter(g for t in loads for g in t.gpu_block_ids)
-        assert all(n == 1 for n in load_dsts.values()), f"a GPU block is the destination of two loads: {load_dsts}"
-        for g in load_dsts:
-            assert gpu.blocks[g].block_hash is None, f"GPU block {g} is cached while its load is in flight"
-        for c in (c for t in loads for c in t.cpu_block_ids):
-            assert cpu.blocks[c].block_hash is not None, f"a load reads CPU block {c}, which holds no cached KV"
-        sources = Counter(g for t in live + queued for g in t.gpu_block_ids)
-        assert all(n == 1 for n in sources.values()), f"a GPU block is copied by two live stores: {sources}"
-        assert conn._in_flight_store_gpu_blocks == set(sources), (
-            f"in-flight set {sorted(conn._in_flight_store_gpu_blocks)} != live/queued store sources {sorted(sources)}")
-        for g in sources:
-            assert gpu.blocks[g].block_hash is not None, f"store source GPU block {g} lost its hash while pinned"
-        # event bookkeeping
-        live_ev, abandoned_ev = set(conn._store_event_to_blocks), set(conn._abandoned_store_event_to_blocks)
-        assert not live_ev & abandoned_ev, "a store event is both live and abandoned"
-        assert all(e < conn._store_event_counter for e in live_ev | abandoned_ev), "store event from the future"
-        for e, rids in conn._store_event_to_reqs.items():
-            assert e in live_ev and rids, f"store event {e} -> {rids} is not live"
-            for rid in rids:
-                assert e in conn._reqs_to_store[rid].store_events, f"{rid} does not know store event {e}"
-        for rid, state in conn._reqs_to_store.items():
-            for e in state.store_events:
-                assert rid in conn._store_event_to_reqs.get(e, ()), f"{rid} waits for unknown store event {e}"
-            assert not state.finished or state.store_events, f"{rid} finished, no store in flight, not cleaned up"
-        for e, count in conn._store_event_pending_counts.items():
-            if not allow_stale_store_counts:
-                assert e in live_ev | abandoned_ev, f"count {count} kept for finished/unknown store event {e} (RB-3)"
-                assert 0 < count < conn.world_size, f"store event {e} pending count {count}"
-        for e, rids in conn._load_event_to_reqs.items():
-            assert rids and all(rid in load_states and load_states[rid].load_event == e for rid in rids), (
-                f"load event {e} -> {rids} disagrees with the load states")
-        for rid, state in load_states.items():
-            assert state.load_event is None or rid in conn._load_event_to_reqs.get(state.load_event, ()), (
-                f"sent load of {rid} is not listed under its event")
-        # engine <-> connector
-        for rid in engine.loading:
-            assert rid in load_states, f"{rid} waits for a load the connector does not have"
-        for rid, state in conn._reqs_to_load.items():
-            assert rid in engine.loading or state.finished, f"live load of {rid}, which is neither loading nor finished"
-        for rid in conn._pending_cpu_hits:
-            assert rid in waiting, f"lookup pin of {rid}, which is not waiting"
-    got = Counter({b.block_id: b.ref_cnt for b in gpu.blocks[1:] if b.ref_cnt})
-    assert got == want_gpu, f"GPU refs not accounted for: pool has {dict(got)}, holders {dict(want_gpu)}"
-    if requests is not None:
-        rel_check_cached_kv(engine, requests)
-
-
-def rel_check_idle(engine: ko.MiniEngine, *, allow_stale_store_counts: bool = False) -> None:
-    """The end of a run: every pool free but its null block, nothing pending anywhere."""
-    conn = rel_unwrap(engine.connector)
-    gpu = engine.gpu_block_pool
-    assert gpu.get_num_free_blocks() == gpu.num_gpu_blocks - 1, "GPU blocks still in use after the run"
-    assert not (engine.waiting or engine.running or engine.loading or engine.req_blocks
-                or engine.num_cached_blocks or engine._recving_counts or engine._resumed), "engine not idle"
-    if conn is None:
-        return
-    cpu = conn.cpu_block_pool
-    assert cpu.get_num_free_blocks() == cpu.num_gpu_blocks - 1, "CPU blocks still in use after the run"
-    assert not conn.has_pending_push_work() and not conn.has_pending_stores(), "push work left after the run"
-    leftovers = {name: getattr(conn, name) for name in (
-        "_reqs_to_load", "_abandoned_reqs_to_load", "_load_event_to_reqs", "_pending_cpu_hits", "_reqs_to_store",
-        "_store_event_to_blocks", "_store_event_to_reqs", "_abandoned_store_event_to_blocks",
-        "_in_flight_store_gpu_blocks", "_pending_finished_stores")}
-    if not allow_stale_store_counts:
-        leftovers["_store_event_pending_counts"] = conn._store_event_pending_counts
-    assert not any(leftovers.values()), f"connector state left after the run: { {k: v for k, v in leftovers.items() if v} }"
-    for w in (rel_unwrap(w) for w in engine.workers):
-        assert not (w._pending_load_event_indices or w._pending_store_event_indices or w._load_events
-                    or w._store_events or w._completed_store_events), "worker has copies or reports left"
-
-
-# -----------------------------------------------------------------------------
-# Fault injection in the worker -> manager channel (no change to the module: proxies)
-
-@dataclass(frozen=True)
-class RelFaults:
-    load_delay: int = 0   # a worker holds each load report 0..load_delay steps
-    store_delay: int = 0  # a worker holds each store report 0..store_delay steps (per worker: partial counts)
-    conn_delay: int = 0   # the connector sees each aggregated store report 0..conn_delay steps late
-    dup: bool = False     # reports already delivered are delivered again later (and after each reset)
-    split: bool = False   # a step's load and store reports reach the connector in random order
-    exact: bool = False   # every delay is exactly its maximum (scripted scenarios)
-    seed: int = 0
-
-
-class RelProxy:
-    """Everything not overridden passes through to the wrapped object."""
-
-    def __init__(self, inner, faults: RelFaults, rng: random.Random, log: RelLog):
-        self._rel_inner, self._rel_faults, self._rel_rng, self._rel_log = inner, faults, rng, log
-        self._rel_step = 0
-        self.rel_hold = False  # scripted tests: hold every report until released
-
-    def __getattr__(self, name):
-        return getattr(self._rel_inner, name)
-
-    def _rel_delay(self, max_delay: int) -> int:
-        if self.rel_hold:
-            return 10 ** 9
-        return max_delay if self._rel_faults.exact else self._rel_rng.randint(0, max_delay)
-
-    def rel_release(self) -> None:
-        self.rel_hold = False
-
-
-class RelFaultyWorker(RelProxy):
-    """Delays each load report (get_finished) and store report (build_connector_worker_meta) of
-    one worker. Load reports are delayed here, not in the connector, so that the engine and the
-    connector see a load finish at the same step, as in vLLM. With world_size 2 each worker lags
-    on its own, so store events complete from partial counts spread over several steps."""
-
-    def __init__(self, inner, faults, rng, log, world_size: int):
-        super().__init__(inner, faults, rng, log)
-        self._rel_world_size = world_size
-        self._rel_recv: list[tuple[int, str]] = []            # (due step, request id)
-        self._rel_stores: list[tuple[int, dict[int, int]]] = []  # (due step, {event: count})
-        self._rel_delivered_recv: list[str] = []
-        self._rel_engine: ko.MiniEngine | None = None
-
-    def get_finished(self, finished_req_ids):
-        self._rel_step += 1
-        _, recv = self._rel_inner.get_finished(finished_req_ids)
-        for rid in sorted(recv or ()):
-            d = self._rel_delay(self._rel_faults.load_delay)
-            self._rel_log.delayed_reports += d > 0
-            self._rel_recv.append((self._rel_step + d, rid))
-        due = {rid for t, rid in self._rel_recv if t <= self._rel_step}
-        self._rel_recv = [(t, rid) for t, rid in self._rel_recv if t > self._rel_step]
-        self._rel_delivered_recv.extend(sorted(due))
-        if self._rel_faults.dup and self._rel_delivered_recv and self._rel_rng.random() < 0.3:
-            rid = self._rel_rng.choice(self._rel_delivered_recv)
-            # a load report names a request, not a load: a repeat is only unambiguous while that
-            # request has no load in flight, and only with one worker (the engine counts reports)
-            if self._rel_world_size == 1 and self._rel_safe_recv_dup(rid):
-                due.add(rid)
-                self._rel_log.duplicate_reports += 1
-        return None, due or None
-
-    def _rel_safe_recv_dup(self, rid: str) -> bool:
-        conn, eng = rel_unwrap(self._rel_engine.connector), self._rel_engine
-        return not (rid in eng.loading or rid in conn._reqs_to_load or rid in conn._abandoned_reqs_to_load
-                    or any(r == rid for _, r in self._rel_recv))
-
-    def build_connector_worker_meta(self):
-        meta = self._rel_inner.build_connector_worker_meta()
-        if meta is not None:
-            d = self._rel_delay(self._rel_faults.store_delay)
-            self._rel_log.delayed_reports += d > 0
-            self._rel_stores.append((self._rel_step + d, dict(meta.completed_store_events)))
-        due: dict[int, int] = {}
-        for t, m in self._rel_stores:
-            if t <= self._rel_step:
-                for e, n in m.items():
-                    due[e] = due.get(e, 0) + n
-                    self._rel_log.worker_reports[e] += n
-        self._rel_stores = [(t, m) for t, m in self._rel_stores if t > self._rel_step]
-        return ko.SimpleCPUOffloadWorkerMetadata(due) if due else None
-
-    def rel_release(self) -> None:
-        super().rel_release()
-        self._rel_recv = [(min(t, self._rel_step + 1), r) for t, r in self._rel_recv]
-        self._rel_stores = [(min(t, self._rel_step + 1), m) for t, m in self._rel_stores]
-
-    def rel_holding(self) -> bool:
-        return bool(self._rel_recv or self._rel_stores)
-
-
-class RelFaultyConnector(RelProxy):
-    """Sits between the engine and the connector: load reports (finished_recving) go through at
-    once -- the engine acts on them this step, so must the connector -- while the store part of
-    each output is held, reordered with the load part, duplicated, and replayed after resets."""
-
-    def __init__(self, inner, faults, rng, log):
-        super().__init__(inner, faults, rng, log)
-        self._rel_held: list[tuple[int, dict[int, int]]] = []
-        self._rel_delivered: list[dict[int, int]] = []
-
-    def update_connector_output(self, connector_output: ko.KVConnectorOutput) -> None:
-        self._rel_step += 1
-        meta = connector_output.kv_connector_worker_meta
-        if meta is not None and meta.completed_store_events:
-            d = self._rel_delay(self._rel_faults.conn_delay)
-            self._rel_log.delayed_reports += d > 0
-            self._rel_held.append((self._rel_step + d, dict(meta.completed_store_events)))
-        due = [m for t, m in self._rel_held if t <= self._rel_step]
-        self._rel_held = [(t, m) for t, m in self._rel_held if t > self._rel_step]
-        if self._rel_faults.dup and self._rel_delivered and self._rel_rng.random() < 0.3:
-            m = self._rel_rng.choice(self._rel_delivered)
-            if self._rel_safe_dup(m):
-                due.insert(self._rel_rng.randint(0, len(due)), m)
-                self._rel_log.duplicate_reports += 1
-        loads_first = not self._rel_faults.split or self._rel_rng.random() < 0.5
-        if loads_first:
-            self._rel_inner.update_connector_output(ko.KVConnectorOutput(set(connector_output.finished_recving)))
-        for m in due:
-            self._rel_deliver(m)
-        if not loads_first:
-            self._rel_inner.update_connector_output(ko.KVConnectorOutput(set(connector_output.finished_recving)))
-
-    def _rel_safe_dup(self, m: dict[int, int]) -> bool:
-        # A repeat of a report whose event still waits for another worker would complete it
-        # early: counts carry no worker identity, so that repeat is a protocol violation, not
-        # a fault the manager could detect.
-        return not any(e in self._rel_inner._store_event_pending_counts for e in m)
-
-    def _rel_deliver(self, m: dict[int, int]) -> None:
-        inner, log = self._rel_inner, self._rel_log
-        abandoned_dsts = []
-        for e in m:
-            if e in inner._abandoned_store_event_to_blocks:
-                log.stale_reports += 1
-                abandoned_dsts += inner._abandoned_store_event_to_blocks[e].cpu_block_ids
-            elif e not in inner._store_event_to_blocks:
-                log.ignored_reports += 1
-        live_before = set(inner._store_event_to_blocks)
-        inner.update_connector_output(ko.KVConnectorOutput(set(), ko.SimpleCPUOffloadWorkerMetadata(dict(m))))
-        self._rel_delivered.append(m)
-        log.partial_counts += bool(inner._store_event_pending_counts)
-        # a store abandoned by reset() caches nothing when it completes
-        for c in abandoned_dsts:
-            assert inner.cpu_block_pool.blocks[c].block_hash is None, (
-                f"CPU block {c} of a store abandoned by reset() was cached at completion")
-        # a store completes only once every worker reported it (world_size reports)
-        for e in live_before - set(inner._store_event_to_blocks) - set(inner._abandoned_store_event_to_blocks):
-            assert log.worker_reports[e] >= inner.world_size, (
-                f"store event {e} completed after {log.worker_reports[e]} of {inner.world_size} worker reports")
-
-    def rel_replay(self) -> None:
-        """Deliver every report seen so far once more: stale duplicates, which must be ignored."""
-        for m in list(self._rel_delivered):
-            if self._rel_safe_dup(m):
-                self._rel_deliver(m)
-                self._rel_log.duplicate_reports += 1
-
-    def rel_release(self) -> None:
-        super().rel_release()
-        self._rel_held = [(min(t, self._rel_step + 1), m) for t, m in self._rel_held]
-
-    def rel_holding(self) -> bool:
-        return bool(self._rel_held)
-
-
-# -----------------------------------------------------------------------------
-# Schedules: a plan, the driver that runs it, and the hypothesis strategy that draws plans
-
-@dataclass(frozen=True)
-class RelPlan:
-    """One schedule. `ops`, in order:
-      ("add", base, prefix_len, suffix, max_tokens)  a request: bases[base][:prefix_len] + suffix
-      ("step", n)                                    n engine steps
-      ("drain",)                                     steps until the engine is idle
-      ("abort", k)                                   abort live request k (loading / storing first)
-      ("reset",)                                     connector.reset()
-      ("reset_gpu",)                                 engine.reset_gpu_prefix_cache() (refused while in use)
-    then steps until the engine is idle."""
-    ops: tuple
-    bases: tuple = ((),)
-    num_gpu_blocks: int = 16
-    num_cpu_blocks: int = 8
-    budget: int = 8
-    hash_block_size: int = REL_BS
-    world_size: int = 1
-    faults: RelFaults = RelFaults()
-
-
-@dataclass
-class RelLog:
-    """What a run went through, so scenario tests can assert they reached their interleaving."""
-    steps: int = 0
-    preemptions: int = 0
-    cpu_hit_tokens: int = 0
-    aborts: int = 0
-    aborts_while_loading: int = 0
-    aborts_while_storing: int = 0
-    resets: int = 0
-    resets_refused: int = 0      # reset() returned False: transfers were abandoned
-    gpu_resets: int = 0
-    delayed_reports: int = 0
-    duplicate_reports: int = 0
-    stale_reports: int = 0       # store reports of events abandoned by a reset
-    ignored_reports: int = 0     # store reports of events already finished (repeats)
-    partial_counts: int = 0      # deliveries after which a store event waited for another worker
-    cpu_evictions: int = 0
-    worker_reports: Counter = field(default_factory=Counter)  # store event -> worker reports released
-
-
-def rel_prompt(bases, base: int, prefix_len: int, suffix) -> list[int]:
-    return list(bases[base % len(bases)][:prefix_len]) + list(suffix) or [0]
-
-
-def rel_max_need(plan_ops, bases, bs: int = REL_BS) -> int:
-    """GPU blocks the largest request needs on its own (prompt + outputs)."""
-    return max([ko.cdiv(len(rel_prompt(bases, *op[1:4])) + op[4], bs) for op in plan_ops if op[0] == "add"] or [1])
-
-
-REL_MODEL = dict(num_layers=1, num_kv_heads=1, head_dim=4)  # ToyModel(1, 1, 4): tiny, fast, still exact
-
-
-def rel_build(plan: RelPlan):
-    """Engine, connector, workers and proxies for a plan."""
-    log = RelLog()
-    rng = random.Random(plan.faults.seed)
-    model = ko.ToyModel(**REL_MODEL)
-    conn = ko.SimpleCPUOffloadScheduler(plan.num_cpu_blocks, REL_BS, hash_block_size=plan.hash_block_size,
-                                        world_size=plan.world_size)
-    proxy = RelFaultyConnector(conn, plan.faults, rng, log)
-    workers = [RelFaultyWorker(ko.SimpleCPUOffloadWorker(plan.num_cpu_blocks), plan.faults, rng, log, plan.world_size)
-               for _ in range(plan.world_size)]
-    engine = ko.MiniEngine(plan.num_gpu_blocks, REL_BS, plan.budget, model, proxy,
-                           workers if plan.world_size > 1 else workers[0], capture_kv=True)
-    for w in workers:
-        w._rel_engine = engine
-    return SimpleNamespace(engine=engine, conn=conn, proxy=proxy, workers=workers, model=model, log=log,
-                           requests={}, aborted=set())
-
-
-def rel_step(run, n: int = 1) -> None:
-    eng, log = run.engine, run.log
-    for _ in range(n):
-        resumed_before = set(eng._resumed)
-        evict_before = run.conn.cpu_block_pool.get_num_free_blocks()
-        eng.step()
-        log.steps += 1
-        log.preemptions += len(eng._resumed - resumed_before)
-        log.cpu_evictions += run.conn.cpu_block_pool.get_num_free_blocks() < evict_before
-        check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
-
-
-def rel_abort(run, k: int) -> None:
-    """Abort a live request; k indexes them with loading ones first, then those with a store in
-    flight, so small k (what hypothesis shrinks towards) hits the dangerous windows."""
-    eng, conn, log = run.engine, run.conn, run.log
-
-    def storing(rid):
-        st_ = conn._reqs_to_store.get(rid)
-        return st_ is not None and bool(st_.store_events)
-
-    live = sorted(eng.running + eng.waiting, key=lambda r: (r.request_id not in eng.loading,
-                                                            not storing(r.request_id)))
-    if not live:
-        return
-    rid = live[k % len(live)].request_id
-    log.aborts += 1
-    log.aborts_while_loading += rid in eng.loading
-    log.aborts_while_storing += storing(rid)
-    eng.abort_request(rid)
-    run.aborted.add(rid)
-    check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
-
-
-def rel_run_plan(plan: RelPlan, max_steps: int = 3000):
-    """Run a plan with every check: invariants after each step and op, then at the end an idle
-    engine, exact KV and outputs for every request, and a reset that now succeeds."""
-    run = rel_build(plan)
-    eng, log = run.engine, run.log
-    for op in plan.ops:
-        kind = op[0]
-        if kind == "add":
-            _, base, prefix_len, suffix, max_tokens = op
-            rid = f"r{len(run.requests)}"
-            req = ko.Request(rid, rel_prompt(plan.bases, base, prefix_len, suffix), plan.hash_block_size, max_tokens)
-            eng.add_request(req)
-            run.requests[rid] = req
-        elif kind == "step":
-            rel_step(run, op[1])
-        elif kind == "drain":
-            rel_drain(run, max_steps)
-        elif kind == "abort":
-            rel_abort(run, op[1])
-        elif kind == "reset":
-            log.resets += 1
-            log.resets_refused += not run.proxy.reset()
-            check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
-            if plan.faults.dup:
-                run.proxy.rel_replay()  # stale reports from before the reset
-                check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
-        elif kind == "reset_gpu":
-            log.gpu_resets += eng.reset_gpu_prefix_cache()
-            check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
-        else:
-            raise ValueError(f"unknown op {op!r}")
-    rel_finish(run, max_steps)
-    return run
-
-
-def rel_drain(run, max_steps: int = 3000) -> None:
-    eng, log = run.engine, run.log
-    start = log.steps
-    while eng.has_unfinished_work():
-        assert log.steps - start < max_steps, (
-            f"no progress after {max_steps} steps: waiting={[r.request_id for r in eng.waiting]} "
-            f"running={[r.request_id for r in eng.running]} loading={eng.loading} "
-            f"free GPU blocks={eng.gpu_block_pool.get_num_free_blocks()}")
-        rel_step(run)
-
-
-def rel_finish(run, max_steps: int = 3000) -> None:
-    eng, log = run.engine, run.log
-    rel_drain(run, max_steps)
-    assert not run.proxy.rel_holding() and not any(w.rel_holding() for w in run.workers), (
-        "a report was still held when the engine went idle: the engine stopped waiting for it")
-    run.proxy.rel_replay()  # late duplicates of every report: all must be ignored
-    check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
-    rel_check_idle(eng, allow_stale_store_counts=True)
-    # every request: KV bit for bit, and the outputs a plain recomputation gives
-    model = run.model
-    for rid, req in run.requests.items():
-        stats = eng.stats[rid]
-        want = rel_expected_outputs(model, req.prompt_token_ids, req.max_tokens)
-        log.cpu_hit_tokens += stats.cpu_hit_tokens
-        if rid in run.aborted:
-            assert stats.kv is None, f"{rid} was aborted but has captured KV"
-            assert stats.output_token_ids == want[:len(stats.output_token_ids)], f"{rid}: wrong output before abort"
-        else:
-            assert stats.kv is not None, f"{rid} never finished"
-            assert torch.equal(stats.kv, model.expected_kv(req.prompt_token_ids)), f"{rid}: KV differs from expected_kv"
-            assert stats.output_token_ids == want, f"{rid}: outputs {stats.output_token_ids} != {want}"
-    # idle: both prefix caches can now be dropped, and are
-    assert run.proxy.reset() is True, "connector.reset() refused although nothing is in flight"
-    assert len(run.conn.cpu_block_pool.cached_block_hash_to_block) == 0
-    assert eng.reset_gpu_prefix_cache() is True, "GPU prefix cache reset refused on an idle engine"
-    check_invariants(eng, run.requests.values())
-    rel_check_idle(eng)
-
-
-REL_TOKENS = st.integers(0, 40)  # a small vocabulary: unrelated prompts collide on short prefixes too
-
-
-@st.composite
-def rel_plans(draw, max_ops: int = 16) -> RelPlan:
-    """Tiny random schedules: 1-2 prompt bases; requests take a prefix of random length of one
-    (often all of it, so that later arrivals can hit what earlier ones stored) plus a short
-    suffix; GPU pools from 'the largest request barely fits' up; CPU pools of 1-9 usable blocks."""
-    bases = tuple(tuple(draw(st.lists(REL_TOKENS, min_size=2 * REL_BS, max_size=7 * REL_BS)))
-                  for _ in range(draw(st.integers(1, 2))))
-    prefix_len = st.one_of(st.just(7 * REL_BS), st.integers(0, 7 * REL_BS))
-    add = st.tuples(st.just("add"), st.integers(0, 1), prefix_len, st.lists(REL_TOKENS, max_size=5).map(tuple),
-                    st.integers(1, 4))
-    step = st.tuples(st.just("step"), st.integers(1, 6))
-    abort = st.tuples(st.just("abort"), st.integers(0, 7))
-    # chunks of ops that tend to reach the dangerous windows
-    chunk = st.one_of(
-        st.tuples(add), st.tuples(add), st.tuples(step), st.tuples(abort), st.just((("reset",),)),
-        st.just((("reset_gpu",),)),
-        st.just((("drain",), ("reset_gpu",))),   # a wave ends: later arrivals must hit the CPU cache
-        st.tuples(add, st.tuples(st.just("step"), st.integers(1, 2)), abort),  # abort soon after arrival: mid-load
-        st.tuples(step, st.just(("reset",))),     # reset while copies run
-    )
-    ops = (draw(add), *[o for c in draw(st.lists(chunk, min_size=2, max_size=max_ops // 2)) for o in c])
-    need = rel_max_need(ops, bases)
-    faults = RelFaults(load_delay=draw(st.integers(0, 3)), store_delay=draw(st.integers(0, 3)),
-                       conn_delay=draw(st.integers(0, 2)), dup=draw(st.booleans()), split=draw(st.booleans()),
-                       seed=draw(st.integers(0, 2 ** 16)))
-    return RelPlan(ops=ops, bases=bases,
-                   num_gpu_blocks=1 + need + draw(st.integers(0, need + 2)),
-                   num_cpu_blocks=draw(st.integers(2, 12)),
-                   budget=draw(st.sampled_from([2, 3, 4, 5, 7, 8, 12, 16])),
-                   hash_block_size=draw(st.sampled_from([REL_BS, REL_BS // 2])),
-                   world_size=draw(st.sampled_from([1, 2])),
-                   faults=faults)
-
-
-# Quick profile (CI): derandomized, so every run explores the same schedules. Long profile: set
-# KV_OFFLOAD_FUZZ_EXAMPLES; random exploration (hypothesis prints the failing plan and a blob).
-REL_FUZZ_EXAMPLES = int(os.environ.get("KV_OFFLOAD_FUZZ_EXAMPLES") or 0)
-rel_fuzz_settings = settings(
-    max_examples=REL_FUZZ_EXAMPLES or 250, derandomize=not REL_FUZZ_EXAMPLES, database=None, deadline=None,
-    print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-
-@rel_fuzz_settings
-@given(plan=rel_plans())
-def test_rel_fuzz_random_schedules(plan):
-    run = rel_run_plan(plan)
-    log = run.log
-    event(f"steps: {min(log.steps // 25 * 25, 200)}+")
-    for name in ("preemptions", "cpu_hit_tokens", "aborts_while_loading", "aborts_while_storing", "resets_refused",
-                 "stale_reports", "partial_counts", "cpu_evictions"):
-        if getattr(log, name):
-            event(f"reached: {name}")
-
-
-# ===============================================================================================
 # from test_notebook_part.py
 NOTEBOOK = pathlib.Path(ko.__file__).resolve().parent / "walkthrough.ipynb"
 
@@ -2174,3 +1499,1014 @@ def test_notebook_claim_story_kv_bit_exact():
     assert (pre["cpu_hit_tokens"], pre["recomputed_tokens"]) == (0, 512)
     for r in (fixed, pre):
         assert r["kv_exact"] and r["same_output"] and r["all_free"], json.dumps(r, default=str)
+
+
+# ===============================================================================================
+# Differential tests against vLLM 0.33 itself (skipped without it). To run them:
+#   pip download --no-deps vllm==0.33.0; unzip its vllm/ folder outside the repo; put it on
+#   PYTHONPATH; pip install the pure-Python modules its imports ask for (README: Comparing with vLLM).
+
+try:  # vLLM 0.33's sources (a wheel unzipped on PYTHONPATH) and their few pure-Python deps
+    from vllm.v1.core.block_pool import BlockPool as VBlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks as VKVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue as VFreeQueue
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock as VKVCacheBlock
+    from vllm.v1.core.kv_cache_utils import init_none_hash as v_init_none_hash
+    from vllm.v1.core.sched.output import CachedRequestData as VCachedRequestData
+    from vllm.v1.core.sched.output import NewRequestData as VNewRequestData
+    from vllm.v1.core.sched.output import SchedulerOutput as VSchedulerOutput
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager as VFullAttentionManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec as VFullAttentionSpec
+    from vllm.v1.kv_cache_interface import KVCacheConfig as VKVCacheConfig
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec as VKVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import KVCacheTensor as VKVCacheTensor
+    from vllm.v1.outputs import KVConnectorOutput as VKVConnectorOutput
+    from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler as VScheduler
+    from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata as VWorkerMeta
+    from vllm.utils.hashing import sha256 as v_sha256
+    from vllm._version import __version__ as _vllm_version
+    VLLM_MISSING = None if _vllm_version.startswith("0.33") else f"vLLM {_vllm_version} is not 0.33"
+except Exception as exc:  # noqa: BLE001 - any import failure means "no vLLM here"
+    VLLM_MISSING = f"vLLM 0.33 sources not importable ({type(exc).__name__}: {exc})"
+if VLLM_MISSING is None:
+    v_init_none_hash(v_sha256)  # vLLM requires it before hashing; our keys are opaque bytes
+needs_vllm = pytest.mark.skipif(VLLM_MISSING is not None, reason=str(VLLM_MISSING))
+
+
+def _bid(b):
+    return None if b is None else b.block_id
+
+
+def map_contents(m) -> dict:
+    """key -> block ids in insertion order (vLLM stores a bare block or a dict of them)."""
+    out = {}
+    for key, v in m._cache.items():
+        out[key] = [b.block_id for b in v.values()] if isinstance(v, dict) else [v.block_id]
+    return out
+
+
+def vpool_state(pool) -> dict:
+    blocks = pool.blocks
+    return {
+        "num_free": pool.get_num_free_blocks(),
+        "free_queue": [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+        "ref_cnt": [b.ref_cnt for b in blocks],
+        "block_hash": [b.block_hash for b in blocks],
+        "block_hash_num_tokens": [b.block_hash_num_tokens for b in blocks],
+        "links": [(_bid(b.prev_free_block), _bid(b.next_free_block)) for b in blocks],
+        "is_null": [b.is_null for b in blocks],
+        "null_block": pool.null_block.block_id,
+        "secondaries": {k: set(v) for k, v in pool.cached_block_hashes_by_block.items()},
+        "hash_map": map_contents(pool.cached_block_hash_to_block),
+        "hash_map_len": len(pool.cached_block_hash_to_block),
+        "usage": round(pool.get_usage(), 9),
+    }
+
+
+def _short(v):
+    if isinstance(v, bytes):
+        return v.hex()[:12]
+    if isinstance(v, (list, tuple)):
+        return type(v)(_short(x) for x in v)
+    if isinstance(v, (set, frozenset)):
+        return sorted(_short(x) for x in v)
+    if isinstance(v, dict):
+        return {_short(k): _short(x) for k, x in v.items()}
+    return v
+
+
+def _describe(a, b) -> str:
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return "at index: " + repr({i: (_short(x), _short(y)) for i, (x, y) in enumerate(zip(a, b)) if x != y})
+    return f"ours={_short(a)!r}\n      vllm={_short(b)!r}"
+
+
+def assert_same(ours, theirs, what: str) -> None:
+    """Equal, or an AssertionError naming the operation and each differing field."""
+    if ours == theirs:
+        return
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        keys = [k for k in dict.fromkeys([*ours, *theirs]) if ours.get(k, "<missing>") != theirs.get(k, "<missing>")]
+        raise AssertionError(f"{what}: diverged\n" + "\n".join(
+            f"  {k}: {_describe(ours.get(k, '<missing>'), theirs.get(k, '<missing>'))}" for k in keys))
+    raise AssertionError(f"{what}: diverged\n  {_describe(ours, theirs)}")
+
+
+def call_both(what: str, f_ours, f_vllm):
+    """Run both; they must both return (results returned) or both raise the same type."""
+    res, exc = [], []
+    for f in (f_ours, f_vllm):
+        try:
+            res.append(f())
+            exc.append(None)
+        except Exception as e:  # noqa: BLE001
+            res.append(None)
+            exc.append(e)
+    if (exc[0] is None) != (exc[1] is None) or (exc[0] is not None and type(exc[0]) is not type(exc[1])):
+        raise AssertionError(f"{what}: exception mismatch: ours={exc[0]!r} vllm={exc[1]!r}")
+    return res[0], res[1], exc[0]
+
+
+# =============================================================================
+# Hash chains with a lot of shared prefixes
+
+def make_hashes(tokens: list[int], hbs: int) -> list[bytes]:
+    out, parent = [], None
+    for i in range(len(tokens) // hbs):
+        parent = ko.hash_block_tokens(parent, tokens[i * hbs:(i + 1) * hbs])
+        out.append(parent)
+    return out
+
+
+class TokenSource:
+    """Prompts over a tiny alphabet built on a few shared stems, so prefixes collide often."""
+
+    def __init__(self, rng: random.Random, alphabet: int = 2, n_stems: int = 3, stem_len: int = 24):
+        self.rng, self.alphabet = rng, alphabet
+        self.stems = [[rng.randrange(alphabet) for _ in range(stem_len)] for _ in range(n_stems)]
+
+    def prompt(self, max_len: int) -> list[int]:
+        rng = self.rng
+        n = rng.randint(1, max_len)
+        stem = rng.choice(self.stems)
+        keep = rng.randint(0, min(n, len(stem)))
+        return stem[:keep] + [rng.randrange(self.alphabet) for _ in range(n - keep)]
+
+
+# =============================================================================
+# a) FreeKVCacheBlockQueue and BlockPool
+
+@needs_vllm
+@pytest.mark.parametrize("seed", range(6))
+def test_free_queue_differential(seed):
+    rng = random.Random(1000 + seed)
+    n = 10
+    ob, vb = [ko.KVCacheBlock(i) for i in range(n)], [VKVCacheBlock(i) for i in range(n)]
+    oq, vq = ko.FreeKVCacheBlockQueue(ob), VFreeQueue(vb)
+    out: set[int] = set()  # ids not in the queue
+    for step in range(150):
+        inside = [i for i in range(n) if i not in out]
+        op = rng.choice(["popleft", "popleft_n", "remove", "append", "append_n", "prepend_n"])
+        what = f"seed={seed} step={step} {op}"
+        if op == "popleft":
+            r = call_both(what, oq.popleft, vq.popleft)
+            if r[2] is None:
+                assert_same(r[0].block_id, r[1].block_id, what)
+                out.add(r[0].block_id)
+        elif op == "popleft_n":
+            k = rng.randint(0, len(inside))
+            a, b = oq.popleft_n(k), vq.popleft_n(k)
+            assert_same([x.block_id for x in a], [x.block_id for x in b], what)
+            out.update(x.block_id for x in a)
+        elif op == "remove" and inside:
+            i = rng.choice(inside)
+            oq.remove(ob[i])
+            vq.remove(vb[i])
+            out.add(i)
+        elif op in ("append", "append_n", "prepend_n") and out:
+            ids = rng.sample(sorted(out), 1 if op == "append" else rng.randint(0, len(out)))
+            if op == "append":
+                oq.append(ob[ids[0]])
+                vq.append(vb[ids[0]])
+            else:
+                getattr(oq, op)([ob[i] for i in ids])
+                getattr(vq, op)([vb[i] for i in ids])
+            out.difference_update(ids)
+        assert_same(oq.num_free_blocks, vq.num_free_blocks, what + " num_free_blocks")
+        assert_same([b.block_id for b in oq.get_all_free_blocks()],
+                    [b.block_id for b in vq.get_all_free_blocks()], what + " order")
+        assert_same([(_bid(b.prev_free_block), _bid(b.next_free_block)) for b in ob],
+                    [(_bid(b.prev_free_block), _bid(b.next_free_block)) for b in vb], what + " links")
+
+
+def v_find_longest_cache_hit(block_hashes, max_length, group_ids, pool, block_size, alignment_tokens):
+    spec = VFullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float16)
+    return VFullAttentionManager.find_longest_cache_hit(
+        block_hashes=block_hashes, max_length=max_length, kv_cache_group_ids=group_ids,
+        block_pool=pool, kv_cache_spec=spec, drop_eagle_block=False, alignment_tokens=alignment_tokens)
+
+
+def compare_lookup(pair, hashes, max_length, group_ids, block_size, align, what):
+    """ko.find_longest_cache_hit vs FullAttentionManager.find_longest_cache_hit (align=None: ko's
+    default, compared with vLLM's fine-grained alignment = hash_block_size)."""
+    v_align = pair.hbs if align is None else align
+    kw = {} if align is None else {"alignment_tokens": align}
+    (ob, oh), (vb, vh), _ = call_both(
+        what,
+        lambda: ko.find_longest_cache_hit(hashes, max_length, group_ids, pair.ours, block_size, **kw),
+        lambda: v_find_longest_cache_hit(hashes, max_length, group_ids, pair.vllm, block_size, v_align))
+    assert_same((oh, [[b.block_id for b in g] for g in ob]),
+                (vh, [[b.block_id for b in g] for g in vb]), what)
+    return oh, [[b.block_id for b in g] for g in ob]
+
+
+class PoolPair:
+    def __init__(self, n: int, caching: bool, hbs: int):
+        self.hbs = hbs
+        self.ours = ko.BlockPool(n, caching, hbs)
+        self.vllm = VBlockPool(n, caching, hbs)
+
+    def check(self, what: str) -> None:
+        assert_same(vpool_state(self.ours), vpool_state(self.vllm), what)
+
+    def ob(self, ids):
+        return [self.ours.blocks[i] for i in ids]
+
+    def vb(self, ids):
+        return [self.vllm.blocks[i] for i in ids]
+
+
+class PoolTrace:
+    """A random but valid sequence of block-pool operations, the way vLLM's KV cache manager
+    uses them: requests look up their prefix, touch the hit, allocate the rest, cache full
+    blocks (and fine-grained partial entries), finish and free in reverse order; extra pins,
+    raw allocations (over-allocation included), secondary keys, lookups and resets in between."""
+
+    def __init__(self, seed: int, n: int, caching: bool, hbs: int, block_size: int):
+        self.rng = rng = random.Random(seed)
+        self.seed, self.caching, self.hbs, self.bs = seed, caching, hbs, block_size
+        self.scale = block_size // hbs
+        self.pair = PoolPair(n, caching, hbs)
+        self.tokens = TokenSource(rng, alphabet=2, stem_len=6 * block_size)
+        self.reqs: list[SimpleNamespace] = []  # live requests: hashes, block ids, num_cached, group
+        self.pins: list[int] = []              # extra refs from touch / raw allocations
+        self.known_keys: list[bytes] = []      # hashes seen, for get_cached_block / _insert_block_hash
+        self.ops = 0
+        self.lookups = 0
+
+    def what(self, op: str) -> str:
+        return (f"BlockPool seed={self.seed} caching={self.caching} hbs={self.hbs} bs={self.bs} "
+                f"op#{self.ops} {op}")
+
+    def new_hashes(self) -> list[bytes]:
+        h = make_hashes(self.tokens.prompt(6 * self.bs), self.hbs)
+        self.known_keys.extend(h)
+        return h
+
+    # --- operations ---------------------------------------------------------
+
+    def op_new_request(self):
+        rng, p = self.rng, self.pair
+        hashes = self.new_hashes()
+        group = rng.choice([0, 0, 1])
+        hit_ids: list[int] = []
+        if self.caching:
+            max_len = max(0, len(hashes) * self.hbs - rng.choice([0, 1]))
+            _, groups = compare_lookup(p, hashes, max_len, [group], self.bs, self.bs,
+                                       self.what("new_request lookup"))
+            hit_ids = groups[0]
+            self.lookups += 1
+        n_new = rng.randint(0, max(0, len(hashes) // self.scale + 1 - len(hit_ids)))
+        if n_new > p.ours.get_num_free_blocks():
+            return
+        p.ours.touch(p.ob(hit_ids))
+        p.vllm.touch(p.vb(hit_ids))
+        p.check(self.what("new_request touch"))
+        a, b, exc = call_both(self.what("new_request get_new_blocks"),
+                              lambda: p.ours.get_new_blocks(n_new), lambda: p.vllm.get_new_blocks(n_new))
+        if exc is not None:  # the touch took evictable hits out of the queue: no room after all
+            assert isinstance(exc, ValueError), exc
+            p.ours.free_blocks(p.ob(hit_ids))
+            p.vllm.free_blocks(p.vb(hit_ids))
+            return
+        assert_same([x.block_id for x in a], [x.block_id for x in b], self.what("new_request ids"))
+        self.reqs.append(SimpleNamespace(hashes=hashes, blocks=hit_ids + [x.block_id for x in a],
+                                         num_cached=len(hit_ids), group=group))
+
+    def op_cache_full_blocks(self):
+        rng, p = self.rng, self.pair
+        cands = [r for r in self.reqs
+                 if min(len(r.blocks), len(r.hashes) // self.scale) > r.num_cached]
+        if not cands or not self.caching:
+            return
+        r = rng.choice(cands)
+        hi = min(len(r.blocks), len(r.hashes) // self.scale)
+        num_full = rng.randint(r.num_cached + 1, hi)
+        req = SimpleNamespace(block_hashes=r.hashes)
+        call_both(self.what(f"cache_full_blocks({r.num_cached}->{num_full}, g{r.group})"),
+                  lambda: p.ours.cache_full_blocks(req, p.ob(r.blocks), r.num_cached, num_full, self.bs, r.group),
+                  lambda: p.vllm.cache_full_blocks(req, p.vb(r.blocks), r.num_cached, num_full, self.bs, r.group))
+        r.num_cached = num_full
+
+    def op_cache_partial_block(self):
+        """A fine-grained partial entry inside block j (vLLM's cache_partial_block; the source of
+        GPU secondary keys when the block already has its full key)."""
+        rng, p = self.rng, self.pair
+        if self.scale == 1 or not self.caching or not hasattr(p.ours, "cache_partial_block"):
+            return
+        cands = [(r, j) for r in self.reqs for j in range(len(r.blocks))
+                 if j * self.scale + 1 <= len(r.hashes)]
+        if not cands:
+            return
+        r, j = rng.choice(cands)
+        m = rng.randint(1, min(self.scale - 1, len(r.hashes) - j * self.scale))
+        num_tokens = (j * self.scale + m) * self.hbs
+        req = SimpleNamespace(block_hashes=r.hashes, mm_features=[])
+        ok, vk, _ = call_both(
+            self.what(f"cache_partial_block(block#{j}, {num_tokens} tokens)"),
+            lambda: p.ours.cache_partial_block(req, p.ours.blocks[r.blocks[j]], num_tokens, r.group),
+            lambda: p.vllm.cache_partial_block(req, p.vllm.blocks[r.blocks[j]], num_tokens, r.group, self.bs))
+        assert_same(ok, vk, self.what("cache_partial_block return"))
+
+    def op_insert_block_hash(self):
+        """_insert_block_hash on a block that already has a primary (-> secondary key, or guard 1
+        with its own primary, or guard 2 when repeated), or on a free block (-> primary)."""
+        rng, p = self.rng, self.pair
+        if not self.caching or not self.known_keys:
+            return
+        blocks = p.ours.blocks
+        cands = [b.block_id for b in blocks
+                 if not b.is_null and (b.block_hash is not None or b.ref_cnt == 0)]
+        if not cands:
+            return
+        bid = rng.choice(cands)
+        if blocks[bid].block_hash is not None and rng.random() < 0.25:
+            key = blocks[bid].block_hash  # guard 1
+        elif p.ours.cached_block_hashes_by_block.get(bid) and rng.random() < 0.3:
+            key = rng.choice(sorted(p.ours.cached_block_hashes_by_block[bid]))  # guard 2
+        else:
+            key = ko.make_block_hash_with_group_id(rng.choice(self.known_keys), rng.choice([0, 1]))
+        ntok = rng.choice([None, self.hbs * rng.randint(1, 8)])
+        call_both(self.what(f"_insert_block_hash(block {bid}, ntok={ntok})"),
+                  lambda: p.ours._insert_block_hash(key, p.ours.blocks[bid], ntok),
+                  lambda: p.vllm._insert_block_hash(key, p.vllm.blocks[bid], ntok))
+
+    def op_finish_request(self):
+        rng, p = self.rng, self.pair
+        if not self.reqs:
+            return
+        r = self.reqs.pop(rng.randrange(len(self.reqs)))
+        order = list(reversed(r.blocks)) if rng.random() < 0.8 else rng.sample(r.blocks, len(r.blocks))
+        if rng.random() < 0.2:
+            order.insert(rng.randint(0, len(order)), 0)  # the null block is skipped silently
+        call_both(self.what(f"free_blocks(request {order})"),
+                  lambda: p.ours.free_blocks(iter(p.ob(order))), lambda: p.vllm.free_blocks(p.vb(order)))
+
+    def op_touch(self):
+        rng, p = self.rng, self.pair
+        cands = list(range(1, p.ours.num_gpu_blocks))
+        ids = rng.sample(cands, rng.randint(0, min(4, len(cands))))
+        if rng.random() < 0.2:
+            ids.append(0)
+        call_both(self.what(f"touch({ids})"), lambda: p.ours.touch(p.ob(ids)), lambda: p.vllm.touch(p.vb(ids)))
+        self.pins.extend(i for i in ids if i != 0)
+
+    def op_unpin(self):
+        rng, p = self.rng, self.pair
+        if not self.pins:
+            return
+        k = rng.randint(1, len(self.pins))
+        rng.shuffle(self.pins)
+        ids, self.pins = self.pins[:k], self.pins[k:]
+        call_both(self.what(f"free_blocks(pins {ids})"),
+                  lambda: p.ours.free_blocks(p.ob(ids)), lambda: p.vllm.free_blocks(p.vb(ids)))
+
+    def op_get_new_blocks(self):
+        rng, p = self.rng, self.pair
+        k = rng.randint(0, p.ours.get_num_free_blocks() + 2)  # may over-allocate: ValueError on both
+        a, b, exc = call_both(self.what(f"get_new_blocks({k})"),
+                              lambda: p.ours.get_new_blocks(k), lambda: p.vllm.get_new_blocks(k))
+        if exc is None:
+            assert_same([x.block_id for x in a], [x.block_id for x in b], self.what("get_new_blocks ids"))
+            self.pins.extend(x.block_id for x in a)
+        else:
+            assert isinstance(exc, ValueError), exc
+
+    def op_get_cached_block(self):
+        rng, p = self.rng, self.pair
+        if not self.known_keys:
+            return
+        key = rng.choice(self.known_keys)
+        gids = rng.choice([[0], [1], [0, 1], [1, 0]])
+        a, b, _ = call_both(self.what("get_cached_block"), lambda: p.ours.get_cached_block(key, gids),
+                            lambda: p.vllm.get_cached_block(key, gids))
+        assert_same(None if a is None else [x.block_id for x in a],
+                    None if b is None else [x.block_id for x in b], self.what("get_cached_block result"))
+
+    def op_lookup(self):
+        rng, p = self.rng, self.pair
+        hashes = make_hashes(self.tokens.prompt(6 * self.bs), self.hbs)
+        max_len = rng.randint(0, len(hashes) * self.hbs + self.hbs)
+        aligns = [None, self.hbs, self.bs] if self.scale > 1 else [None, self.bs]
+        compare_lookup(p, hashes, max_len, rng.choice([[0], [1], [0, 1]]), self.bs, rng.choice(aligns),
+                       self.what(f"find_longest_cache_hit(max_length={max_len})"))
+        self.lookups += 1
+
+    def op_reset(self):
+        rng, p = self.rng, self.pair
+        if rng.random() < 0.5:  # free everything first so that the reset succeeds
+            for r in self.reqs:
+                p.ours.free_blocks(p.ob(reversed(r.blocks)))
+                p.vllm.free_blocks(p.vb(list(reversed(r.blocks))))
+            p.ours.free_blocks(p.ob(self.pins))
+            p.vllm.free_blocks(p.vb(self.pins))
+            self.reqs, self.pins = [], []
+            p.check(self.what("free all"))
+        a, b, _ = call_both(self.what("reset_prefix_cache"), p.ours.reset_prefix_cache,
+                            p.vllm.reset_prefix_cache)
+        assert_same(a, b, self.what("reset_prefix_cache result"))
+
+    def run(self, n_ops: int) -> None:
+        ops = [(self.op_new_request, 5), (self.op_cache_full_blocks, 5), (self.op_cache_partial_block, 2),
+               (self.op_insert_block_hash, 2), (self.op_finish_request, 3), (self.op_touch, 2),
+               (self.op_unpin, 2), (self.op_get_new_blocks, 1), (self.op_get_cached_block, 2),
+               (self.op_lookup, 2), (self.op_reset, 0.3)]
+        fns, weights = zip(*ops)
+        self.pair.check(self.what("init"))
+        for _ in range(n_ops):
+            fn = self.rng.choices(fns, weights)[0]
+            self.ops += 1
+            fn()
+            self.pair.check(self.what(fn.__name__))
+
+
+POOL_CONFIGS = [  # (num blocks, enable_caching, hash_block_size, block_size)
+    (12, True, 2, 2),
+    (16, True, 2, 4),
+    (20, True, 1, 4),
+    (9, True, 4, 4),
+    (12, False, 2, 2),
+    (16, False, 2, 4),
+]
+
+
+@needs_vllm
+@pytest.mark.parametrize("n,caching,hbs,bs", POOL_CONFIGS)
+@pytest.mark.parametrize("seed", range(4))
+def test_block_pool_differential(seed, n, caching, hbs, bs):
+    trace = PoolTrace(seed * 7919 + n, n, caching, hbs, bs)
+    trace.run(400)
+
+
+# =============================================================================
+# b) find_longest_cache_hit on random pools
+
+@needs_vllm
+@pytest.mark.parametrize("hbs,bs", [(2, 2), (2, 4), (1, 4), (2, 8)])
+@pytest.mark.parametrize("seed", range(4))
+def test_find_longest_cache_hit_differential(seed, hbs, bs):
+    trace = PoolTrace(50_000 + seed * 31 + bs, 24, True, hbs, bs)
+    rng = trace.rng
+    for _ in range(6):  # build a pool with full keys, partial entries and secondaries ...
+        trace.run(40)
+        for _ in range(60):  # ... then probe it
+            hashes = make_hashes(trace.tokens.prompt(6 * bs), hbs)
+            if rng.random() < 0.3 and trace.reqs:  # a prefix that is in the pool for sure
+                hashes = rng.choice(trace.reqs).hashes
+            max_len = rng.randint(0, len(hashes) * hbs + bs)
+            align = rng.choice([None, hbs, bs])
+            gids = rng.choice([[0], [1], [0, 1]])
+            compare_lookup(trace.pair, hashes, max_len, gids, bs, align,
+                           f"find_longest_cache_hit seed={seed} hbs={hbs} bs={bs} "
+                           f"max_length={max_len} align={align} groups={gids}")
+
+
+# =============================================================================
+# c) SimpleCPUOffloadScheduler, driven like vLLM's scheduler drives it
+
+def make_vllm_scheduler(num_gpu_blocks, num_cpu_blocks, block_size, hash_block_size, group_block_sizes,
+                        world_size):
+    """vLLM's manager from a real KVCacheConfig and a stand-in VllmConfig holding just the
+    attributes its constructor (eager mode) reads."""
+    page = 1024
+    groups = [VKVCacheGroupSpec([f"layer_{g}"], VFullAttentionSpec(block_size=s, num_kv_heads=1, head_size=8,
+                                                                    dtype=torch.float16))
+              for g, s in enumerate(group_block_sizes)]
+    tensors = [VKVCacheTensor(size=num_gpu_blocks * page, layers=[f"layer_{g}" for g in range(len(groups))],
+                              layer_stride=num_gpu_blocks * page, block_stride=page)]
+    kv_cache_config = VKVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
+    vllm_config = SimpleNamespace(
+        kv_events_config=None,
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1, world_size=world_size),
+        speculative_config=None,
+        model_config=SimpleNamespace(max_model_len=1 << 20),
+        max_in_flight_tokens=64,
+        num_prefill_lookahead_tokens=0,
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=64),
+    )
+    return VScheduler(vllm_config, kv_cache_config, cpu_capacity_bytes=1 << 40,
+                      scheduler_block_size=block_size, hash_block_size=hash_block_size,
+                      lazy_offload=False, num_cpu_blocks=num_cpu_blocks)
+
+
+def _ids(groups):
+    return [[b.block_id for b in g] for g in groups]
+
+
+def manager_state(m) -> dict:
+    def store(s):
+        return ([list(x) for x in s.block_ids], list(s.num_stored_blocks), sorted(s.store_events), s.finished)
+
+    def load(s):
+        return (list(s.transfer_meta.gpu_block_ids), list(s.transfer_meta.cpu_block_ids), s.load_event, s.finished)
+
+    def tm(t):
+        return (list(t.gpu_block_ids), list(t.cpu_block_ids))
+
+    return {
+        "reqs_to_store": [(k, store(v)) for k, v in m._reqs_to_store.items()],
+        "reqs_to_load": [(k, load(v)) for k, v in m._reqs_to_load.items()],
+        "abandoned_reqs_to_load": [(k, load(v)) for k, v in m._abandoned_reqs_to_load.items()],
+        "pending_cpu_hits": [(k, (_ids(v[0]), v[1], v[2])) for k, v in m._pending_cpu_hits.items()],
+        "load_event_to_reqs": [(k, list(v)) for k, v in m._load_event_to_reqs.items()],
+        "store_event_to_blocks": [(k, tm(v)) for k, v in m._store_event_to_blocks.items()],
+        "abandoned_store_event_to_blocks": [(k, tm(v)) for k, v in m._abandoned_store_event_to_blocks.items()],
+        "store_event_to_reqs": [(k, list(v)) for k, v in m._store_event_to_reqs.items()],
+        "in_flight_store_gpu_blocks": set(m._in_flight_store_gpu_blocks),
+        "pending_finished_stores": [tm(t) for t in m._pending_finished_stores],
+        "store_event_pending_counts": dict(m._store_event_pending_counts),
+        "load_event_counter": m._load_event_counter,
+        "store_event_counter": m._store_event_counter,
+        "has_pending_stores": m.has_pending_stores(),
+    }
+
+
+def meta_fields(meta) -> dict:
+    return {"load_event": meta.load_event, "load_gpu_blocks": list(meta.load_gpu_blocks),
+            "load_cpu_blocks": list(meta.load_cpu_blocks),
+            "load_event_to_reqs": {k: list(v) for k, v in meta.load_event_to_reqs.items()},
+            "store_event": meta.store_event, "store_gpu_blocks": list(meta.store_gpu_blocks),
+            "store_cpu_blocks": list(meta.store_cpu_blocks), "need_flush": meta.need_flush}
+
+
+def local_hit(pool, hashes, max_len, sizes, sched_bs, hbs):
+    """The GPU prefix-cache hit the engine finds before asking the connector (per group walk of
+    whole blocks, min over groups, rounded down to the scheduler block size). Harness code, run
+    identically on both libraries' GPU pools (their lookups are compared in test b)."""
+    per_group = []
+    hit = max_len
+    for g, size in enumerate(sizes):
+        scale = size // hbs
+        blocks = []
+        for i in range(min(max_len // size, len(hashes) // scale)):
+            b = pool.get_cached_block(hashes[(i + 1) * scale - 1], [g])
+            if not b:
+                break
+            blocks.append(b[0].block_id)
+        per_group.append(blocks)
+        hit = min(hit, len(blocks) * size)
+    hit -= hit % sched_bs
+    return hit, [blocks[:hit // size] for blocks, size in zip(per_group, sizes)]
+
+
+class EngineReq:
+    def __init__(self, req: ko.Request, max_tokens: int, n_groups: int):
+        self.req = req
+        self.rid = req.request_id
+        self.max_tokens = max_tokens
+        self.n_out = 0
+        self.status = "waiting"  # waiting | loading | loaded | running | done
+        self.table: list[list[int]] = [[] for _ in range(n_groups)]
+        self.num_cached: list[int] = [0] * n_groups  # GPU cache_full_blocks progress per group
+        self.preempted = False
+
+
+class ManagerTrace:
+    """Both managers, each bound to its own library's GPU BlockPool, driven in lockstep through
+    request lifecycles: GPU prefix lookup, get_num_new_matched_tokens (retries, declines, aborts,
+    misaligned probes), allocation, update_state_after_alloc, async loads, chunked prefill and
+    decode, preemption, build_connector_meta, store/load completions from world_size workers in
+    any interleaving, request_finished_all_groups, request_finished, reset()."""
+
+    def __init__(self, seed, num_gpu_blocks, num_cpu_blocks, block_size, hash_block_size, group_block_sizes,
+                 world_size=1, budget=8, max_prompt=40, ours_cls=None, **ours_kwargs):
+        self.rng = rng = random.Random(seed)
+        self.seed = seed
+        self.bs, self.hbs, self.sizes, self.world_size = block_size, hash_block_size, group_block_sizes, world_size
+        self.budget, self.max_prompt = budget, max_prompt
+        self.cfg = (f"seed={seed} gpu={num_gpu_blocks} cpu={num_cpu_blocks} bs={block_size} hbs={hash_block_size} "
+                    f"groups={group_block_sizes} world={world_size}")
+        self.ours = (ours_cls or ko.SimpleCPUOffloadScheduler)(
+            num_cpu_blocks, block_size, hash_block_size, group_block_sizes=list(group_block_sizes),
+            world_size=world_size, **ours_kwargs)
+        self.vllm = make_vllm_scheduler(num_gpu_blocks, num_cpu_blocks, block_size, hash_block_size,
+                                        group_block_sizes, world_size)
+        self.gpu = PoolPair(num_gpu_blocks, True, hash_block_size)
+        self.ours.bind_gpu_block_pool(self.gpu.ours)
+        self.vllm.bind_gpu_block_pool(self.gpu.vllm)
+        self.tokens = TokenSource(rng, alphabet=2, stem_len=max_prompt)
+        self.waiting: list[EngineReq] = []
+        self.running: list[EngineReq] = []
+        self.loading: list[EngineReq] = []
+        self.store_events: dict[int, int] = {}  # event -> workers that still have to report
+        self.load_events: dict[int, list[str]] = {}
+        self.next_id = 0
+        self.prompts: list[list[int]] = []
+        self.step_no = 0
+        self.calls = 0
+        self.finished_total = 0
+        self.stats = {"cpu_hits": 0, "stores": 0, "loads": 0, "preemptions": 0, "resets": 0, "resets_refused": 0,
+                      "flushes": 0, "cpu_secondaries": 0, "declined_or_partial_hits": 0, "stale_pins": 0,
+                      "aborts_waiting": 0, "aborts_loading": 0}
+
+    # --- plumbing -------------------------------------------------------------
+
+    def what(self, op):
+        return f"manager {self.cfg} step={self.step_no} call#{self.calls} {op}"
+
+    def check(self, op):
+        w = self.what(op)
+        assert_same(manager_state(self.ours), manager_state(self.vllm), w + " [manager state]")
+        assert_same(vpool_state(self.ours.cpu_block_pool), vpool_state(self.vllm.cpu_block_pool), w + " [CPU pool]")
+        self.gpu.check(w + " [GPU pool]")
+
+    def both(self, op, f_ours, f_vllm):
+        self.calls += 1
+        a, b, exc = call_both(self.what(op), f_ours, f_vllm)
+        self.check(op)
+        return a, b, exc
+
+    def gpu_alloc(self, n):
+        a, b, _ = call_both(self.what(f"gpu get_new_blocks({n})"),
+                            lambda: self.gpu.ours.get_new_blocks(n), lambda: self.gpu.vllm.get_new_blocks(n))
+        ids = [x.block_id for x in a]
+        assert_same(ids, [x.block_id for x in b], self.what("gpu get_new_blocks ids"))
+        return ids
+
+    def gpu_free_request(self, er):
+        for g in range(len(self.sizes)):  # vLLM: each group's manager frees its blocks in reverse
+            ids = list(reversed(er.table[g]))
+            self.gpu.ours.free_blocks(self.gpu.ob(ids))
+            self.gpu.vllm.free_blocks(self.gpu.vb(ids))
+        er.table = [[] for _ in self.sizes]
+        er.num_cached = [0] * len(self.sizes)
+
+    def gpu_cache(self, er, num_tokens):
+        """vLLM caches (hashes) the blocks a step will fill at allocation time, before the forward."""
+        req = er.req
+        for g, size in enumerate(self.sizes):
+            num_full = min(num_tokens // size, len(req.block_hashes) // (size // self.hbs), len(er.table[g]))
+            if num_full > er.num_cached[g]:
+                self.gpu.ours.cache_full_blocks(req, self.gpu.ob(er.table[g]), er.num_cached[g], num_full, size, g)
+                self.gpu.vllm.cache_full_blocks(req, self.gpu.vb(er.table[g]), er.num_cached[g], num_full, size, g)
+                er.num_cached[g] = num_full
+            # vLLM's FullAttentionManager._cache_partial_tail_block: a group whose blocks are
+            # bigger than a hash block also registers the prompt's last hash boundary inside a
+            # block (a secondary key when that block already has its full key, e.g. a local hit)
+            boundary = min((req.num_prompt_tokens - 1) // self.hbs, len(req.block_hashes)) * self.hbs
+            j = boundary // size
+            if size > self.hbs and 0 < boundary <= num_tokens and boundary % size and j < len(er.table[g]):
+                self.gpu.ours.cache_partial_block(req, self.gpu.ours.blocks[er.table[g][j]], boundary, g)
+                self.gpu.vllm.cache_partial_block(req, self.gpu.vllm.blocks[er.table[g][j]], boundary, g, size)
+        self.gpu.check(self.what(f"gpu cache_full_blocks {er.rid}"))
+
+    def blocks_needed(self, er, num_tokens):
+        return sum(max(0, -(-num_tokens // size) - len(er.table[g])) for g, size in enumerate(self.sizes))
+
+    def grow(self, er, num_tokens):
+        new = []
+        for g, size in enumerate(self.sizes):
+            n = max(0, -(-num_tokens // size) - len(er.table[g]))
+            ids = self.gpu_alloc(n)
+            er.table[g].extend(ids)
+            new.append(ids)
+        return new
+
+    def outputs(self, new_reqs, cached_reqs, preempted):
+        """One step's SchedulerOutput for each library. new_reqs: [(rid, n, full table)];
+        cached_reqs: [(rid, n, new ids or None, resumed)]."""
+        ns = {rid: n for rid, n, *_ in new_reqs}
+        ns.update({rid: n for rid, n, *_ in cached_reqs})
+        ours = ko.SchedulerOutput(
+            num_scheduled_tokens=dict(ns),
+            new_block_ids={**{rid: tuple(list(x) for x in t) for rid, _, t in new_reqs},
+                           **{rid: tuple(list(x) for x in t) for rid, _, t, _ in cached_reqs if t is not None}},
+            resumed_req_ids={rid for rid, _, _, resumed in cached_reqs if resumed},
+            preempted_req_ids=set(preempted))
+        cached = VCachedRequestData(
+            req_ids=[c[0] for c in cached_reqs],
+            resumed_req_ids={rid for rid, _, _, resumed in cached_reqs if resumed},
+            new_token_ids=[[] for _ in cached_reqs], all_token_ids={},
+            new_block_ids=[None if t is None else tuple(list(x) for x in t) for _, _, t, _ in cached_reqs],
+            num_computed_tokens=[0] * len(cached_reqs), num_output_tokens=[0] * len(cached_reqs))
+        vllm = VSchedulerOutput(
+            scheduled_new_reqs=[VNewRequestData(req_id=rid, prompt_token_ids=None, mm_features=[],
+                                                sampling_params=None, pooling_params=None,
+                                                block_ids=tuple(list(x) for x in t), num_computed_tokens=0,
+                                                lora_request=None) for rid, _, t in new_reqs],
+            scheduled_cached_reqs=cached, num_scheduled_tokens=dict(ns),
+            total_num_scheduled_tokens=sum(ns.values()), scheduled_spec_decode_tokens={},
+            scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[],
+            preempted_req_ids=set(preempted), kv_connector_block_state=None)
+        return ours, vllm
+
+    # --- request lifecycle ------------------------------------------------------
+
+    def add_request(self):
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        if self.prompts and self.rng.random() < 0.3:  # a resend, or a longer sibling, of an earlier prompt
+            prompt = list(self.rng.choice(self.prompts))
+            prompt += [self.rng.randrange(2) for _ in range(self.rng.choice([0, 0, 1, 5]))]
+        else:
+            prompt = self.tokens.prompt(self.max_prompt)
+        self.prompts.append(prompt)
+        req = ko.Request(rid, prompt, self.hbs, max_tokens=1)
+        req.skip_reading_prefix_cache = self.rng.random() < 0.05
+        self.waiting.append(EngineReq(req, self.rng.randint(1, 6), len(self.sizes)))
+
+    def finish(self, er, how="finished_all_groups"):
+        ids = tuple(list(x) for x in er.table)
+        if how == "finished_all_groups":
+            a, b, _ = self.both(f"request_finished_all_groups({er.rid})",
+                                lambda: self.ours.request_finished_all_groups(er.req, ids),
+                                lambda: self.vllm.request_finished_all_groups(er.req, ids))
+        else:
+            a, b, _ = self.both(f"request_finished({er.rid})",
+                                lambda: self.ours.request_finished(er.req, []),
+                                lambda: self.vllm.request_finished(er.req, []))
+        assert_same(tuple(a), tuple(b), self.what("request_finished return"))
+        self.gpu_free_request(er)
+        self.gpu.check(self.what(f"free {er.rid}"))
+        er.status = "done"
+        self.finished_total += 1
+
+    def preempt(self, er):
+        self.running.remove(er)
+        self.gpu_free_request(er)  # vLLM frees a preempted request's blocks without telling the connector
+        er.req.num_computed_tokens = 0
+        er.status, er.preempted = "waiting", True
+        self.waiting.insert(0, er)
+        self.stats["preemptions"] += 1
+
+    def lookup(self, er):
+        """Local GPU hit, then the connector's CPU hit. Returns (local tokens, local blocks, hit)."""
+        rng, req = self.rng, er.req
+        lh_o, lb_o = local_hit(self.gpu.ours, req.block_hashes, req.num_tokens - 1, self.sizes, self.bs, self.hbs)
+        lh_v, lb_v = local_hit(self.gpu.vllm, req.block_hashes, req.num_tokens - 1, self.sizes, self.bs, self.hbs)
+        assert_same((lh_o, lb_o), (lh_v, lb_v), self.what(f"local GPU hit {er.rid}"))
+        if rng.random() < 0.1 and req.num_tokens > 1:  # a misaligned probe: (0, False), drops a stale pin
+            nc = rng.randint(1, req.num_tokens - 1)
+            if nc % self.bs:
+                a, b, _ = self.both(f"get_num_new_matched_tokens({er.rid}, {nc}) misaligned",
+                                    lambda: self.ours.get_num_new_matched_tokens(req, nc),
+                                    lambda: self.vllm.get_num_new_matched_tokens(req, nc))
+                assert_same(tuple(a), tuple(b), self.what("get_num_new_matched_tokens misaligned"))
+        a, b, _ = self.both(f"get_num_new_matched_tokens({er.rid}, {lh_o})",
+                            lambda: self.ours.get_num_new_matched_tokens(req, lh_o),
+                            lambda: self.vllm.get_num_new_matched_tokens(req, lh_o))
+        assert_same(tuple(a), tuple(b), self.what("get_num_new_matched_tokens"))
+        return lh_o, lb_o, a[0]
+
+    def step(self):
+        rng = self.rng
+        self.step_no += 1
+        budget = self.budget
+        new_reqs, cached_reqs, preempted, scheduled = [], [], set(), []
+
+        # 1. running requests, in order; preempt from the tail when the GPU pool is full
+        i = 0
+        while i < len(self.running) and budget > 0:
+            er = self.running[i]
+            req = er.req
+            n = min(budget, req.num_tokens - req.num_computed_tokens)
+            if n <= 0:
+                i += 1
+                continue
+            while self.blocks_needed(er, req.num_computed_tokens + n) > self.gpu.ours.get_num_free_blocks():
+                if len(self.running) - 1 > i:
+                    victim = self.running[-1]
+                    self.preempt(victim)
+                    preempted.add(victim.rid)
+                else:
+                    n = 0
+                    break
+            if n == 0:
+                i += 1
+                continue
+            new = self.grow(er, req.num_computed_tokens + n)
+            self.gpu_cache(er, req.num_computed_tokens + n)
+            cached_reqs.append((er.rid, n, new if any(new) else None, False))
+            scheduled.append((er, n))
+            budget -= n
+            i += 1
+
+        # 2. waiting requests (new, preempted, or with a finished load)
+        for er in list(self.waiting):
+            if budget <= 0:
+                break
+            req = er.req
+            if er.status == "loaded":  # its load finished: now scheduled with its whole table
+                n = min(budget, req.num_tokens - req.num_computed_tokens)
+                if self.blocks_needed(er, req.num_computed_tokens + n) > self.gpu.ours.get_num_free_blocks():
+                    continue
+                self.grow(er, req.num_computed_tokens + n)
+                self.gpu_cache(er, req.num_computed_tokens + n)
+                new_reqs.append((er.rid, n, [list(x) for x in er.table]))
+            else:
+                if rng.random() < 0.04:  # aborted while waiting (maybe with a pin from an earlier lookup)
+                    self.waiting.remove(er)
+                    self.finish(er, how=rng.choice(["finished", "finished_all_groups"]))
+                    self.stats["aborts_waiting"] += 1
+                    continue
+                lh, lblocks, hit = self.lookup(er)
+                if hit:
+                    self.stats["cpu_hits"] += 1
+                if rng.random() < 0.08:  # allocation "failed": retry next step (the pin goes stale)
+                    self.stats["stale_pins"] += bool(hit)
+                    continue
+                ext = 0
+                if hit:
+                    ext = rng.choice([hit, hit, hit, 0, (hit // self.bs - rng.randint(0, hit // self.bs)) * self.bs])
+                self.stats["declined_or_partial_hits"] += 0 < hit != ext
+                n = 0 if ext else min(budget, req.num_tokens - lh)
+                total = lh + ext + n
+                need = sum(max(0, -(-total // size) - len(lb)) for lb, size in zip(lblocks, self.sizes))
+                need += len({b for lb in lblocks for b in lb if self.gpu.ours.blocks[b].ref_cnt == 0})
+                if need > self.gpu.ours.get_num_free_blocks():
+                    continue  # no room: stays waiting, its pin is dropped by the next lookup
+                for g in range(len(self.sizes)):
+                    self.gpu.ours.touch(self.gpu.ob(lblocks[g]))
+                    self.gpu.vllm.touch(self.gpu.vb(lblocks[g]))
+                    er.table[g] = list(lblocks[g])
+                    er.num_cached[g] = len(lblocks[g])
+                self.grow(er, total)
+                req.num_computed_tokens = lh + ext
+                ob = tuple(self.gpu.ob(t) for t in er.table)
+                vb = VKVCacheBlocks(blocks=tuple(self.gpu.vb(t) for t in er.table))
+                self.both(f"update_state_after_alloc({er.rid}, local={lh}, ext={ext})",
+                          lambda: self.ours.update_state_after_alloc(req, ob, ext),
+                          lambda: self.vllm.update_state_after_alloc(req, vb, ext))
+                if ext:  # async load: not scheduled until it completes
+                    self.waiting.remove(er)
+                    er.status = "loading"
+                    self.loading.append(er)
+                    continue
+                self.gpu_cache(er, total)
+                if er.preempted:  # vLLM (MRV1): a resumed request, whole table, in the cached list
+                    cached_reqs.append((er.rid, n, [list(x) for x in er.table], True))
+                else:
+                    new_reqs.append((er.rid, n, [list(x) for x in er.table]))
+            self.waiting.remove(er)
+            er.status = "running"
+            self.running.append(er)
+            scheduled.append((er, n))
+            budget -= n
+
+        # 3. the connector's metadata for this step (new requests first, as vLLM yields them)
+        so_o, so_v = self.outputs(new_reqs, cached_reqs, preempted)
+        for er, _ in scheduled:  # async scheduling: a token in flight is computed but not confirmed
+            if er.req.num_computed_tokens > 0 and rng.random() < 0.15:
+                er.req.num_output_placeholders = 1
+        mo, mv, _ = self.both("build_connector_meta", lambda: self.ours.build_connector_meta(so_o),
+                              lambda: self.vllm.build_connector_meta(so_v))
+        for er, _ in scheduled:
+            er.req.num_output_placeholders = 0
+        assert_same(meta_fields(mo), meta_fields(mv), self.what("build_connector_meta result"))
+        if mo.store_event >= 0:
+            self.store_events[mo.store_event] = self.world_size
+            self.stats["stores"] += 1
+        if mo.load_event >= 0:
+            self.load_events[mo.load_event] = list(mo.load_event_to_reqs[mo.load_event])
+            self.stats["loads"] += 1
+
+        # 4. the forward pass: computed tokens become confirmed; prompts done sample a token
+        for er, n in scheduled:
+            req = er.req
+            req.num_computed_tokens += n
+            if req.num_computed_tokens >= req.num_tokens:
+                req.append_output_token_ids(rng.randrange(2))
+                er.n_out += 1
+                if er.n_out >= er.max_tokens:
+                    self.running.remove(er)
+                    self.finish(er)
+
+        # 5. the workers report completions (any subset, any order, world_size reports each)
+        done_stores: dict[int, int] = {}
+        for e in list(self.store_events):
+            if rng.random() < 0.6:
+                c = rng.randint(1, self.store_events[e])
+                done_stores[e] = c
+                self.store_events[e] -= c
+                if not self.store_events[e]:
+                    del self.store_events[e]
+        stale = [e for e in range(self.ours._store_event_counter)
+                 if e not in self.store_events and e not in done_stores]
+        if stale and rng.random() < 0.05:  # a stale / duplicate report: ignored by both
+            done_stores[rng.choice(stale)] = 1
+        recv: set[str] = set()
+        for e in list(self.load_events):
+            if rng.random() < 0.6:
+                recv.update(self.load_events.pop(e))
+        if done_stores or recv or rng.random() < 0.3:
+            oo = ko.KVConnectorOutput(finished_recving=set(recv),
+                                      kv_connector_worker_meta=ko.SimpleCPUOffloadWorkerMetadata(dict(done_stores))
+                                      if done_stores else None)
+            vo = VKVConnectorOutput(finished_recving=set(recv),
+                                    kv_connector_worker_meta=VWorkerMeta(dict(done_stores)) if done_stores else None)
+            self.both(f"update_connector_output(stores={done_stores}, recv={sorted(recv)})",
+                      lambda: self.ours.update_connector_output(oo), lambda: self.vllm.update_connector_output(vo))
+        for er in list(self.loading):
+            if er.rid in recv:
+                self.loading.remove(er)
+                if er.status == "loading":
+                    er.status = "loaded"
+                    self.gpu_cache(er, er.req.num_computed_tokens)  # the loaded prefix is now cached
+                    self.waiting.insert(0, er)
+
+        # 6. occasionally: abort a loading or running request, reset the CPU cache
+        if self.loading and rng.random() < 0.03:
+            er = rng.choice(self.loading)
+            self.loading.remove(er)
+            self.finish(er)  # load in flight: the manager defers the cleanup to its completion
+            self.stats["aborts_loading"] += 1
+        if self.running and rng.random() < 0.03:
+            er = rng.choice(self.running)
+            self.running.remove(er)
+            self.finish(er, how=rng.choice(["finished", "finished_all_groups"]))
+        if rng.random() < 0.35:  # another tenant churns the GPU pool: evicts cached GPU blocks (LRU)
+            free = self.gpu.ours.get_num_free_blocks()
+            k = free if rng.random() < 0.5 else rng.randint(0, free)
+            ids = self.gpu_alloc(k)
+            rng.shuffle(ids)
+            self.gpu.ours.free_blocks(self.gpu.ob(ids))
+            self.gpu.vllm.free_blocks(self.gpu.vb(ids))
+            self.gpu.check(self.what(f"gpu churn {k}"))
+        if rng.random() < 0.03:
+            a, b, _ = self.both("reset", self.ours.reset, self.vllm.reset)
+            assert_same(a, b, self.what("reset result"))
+            self.stats["resets" if a else "resets_refused"] += 1
+        if self.ours._pending_finished_stores:
+            self.stats["flushes"] += 1
+        if self.ours.cpu_block_pool.cached_block_hashes_by_block:  # secondaries copied GPU -> CPU
+            self.stats["cpu_secondaries"] += 1
+
+    def run(self, n_steps):
+        self.check("init")
+        for _ in range(n_steps):
+            while len(self.waiting) + len(self.running) + len(self.loading) < 4 and self.rng.random() < 0.7:
+                self.add_request()
+            self.step()
+        # drain: no new requests; finish everything, let every transfer complete
+        for _ in range(200):
+            if not (self.waiting or self.running or self.loading or self.store_events or self.load_events
+                    or self.ours.has_pending_stores()):
+                break
+            self.step()
+        assert not (self.waiting or self.running or self.loading), self.what("drain did not finish")
+        assert_same(self.ours.has_pending_stores(), False, self.what("pending stores after drain"))
+
+
+MANAGER_CONFIGS = [  # (num_gpu_blocks, num_cpu_blocks, block_size, hash_block_size, group sizes, world)
+    (24, 6, 4, 4, [4], 1),        # CPU much smaller than the traffic: capacity stops, CPU LRU eviction
+    (24, 3, 4, 4, [4], 2),        # 2 usable CPU blocks, two workers per store event
+    (16, 48, 4, 4, [4], 1),       # CPU larger than GPU (the normal case): many CPU hits and loads
+    (40, 64, 4, 4, [4, 4], 1),    # two groups of one block size, looked up together
+    (40, 64, 8, 4, [4, 8], 1),    # two block sizes, hash_block_size < a group's block size
+    (40, 12, 8, 4, [8, 4], 2),
+    (40, 64, 16, 4, [8, 16, 4], 1),  # three groups, three block sizes
+]
+
+
+@needs_vllm
+@pytest.mark.parametrize("gpu,cpu,bs,hbs,sizes,world", MANAGER_CONFIGS)
+@pytest.mark.parametrize("seed", range(4))
+def test_manager_differential(seed, gpu, cpu, bs, hbs, sizes, world):
+    trace = ManagerTrace(seed * 104729 + gpu + cpu, gpu, cpu, bs, hbs, sizes, world_size=world)
+    trace.run(100)
+    assert trace.finished_total > 0 and trace.stats["stores"] > 0, trace.stats
+    _COVERAGE[(seed, gpu, cpu, bs, hbs, tuple(sizes), world)] = dict(trace.stats, calls=trace.calls)
+
+
+_COVERAGE: dict[tuple, dict[str, int]] = {}
+
+
+def test_manager_rejects_a_group_finer_than_the_scheduler_block():
+    """vLLM's scheduler block size is the LCM of the group block sizes, so one group of 4 under a
+    scheduler block of 8 never exists there; ours refuses to build it instead of diverging."""
+    with pytest.raises(ValueError, match="LCM"):
+        ko.SimpleCPUOffloadScheduler(16, 8, hash_block_size=4, group_block_sizes=[4])
+
+
+@needs_vllm
+def test_manager_traces_cover_the_paths():
+    """The manager traces together hit CPU loads, finish flushes, preemptions and resets."""
+    if len(_COVERAGE) < 4 * len(MANAGER_CONFIGS):
+        pytest.skip("needs every test_manager_differential trace to have run first")
+    totals = {k: sum(c[k] for c in _COVERAGE.values()) for k in next(iter(_COVERAGE.values()))}
+    print("manager trace totals:", totals)
+    assert all(v > 0 for v in totals.values()), totals
+
+
+# =============================================================================
+# The pre-fix variant: the differential test must see each bug, and nothing else
+
+@needs_vllm
+@pytest.mark.parametrize("registration_bug,flush_bug", [(False, False), (True, False), (False, True)])
+def test_prefix_variant_diverges_exactly_by_its_bugs(registration_bug, flush_bug):
+    """With both flags off, PreFixCPUOffloadScheduler is the fixed manager and matches vLLM; with
+    either bug on, the lockstep comparison catches it (vLLM 0.33 has both fixes)."""
+    cfg = MANAGER_CONFIGS[2]
+    diverged = []
+    for seed in range(3):
+        trace = ManagerTrace(seed * 104729 + cfg[0] + cfg[1], *cfg[:5], world_size=cfg[5],
+                             ours_cls=ko.PreFixCPUOffloadScheduler,
+                             registration_bug=registration_bug, flush_bug=flush_bug)
+        try:
+            trace.run(100)
+        except AssertionError as e:
+            diverged.append(str(e).splitlines()[0])
+    if registration_bug or flush_bug:
+        assert len(diverged) == 3, diverged
+    else:
+        assert diverged == []
