@@ -1512,8 +1512,8 @@ class MiniEngine:
             else:
                 (hit_blocks,), local = find_longest_cache_hit(req.block_hashes, req.num_tokens - 1, [0],
                                                               self.gpu_block_pool, self.block_size)
-                ext, load_async = (self.connector.get_num_new_matched_tokens(req, local)
-                                   if self.connector is not None else (0, False))
+                # loads are always asynchronous here: the second value is always True on a hit
+                ext = self.connector.get_num_new_matched_tokens(req, local)[0] if self.connector is not None else 0
             n = 0 if ext else min(req.num_tokens - local, budget)
             # new blocks, plus hit blocks that touch() will take out of the free queue
             need = (cdiv(local + ext + n, self.block_size) - len(self.req_blocks.get(rid, hit_blocks))
@@ -1528,7 +1528,7 @@ class MiniEngine:
                 if rid not in self._resumed:
                     st.gpu_hit_tokens, st.cpu_hit_tokens = local, ext
                 req.num_computed_tokens = local
-                new = self._allocate(req, local + ext + n)
+                self._allocate(req, local + ext + n)
                 if self.connector is not None:
                     self.connector.update_state_after_alloc(req, (self.req_blocks[rid],), ext)
                 if ext:  # WAITING_FOR_REMOTE_KVS: not scheduled until the load is reported
