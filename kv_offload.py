@@ -432,11 +432,12 @@ class BlockPool:
         free queue, so it can no longer be evicted."""
         blocks, leaving = list(blocks), []
         for i, block in enumerate(blocks):
+            if type(block) is not KVCacheBlock or block.pool is not self or (
+                    block.ref_cnt == 0 and block.prev_free_block is None and not block.is_null):
+                self._undo(blocks[:i], +1)
+                raise ValueError(f"touch: {block!r} is not a block of this pool")
             if block.is_null:
                 continue
-            if block.pool is not self or (block.ref_cnt == 0 and block.prev_free_block is None):
-                self._undo(blocks[:i], +1)
-                raise ValueError(f"touch: block {block.block_id} is not a block of this pool")
             if block.ref_cnt == 0:
                 leaving.append(block)
             block.ref_cnt += 1
@@ -448,12 +449,14 @@ class BlockPool:
         (first = evicted first): unhashed ones to the front, hashed ones to the back."""
         blocks, first, last, caching = list(ordered_blocks), [], [], self.enable_caching
         for i, block in enumerate(blocks):
+            if type(block) is not KVCacheBlock or block.pool is not self:
+                self._undo(blocks[:i], -1)
+                raise ValueError(f"free_blocks: {block!r} is not a block of this pool")
             if block.is_null:
                 continue
-            if block.ref_cnt <= 0 or block.pool is not self:
+            if block.ref_cnt <= 0:
                 self._undo(blocks[:i], -1)
-                raise ValueError(f"free_blocks: block {block.block_id} is free already (a double free) "
-                                 "or not a block of this pool")
+                raise ValueError(f"free_blocks: block {block.block_id} is free already (a double free)")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 (last if block._block_hash is not None and caching else first).append(block)
@@ -730,11 +733,16 @@ class SimpleCPUOffloadScheduler:
         `num_external_tokens` of the offered hit (maybe fewer). Registers the request for eager
         stores and sets up its load: GPU blocks right after the local hit <- CPU hit blocks."""
         rid = request.request_id
-        ids = tuple([b.block_id for b in grp] for grp in blocks)
-        pending = self._pending_cpu_hits.get(rid)
+        pool = self._gpu_block_pool
         # validate everything before any state changes
+        if any(not isinstance(b, KVCacheBlock) or (pool is not None and b.pool is not pool) for grp in blocks for b in grp):
+            raise ValueError(f"{rid}: blocks must be KVCacheBlocks of the bound GPU pool")
+        ids = tuple([b.block_id for b in grp] for grp in blocks)
+        pending, old = self._pending_cpu_hits.get(rid), self._reqs_to_store.get(rid)
         if len(ids) != len(self.group_block_sizes):
             raise ValueError(f"{rid}: blocks has {len(ids)} groups, expected {len(self.group_block_sizes)}")
+        if old is not None and old.request is not request and not old.finished:
+            raise ValueError(f"request id {rid!r} is already in use by a running request")
         if num_external_tokens < 0 or num_external_tokens % self.hash_block_size:
             raise ValueError(f"{rid}: num_external_tokens={num_external_tokens} is misaligned: "
                              f"must be a non-negative multiple of hash_block_size={self.hash_block_size}")
@@ -751,6 +759,10 @@ class SimpleCPUOffloadScheduler:
                 if pending[2] // size + cdiv(num_external_tokens, size) > len(ids[g]):
                     raise ValueError(f"{rid}: group {g} has {len(ids[g])} GPU blocks, too few for "
                                      f"{pending[2]} local + {num_external_tokens} external tokens")
+        if old is not None and old.finished:
+            # the id is reused while its previous owner's stores are in flight: those complete
+            # (and cache) on their own; the new request gets its own state
+            self._cleanup_store_request(rid)
         if rid not in self._reqs_to_store:  # also with 0 external tokens: it will be stored
             self._reqs_to_store[rid] = StoreRequestState(
                 request, tuple([] for _ in ids), [0] * len(ids))
@@ -893,11 +905,15 @@ class SimpleCPUOffloadScheduler:
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Loads complete per request (finished_recving); stores per event, once all
         world_size workers reported it (counts accumulate across steps)."""
+        meta = connector_output.kv_connector_worker_meta
+        if meta is not None and any(not isinstance(c, int) or c < 1 for c in meta.completed_store_events.values()):
+            raise ValueError(f"completed_store_events counts must be >= 1: {meta.completed_store_events}")
         for rid in list(connector_output.finished_recving or ()):
             self._cleanup_load_request(rid)
-        meta = connector_output.kv_connector_worker_meta
         if meta is None:
             return
+        # NOTE: as in vLLM, a count for an event that is no longer known (a duplicate, or from
+        # before a reset) is kept until it reaches world_size, then ignored; reset() drops it.
         for event, count in meta.completed_store_events.items():
             total = self._store_event_pending_counts.get(event, 0) + count
             if total >= self.world_size:
@@ -1156,6 +1172,8 @@ class SimpleCPUOffloadWorker:
         if not kv_caches:
             raise ValueError("register_kv_caches: no KV caches given")
         tensors = list(kv_caches.values())
+        if any(not isinstance(t, torch.Tensor) or t.dim() < 2 for t in tensors):
+            raise ValueError("KV caches must be tensors of at least 2 dims: [num_blocks, ...] or (2, num_blocks, ...)")
         if num_gpu_blocks is None:
             num_gpu_blocks = next((t.shape[0] for t in tensors if t.shape[0] != 2), None) or tensors[0].shape[1]
         regions: dict[str, torch.Tensor] = {}
@@ -1189,6 +1207,11 @@ class SimpleCPUOffloadWorker:
     # --- per step ---------------------------------------------------------------
 
     def bind_connector_metadata(self, metadata: SimpleCPUOffloadMetadata) -> None:
+        # validate before recording anything: a rejected event must never be reported complete
+        self._check_ids(metadata.store_gpu_blocks, metadata.store_cpu_blocks, self.num_gpu_blocks,
+                        self.num_cpu_blocks, "store")
+        self._check_ids(metadata.load_cpu_blocks, metadata.load_gpu_blocks, self.num_cpu_blocks,
+                        self.num_gpu_blocks, "load")
         self._connector_metadata = metadata
         if metadata.load_event >= 0:
             self._pending_load_event_indices.add(metadata.load_event)
@@ -1244,8 +1267,6 @@ class SimpleCPUOffloadWorker:
     # --- copies -----------------------------------------------------------------
 
     def _launch(self, src_ids: list[int], dst_ids: list[int], is_store: bool, event_idx: int) -> None:
-        n_src, n_dst = (self.num_gpu_blocks, self.num_cpu_blocks) if is_store else (self.num_cpu_blocks, self.num_gpu_blocks)
-        self._check_ids(src_ids, dst_ids, n_src, n_dst, "store" if is_store else "load")
         src, dst = (self.gpu_caches, self.cpu_caches) if is_store else (self.cpu_caches, self.gpu_caches)
         runs = _coalesce_runs(src_ids, dst_ids)
         event = None
@@ -1415,6 +1436,9 @@ class MiniEngine:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.stats:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if cdiv(request.num_prompt_tokens + request.max_tokens - 1, self.block_size) > self.gpu_block_pool.num_gpu_blocks - 1:
+            raise ValueError(f"request {request.request_id!r} needs more GPU blocks than the pool has: "
+                             "it could never run (vLLM rejects it up front too)")
         if request.hash_block_size != self.hash_block_size:
             raise ValueError(f"request hash_block_size {request.hash_block_size} != engine's {self.hash_block_size}")
         self.waiting.append(request)
@@ -1502,6 +1526,9 @@ class MiniEngine:
             if new:
                 so.new_block_ids[req.request_id] = ([b.block_id for b in new],)
             budget -= n
+        # requests whose load landed hold GPU blocks: admit them before anything new, or a
+        # preempted request queued ahead of them could wait forever for those very blocks
+        self.waiting.sort(key=lambda r: r.request_id not in self.req_blocks or r.request_id in self.loading)
         while self.waiting and budget > 0 and not so.preempted_req_ids:
             req = self.waiting[0]
             rid = req.request_id

@@ -324,10 +324,11 @@ def test_worker_rejects_bad_ids_before_copying(meta_kwargs, match):
     w = ko.SimpleCPUOffloadWorker(10)
     w.register_kv_caches(caches, 12)
     snap = {k: v.clone() for k, v in {**w.gpu_caches, **w.cpu_caches}.items()}
-    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(**meta_kwargs))
-    with pytest.raises(ValueError, match=match):
-        w.wait_for_save() if "store_event" in meta_kwargs else w.start_load_kv()
+    with pytest.raises(ValueError, match=match):  # rejected at bind: nothing recorded, nothing copied
+        w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(**meta_kwargs))
+    w.wait_for_save(); w.start_load_kv()
     assert all(torch.equal(v, snap[k]) for k, v in {**w.gpu_caches, **w.cpu_caches}.items())
+    assert w.get_finished(set()) == (None, None) and w.build_connector_worker_meta() is None
 
 
 def test_worker_rejects_bad_cache_shapes():
