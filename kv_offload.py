@@ -507,12 +507,20 @@ def find_longest_cache_hit(block_hashes: Sequence[bytes], max_length: int, kv_ca
     if fine and align != hbs:
         raise ValueError(f"fine-grained alignment must equal hash_block_size ({hbs}), got {align}")
     computed: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
-    for i in range(min(max_length // block_size, len(block_hashes) // scale)):
-        cached = block_pool.get_cached_block(block_hashes[(i + 1) * scale - 1], kv_cache_group_ids)
-        if not cached:
-            break
-        for dst, blk in zip(computed, cached):
-            dst.append(blk)
+    n_blocks = min(max_length // block_size, len(block_hashes) // scale)
+    if len(kv_cache_group_ids) == 1:  # the hot path, get_cached_block inlined: one dict probe per block
+        suffix, get = kv_cache_group_ids[0].to_bytes(4, "big"), block_pool.cached_block_hash_to_block.get_one_block
+        for i in range(scale - 1, n_blocks * scale, scale):  # the last fine hash of each block
+            if (blk := get(block_hashes[i] + suffix)) is None:
+                break
+            computed[0].append(blk)
+    else:
+        for i in range(n_blocks):
+            cached = block_pool.get_cached_block(block_hashes[(i + 1) * scale - 1], kv_cache_group_ids)
+            if not cached:
+                break
+            for dst, blk in zip(computed, cached):
+                dst.append(blk)
     hit_length = len(computed[0]) * block_size
     if fine:
         first = len(computed[0]) * scale
@@ -732,20 +740,17 @@ class SimpleCPUOffloadScheduler:
         """The scheduler allocated `blocks` (the request's GPU table per group) and accepted
         `num_external_tokens` of the offered hit (maybe fewer). Registers the request for eager
         stores and sets up its load: GPU blocks right after the local hit <- CPU hit blocks."""
-        rid = request.request_id
-        pool = self._gpu_block_pool
-        # validate everything before any state changes
-        if any(not isinstance(b, KVCacheBlock) or (pool is not None and b.pool is not pool) for grp in blocks for b in grp):
-            raise ValueError(f"{rid}: blocks must be KVCacheBlocks of the bound GPU pool")
-        ids = tuple([b.block_id for b in grp] for grp in blocks)
+        rid, n_groups = request.request_id, len(self.group_block_sizes)
         pending, old = self._pending_cpu_hits.get(rid), self._reqs_to_store.get(rid)
-        if len(ids) != len(self.group_block_sizes):
-            raise ValueError(f"{rid}: blocks has {len(ids)} groups, expected {len(self.group_block_sizes)}")
+        # validate everything before any state changes
+        if len(blocks) != n_groups:
+            raise ValueError(f"{rid}: blocks has {len(blocks)} groups, expected {n_groups}")
         if old is not None and old.request is not request and not old.finished:
             raise ValueError(f"request id {rid!r} is already in use by a running request")
         if num_external_tokens < 0 or num_external_tokens % self.hash_block_size:
             raise ValueError(f"{rid}: num_external_tokens={num_external_tokens} is misaligned: "
                              f"must be a non-negative multiple of hash_block_size={self.hash_block_size}")
+        gpu_blocks, cpu_blocks = [], []
         if num_external_tokens:
             if pending is None:
                 raise ValueError(f"{rid}: num_external_tokens={num_external_tokens} but "
@@ -755,38 +760,35 @@ class SimpleCPUOffloadScheduler:
                                  f"CPU hit of {pending[1]} tokens")
             if rid in self._reqs_to_load:
                 raise ValueError(f"{rid}: a load is already pending for this request")
+            hit_blocks, _, num_computed = pending
             for g, size in enumerate(self.group_block_sizes):
-                if pending[2] // size + cdiv(num_external_tokens, size) > len(ids[g]):
-                    raise ValueError(f"{rid}: group {g} has {len(ids[g])} GPU blocks, too few for "
-                                     f"{pending[2]} local + {num_external_tokens} external tokens")
+                start, n_take = num_computed // size, cdiv(num_external_tokens, size)
+                if start + n_take > len(blocks[g]):
+                    raise ValueError(f"{rid}: group {g} has {len(blocks[g])} GPU blocks, too few for "
+                                     f"{num_computed} local + {num_external_tokens} external tokens")
+                # the load lands right after the local hit; null CPU slots have nothing to copy
+                for gpu_blk, cpu_blk in zip(blocks[g][start:start + n_take], hit_blocks[g][:n_take]):
+                    if not cpu_blk.is_null:
+                        gpu_blocks.append(gpu_blk)
+                        cpu_blocks.append(cpu_blk)
+            # pin the GPU destinations first: touch() rejects foreign blocks before changing anything
+            self._require_gpu_pool().touch(gpu_blocks)
         if old is not None and old.finished:
             # the id is reused while its previous owner's stores are in flight: those complete
             # (and cache) on their own; the new request gets its own state
             self._cleanup_store_request(rid)
         if rid not in self._reqs_to_store:  # also with 0 external tokens: it will be stored
             self._reqs_to_store[rid] = StoreRequestState(
-                request, tuple([] for _ in ids), [0] * len(ids))
-        self._pending_cpu_hits.pop(rid, None)
-        if pending is None:
+                request, tuple([] for _ in range(n_groups)), [0] * n_groups)
+        if self._pending_cpu_hits.pop(rid, None) is None:
             return
-        if num_external_tokens == 0:  # the scheduler declined the hit
-            self._free_pending_cpu_hit(pending)
-            return
-        hit_blocks, _, num_computed = pending
-        gpu_ids, cpu_blocks = [], []
-        for g, size in enumerate(self.group_block_sizes):
-            start = num_computed // size  # the load lands right after the local hit
-            for i, cpu_blk in enumerate(hit_blocks[g][:cdiv(num_external_tokens, size)]):
-                if not cpu_blk.is_null:
-                    gpu_ids.append(ids[g][start + i])
-                    cpu_blocks.append(cpu_blk)
-        # pin both sides for the copy, then drop the lookup pin (that order: never a 0 in between)
+        # pin the CPU sources for the copy, then drop the lookup pin (never a 0 in between);
+        # with 0 external tokens the scheduler declined the hit: only the pin is dropped
         self.cpu_block_pool.touch(cpu_blocks)
         self._free_pending_cpu_hit(pending)
-        gpu_pool = self._require_gpu_pool()
-        gpu_pool.touch(gpu_pool.blocks[b] for b in gpu_ids)
-        self._reqs_to_load[rid] = LoadRequestState(
-            request, TransferMeta(gpu_ids, [b.block_id for b in cpu_blocks]))
+        if num_external_tokens:
+            self._reqs_to_load[rid] = LoadRequestState(
+                request, TransferMeta([b.block_id for b in gpu_blocks], [b.block_id for b in cpu_blocks]))
 
     # --- one step: build the worker's metadata -----------------------------------
 

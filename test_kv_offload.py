@@ -15,8 +15,10 @@ import hashlib
 import json
 import os
 import pathlib
+import random
 import re
 import struct
+from types import SimpleNamespace
 
 import pytest
 import torch
