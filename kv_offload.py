@@ -1410,6 +1410,8 @@ class MiniEngine:
             raise ValueError(f"connector block sizes {connector.group_block_sizes} do not match the "
                              f"engine's single group of block_size {block_size}")
         self.workers = worker if isinstance(worker, list) else [worker] if worker is not None else []
+        if self.workers and connector is None:
+            raise ValueError("a worker needs a connector: the connector's metadata tells it what to copy")
         if connector is not None and any(w.num_cpu_blocks != connector.num_cpu_blocks for w in self.workers):
             raise ValueError("worker and connector disagree on num_cpu_blocks")
         self.hash_block_size = connector.hash_block_size if connector is not None else block_size
@@ -1688,49 +1690,45 @@ def _print_table(rows: dict[str, dict], fmt: dict[str, str]) -> None:
 
 
 def bench_manager(prompt_tokens: int = 65536, chunk: int = 4096, block_size: int = 16) -> dict[str, float]:
-    """µs per block of the manager's own calls (no hashing, no GPU allocation timed): a prompt
-    stored eagerly chunk by chunk, final flush included, then looked up and loaded by an
-    identical request."""
-    n_blocks = prompt_tokens // block_size
-    gpu = BlockPool(2 * n_blocks + 2, True, block_size)
-    mgr = SimpleCPUOffloadScheduler(n_blocks + 2, block_size)
+    """µs per block of the manager's own calls (hashing and GPU allocation not timed): request A
+    stored eagerly chunk by chunk, final flush included; then B, the same prompt, hits and loads."""
+    n, per_step = prompt_tokens // block_size, chunk // block_size
+    gpu, mgr = BlockPool(2 * n + 2, True, block_size), SimpleCPUOffloadScheduler(n + 2, block_size)
     mgr.bind_gpu_block_pool(gpu)
-    prompt = list(range(prompt_tokens))
-    req_a, req_b = Request("a", prompt, block_size), Request("b", prompt, block_size)
-    blocks = gpu.get_new_blocks(n_blocks)
-    t = time.perf_counter()
-    mgr.get_num_new_matched_tokens(req_a, 0)
-    mgr.update_state_after_alloc(req_a, (blocks,), 0)
-    spent, event = time.perf_counter() - t, -1
-    for step in range(prompt_tokens // chunk + 1):
-        new = [b.block_id for b in blocks[step * chunk // block_size:(step + 1) * chunk // block_size]]
-        so = SchedulerOutput({"a": chunk}, {"a": (new,)} if new else {})
-        gpu.cache_full_blocks(req_a, blocks, step * chunk // block_size, len(blocks) if not new else
-                              (step + 1) * chunk // block_size, block_size, 0)  # the GPU side: not timed
+    req_a, req_b = (Request(r, list(range(prompt_tokens)), block_size) for r in "ab")
+    blocks, spent = gpu.get_new_blocks(n), [0.0, 0.0]
+
+    def timed(phase: int, fn, *args):
         t = time.perf_counter()
-        if step == prompt_tokens // chunk:  # the request finished: flush what the last step confirmed
-            mgr.request_finished_all_groups(req_a, ([b.block_id for b in blocks],))
+        out = fn(*args)
+        spent[phase] += time.perf_counter() - t
+        return out
+
+    def done(event: int) -> KVConnectorOutput:  # the worker's report of a finished store
+        return KVConnectorOutput(kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata({event: 1} if event >= 0 else {}))
+
+    timed(0, mgr.get_num_new_matched_tokens, req_a, 0)
+    timed(0, mgr.update_state_after_alloc, req_a, (blocks,), 0)
+    event = -1
+    for step in range(n // per_step + 1):  # one step more: A has finished, its last chunk is flushed
+        new = blocks[step * per_step:(step + 1) * per_step]
+        gpu.cache_full_blocks(req_a, blocks, step * per_step, step * per_step + len(new), block_size, 0)
+        so = SchedulerOutput({"a": chunk}, {"a": ([b.block_id for b in new],)})
+        if not new:
+            timed(0, mgr.request_finished_all_groups, req_a, ([b.block_id for b in blocks],))
             so = SchedulerOutput()
-        meta = mgr.build_connector_meta(so)
-        done = {event: 1} if event >= 0 else {}
-        mgr.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(done)))
-        spent += time.perf_counter() - t
-        event = meta.store_event
-        req_a.num_computed_tokens = min((step + 1) * chunk, prompt_tokens)
-    t = time.perf_counter()
-    mgr.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata({event: 1})))
-    spent += time.perf_counter() - t
+        meta = timed(0, mgr.build_connector_meta, so)
+        timed(0, mgr.update_connector_output, done(event))
+        event, req_a.num_computed_tokens = meta.store_event, min((step + 1) * chunk, prompt_tokens)
+    timed(0, mgr.update_connector_output, done(event))
     gpu.free_blocks(reversed(blocks))
+    hit, _ = timed(1, mgr.get_num_new_matched_tokens, req_b, 0)
+    timed(1, mgr.update_state_after_alloc, req_b, (gpu.get_new_blocks(n),), hit)
+    meta = timed(1, mgr.build_connector_meta, SchedulerOutput())
+    timed(1, mgr.update_connector_output, KVConnectorOutput({"b"}))
     stored = len(mgr.cpu_block_pool.cached_block_hash_to_block)
-    blocks_b = gpu.get_new_blocks(n_blocks)
-    t = time.perf_counter()
-    hit, _ = mgr.get_num_new_matched_tokens(req_b, 0)
-    mgr.update_state_after_alloc(req_b, (blocks_b,), hit)
-    meta = mgr.build_connector_meta(SchedulerOutput())
-    mgr.update_connector_output(KVConnectorOutput({"b"}))
-    load_s = time.perf_counter() - t
-    assert stored == n_blocks and len(meta.load_gpu_blocks) == hit // block_size == n_blocks - 1
-    return {"store_us_per_block": spent / stored * 1e6, "load_us_per_block": load_s / (hit // block_size) * 1e6}
+    assert stored == n and len(meta.load_gpu_blocks) == hit // block_size == n - 1, "the trace went wrong"
+    return {"store_us_per_block": spent[0] / stored * 1e6, "load_us_per_block": spent[1] / (n - 1) * 1e6}
 
 
 def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_copy: int = 512, reps: int = 5) -> list[dict]:
