@@ -18,10 +18,14 @@ import pathlib
 import random
 import re
 import struct
+from collections import Counter
+from dataclasses import dataclass, field, fields, is_dataclass
 from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 import kv_offload as ko
 
@@ -1356,6 +1360,1364 @@ def test_pool_refuses_more_blocks_than_free(pool):
     p = getattr(h, pool)
     p.get_new_blocks(2)
     _raises_unchanged(h, r"(?i)free", p.get_new_blocks, p.get_num_free_blocks() + 1)
+
+
+# ===============================================================================================
+# from test_reliability_part.py
+REL_BS = 4  # tokens per block in every schedule: prompts of tens of tokens span a handful of blocks
+
+
+# -----------------------------------------------------------------------------
+# Invariants (check_invariants is the entry point other tests call)
+
+def rel_unwrap(obj):
+    """The real connector / worker behind fault-injection proxies (or obj itself)."""
+    while isinstance(obj, RelProxy):
+        obj = obj._rel_inner
+    return obj
+
+
+def rel_map_entries(pool: ko.BlockPool) -> dict[bytes, list[ko.KVCacheBlock]]:
+    """key -> blocks of the prefix-cache map. The map stores a bare block for one block and a
+    {block_id: block} dict for several (as vLLM does); both read the same here."""
+    return {key: [v] if isinstance(v, ko.KVCacheBlock) else list(v.values())
+            for key, v in pool.cached_block_hash_to_block._cache.items()}
+
+
+def rel_check_pool(pool: ko.BlockPool, name: str) -> None:
+    """Structure of one pool: the free list is a well-linked list of exactly the ref-0 blocks,
+    and the hash map and the blocks' own hashes describe each other exactly."""
+    q = pool.free_block_queue
+    free, prev, cur = [], q.fake_free_list_head, q.fake_free_list_head.next_free_block
+    while cur is not q.fake_free_list_tail:
+        assert cur is not None, f"{name}: free list broken after block {prev.block_id}"
+        assert cur.prev_free_block is prev, f"{name}: back link of free block {cur.block_id} is wrong"
+        free.append(cur)
+        assert len(free) < pool.num_gpu_blocks, f"{name}: free list has a cycle or holds the null block"
+        prev, cur = cur, cur.next_free_block
+    assert q.fake_free_list_tail.prev_free_block is prev, f"{name}: tail sentinel's back link is wrong"
+    assert len(free) == q.num_free_blocks, f"{name}: num_free_blocks={q.num_free_blocks}, list has {len(free)}"
+    in_free = {b.block_id for b in free}
+    assert len(in_free) == len(free), f"{name}: a block is in the free list twice"
+    null = pool.null_block
+    assert null is pool.blocks[0] and null.is_null and null.block_hash is None, f"{name}: null block changed"
+    assert 0 not in in_free and 0 not in pool.cached_block_hashes_by_block, f"{name}: null block freed or hashed"
+    for i, b in enumerate(pool.blocks):
+        assert b.block_id == i, f"{name}: blocks[{i}] has id {b.block_id}"
+        if i == 0:
+            continue
+        assert not b.is_null and b.ref_cnt >= 0, f"{name}: block {i} ref_cnt={b.ref_cnt}"
+        # no block is both in the free queue and referenced (nor neither: that one is lost)
+        assert (b.ref_cnt == 0) == (i in in_free), (
+            f"{name}: block {i} has ref_cnt={b.ref_cnt} but is {'' if i in in_free else 'not '}in the free queue")
+        if b.ref_cnt:
+            assert b.prev_free_block is None and b.next_free_block is None, f"{name}: used block {i} still linked"
+    for b in free:
+        assert pool.blocks[b.block_id] is b, f"{name}: free list holds a foreign block {b.block_id}"
+    entries = rel_map_entries(pool)
+    secondary = pool.cached_block_hashes_by_block
+    for key, blocks in entries.items():  # every map key points at a block that carries it
+        assert blocks, f"{name}: empty map entry"
+        for b in blocks:
+            assert pool.blocks[b.block_id] is b, f"{name}: map holds a foreign block {b.block_id}"
+            assert b.block_hash == key or key in secondary.get(b.block_id, ()), (
+                f"{name}: map key {key.hex()[:8]} points at block {b.block_id}, which does not carry it")
+    for b in pool.blocks:  # and every key a block carries is in the map
+        if b.block_hash is not None:
+            assert any(x is b for x in entries.get(b.block_hash, ())), (
+                f"{name}: block {b.block_id}'s primary key is not in the map (the bug-1 shape)")
+        for key in secondary.get(b.block_id, ()):
+            assert b.block_hash is not None and key != b.block_hash, f"{name}: block {b.block_id} bad secondary"
+            assert any(x is b for x in entries.get(key, ())), f"{name}: block {b.block_id} secondary not in map"
+    assert all(secondary.values()), f"{name}: empty secondary-key set left behind"
+    if not pool.enable_caching:
+        assert not entries and all(b.block_hash is None for b in pool.blocks), f"{name}: hashed without caching"
+
+
+# expected KV per (model, tokens, first position): ToyModel's KV depends on (token, position) only
+_REL_KV_CACHE: dict[tuple, torch.Tensor] = {}
+
+
+def rel_expected_block(model: ko.ToyModel, tokens: tuple[int, ...], start: int) -> torch.Tensor:
+    """[num_layers, 2, len(tokens), H, D]: the KV of `tokens` at positions start, start+1, ..."""
+    key = (model.num_layers, model.num_kv_heads, model.head_dim, model.dtype, model.rounds, tokens, start)
+    if key not in _REL_KV_CACHE:
+        if len(_REL_KV_CACHE) > 200_000:
+            _REL_KV_CACHE.clear()
+        t = torch.as_tensor(tokens, dtype=torch.int64, device=model.device)
+        _REL_KV_CACHE[key] = model.compute_kv(t, torch.arange(start, start + len(tokens), device=model.device)).cpu()
+    return _REL_KV_CACHE[key]
+
+
+def rel_expected_outputs(model: ko.ToyModel, prompt: list[int], n: int) -> list[int]:
+    """Greedy outputs recomputed from expected_kv (ToyModel.next_token sums the last layer's KV of
+    every token so far; exact in float64), independent of paging, chunking, loads and stores."""
+    toks, out = list(prompt), []
+    for _ in range(n):
+        last = model.expected_kv(toks)[-1]  # [2, len(toks), H, D]
+        out.append(int(last.double().sum().item() * 256) % model.vocab_size)
+        toks.append(out[-1])
+    return out
+
+
+def rel_check_cached_kv(engine: ko.MiniEngine, requests) -> None:
+    """Every cached block -- GPU, and CPU on every worker -- holds the KV of the prefix its keys
+    name, bit for bit. A stale or misdirected copy (a reset while copies run, a store completed
+    early, a block reused while pinned) shows up here the step it happens."""
+    model, bs, hbs = engine.model, engine.block_size, engine.hash_block_size
+    prefixes: dict[bytes, tuple[list[int], int]] = {}
+    for r in requests:
+        for i, h in enumerate(r.block_hashes):
+            prefixes.setdefault(ko.make_block_hash_with_group_id(h, 0), (r.all_token_ids, (i + 1) * hbs))
+
+    def check(block_kv: torch.Tensor, key: bytes, where: str) -> None:  # block_kv: [L, 2, bs, H, D]
+        assert key in prefixes, f"{where}: cached under a key no request produced"
+        toks, end = prefixes[key]
+        start = (end - 1) // bs * bs  # the block holding the key's last token
+        want = rel_expected_block(model, tuple(toks[start:end]), start)
+        assert torch.equal(block_kv[:, :, :end - start].cpu(), want), (
+            f"{where}: KV differs from expected_kv of the prefix its key names ({end} tokens)")
+
+    def keys(pool: ko.BlockPool, b: ko.KVCacheBlock) -> list[bytes]:
+        return [b.block_hash, *pool.cached_block_hashes_by_block.get(b.block_id, ())] if b.block_hash else []
+
+    gpu = engine.gpu_block_pool
+    layers = list(engine.kv_caches.values())  # each (2, num_blocks, bs, H, D)
+    for b in gpu.blocks:
+        for key in keys(gpu, b):
+            check(torch.stack([c[:, b.block_id] for c in layers]), key, f"GPU block {b.block_id}")
+    conn = rel_unwrap(engine.connector)
+    if conn is None:
+        return
+    for w_i, w in enumerate(rel_unwrap(w) for w in engine.workers):
+        for b in conn.cpu_block_pool.blocks:
+            for key in keys(conn.cpu_block_pool, b):
+                kv = torch.stack([torch.stack([w.cpu_caches[f"{n}.k"][b.block_id], w.cpu_caches[f"{n}.v"][b.block_id]])
+                                  for n in engine.kv_caches])
+                check(kv, key, f"CPU block {b.block_id} (worker {w_i})")
+
+
+def check_invariants(engine: ko.MiniEngine, requests=None, *, allow_stale_store_counts: bool = False) -> None:
+    """Everything that must hold between two engine steps, for any schedule.
+
+    - Both pools are well formed (rel_check_pool): free queue == the ref-0 blocks, map <-> hashes.
+    - Every reference on every block is accounted for. GPU: each request table that holds it, each
+      store (sent, queued flush, or abandoned by reset) and each load (live or abandoned) that copies
+      it. CPU: stores, loads, and lookup pins (`_pending_cpu_hits`). Nothing else may hold a ref.
+    - The in-flight set equals the GPU ids of live and queued stores; no GPU block is in two of
+      them; every store source still carries its hash (completion reads it).
+    - A CPU block with a hash has finished its copy (it is no store's destination); a load's GPU
+      destination has no hash yet.
+    - Event bookkeeping agrees with itself and with the engine (loading requests have loads).
+    - With `requests` (every Request ever added): every cached block's bytes match expected_kv.
+    `allow_stale_store_counts` tolerates RB-3 (RELIABILITY_BUGS.md): duplicate reports of a finished
+    store event leave a partial count behind.
+    """
+    gpu = engine.gpu_block_pool
+    rel_check_pool(gpu, "GPU")
+    running = [r.request_id for r in engine.running]
+    waiting = [r.request_id for r in engine.waiting]
+    assert len(set(running + waiting)) == len(running) + len(waiting), "a request is queued twice"
+    assert set(engine.loading) <= set(waiting), "a loading request is not waiting"
+    assert set(engine.req_blocks) <= set(running + waiting), "a finished request still has a block table"
+    for r in engine.running:
+        assert ko.cdiv(r.num_computed_tokens, engine.block_size) <= len(engine.req_blocks[r.request_id])
+    want_gpu = Counter(b.block_id for blocks in engine.req_blocks.values() for b in blocks if not b.is_null)
+    conn = rel_unwrap(engine.connector)
+    if conn is not None:
+        cpu = conn.cpu_block_pool
+        rel_check_pool(cpu, "CPU")
+        assert conn._gpu_block_pool is gpu, "connector bound to another GPU pool"
+        live = list(conn._store_event_to_blocks.values())
+        queued = list(conn._pending_finished_stores)
+        abandoned = list(conn._abandoned_store_event_to_blocks.values())
+        load_states = {**conn._abandoned_reqs_to_load, **conn._reqs_to_load}
+        loads = [s.transfer_meta for s in load_states.values()]
+        want_cpu = Counter()
+        for t in live + queued + abandoned + loads:
+            assert len(t.gpu_block_ids) == len(t.cpu_block_ids), f"transfer with unequal sides: {t}"
+            assert 0 not in t.gpu_block_ids and 0 not in t.cpu_block_ids, f"null block in a transfer: {t}"
+            want_gpu.update(t.gpu_block_ids)
+            want_cpu.update(t.cpu_block_ids)
+        for hit_blocks, _, _ in conn._pending_cpu_hits.values():
+            want_cpu.update(b.block_id for grp in hit_blocks for b in grp if not b.is_null)
+        got = Counter({b.block_id: b.ref_cnt for b in cpu.blocks[1:] if b.ref_cnt})
+        assert got == want_cpu, f"CPU refs not accounted for: pool has {dict(got)}, holders {dict(want_cpu)}"
+        store_dsts = Counter(c for t in live + queued + abandoned for c in t.cpu_block_ids)
+        assert all(n == 1 for n in store_dsts.values()), f"a CPU block is the destination of two stores: {store_dsts}"
+        for b in cpu.blocks:
+            assert b.block_hash is None or b.block_id not in store_dsts, (
+                f"CPU block {b.block_id} is cached before its copy completed")
+        load_dsts = Counter(g for t in loads for g in t.gpu_block_ids)
+        assert all(n == 1 for n in load_dsts.values()), f"a GPU block is the destination of two loads: {load_dsts}"
+        for g in load_dsts:
+            assert gpu.blocks[g].block_hash is None, f"GPU block {g} is cached while its load is in flight"
+        for c in (c for t in loads for c in t.cpu_block_ids):
+            assert cpu.blocks[c].block_hash is not None, f"a load reads CPU block {c}, which holds no cached KV"
+        sources = Counter(g for t in live + queued for g in t.gpu_block_ids)
+        assert all(n == 1 for n in sources.values()), f"a GPU block is copied by two live stores: {sources}"
+        assert conn._in_flight_store_gpu_blocks == set(sources), (
+            f"in-flight set {sorted(conn._in_flight_store_gpu_blocks)} != live/queued store sources {sorted(sources)}")
+        for g in sources:
+            assert gpu.blocks[g].block_hash is not None, f"store source GPU block {g} lost its hash while pinned"
+        # event bookkeeping
+        live_ev, abandoned_ev = set(conn._store_event_to_blocks), set(conn._abandoned_store_event_to_blocks)
+        assert not live_ev & abandoned_ev, "a store event is both live and abandoned"
+        assert all(e < conn._store_event_counter for e in live_ev | abandoned_ev), "store event from the future"
+        for e, rids in conn._store_event_to_reqs.items():
+            assert e in live_ev and rids, f"store event {e} -> {rids} is not live"
+            for rid in rids:
+                assert e in conn._reqs_to_store[rid].store_events, f"{rid} does not know store event {e}"
+        for rid, state in conn._reqs_to_store.items():
+            for e in state.store_events:
+                assert rid in conn._store_event_to_reqs.get(e, ()), f"{rid} waits for unknown store event {e}"
+            assert not state.finished or state.store_events, f"{rid} finished, no store in flight, not cleaned up"
+        for e, count in conn._store_event_pending_counts.items():
+            if not allow_stale_store_counts:
+                assert e in live_ev | abandoned_ev, f"count {count} kept for finished/unknown store event {e} (RB-3)"
+                assert 0 < count < conn.world_size, f"store event {e} pending count {count}"
+        for e, rids in conn._load_event_to_reqs.items():
+            assert rids and all(rid in load_states and load_states[rid].load_event == e for rid in rids), (
+                f"load event {e} -> {rids} disagrees with the load states")
+        for rid, state in load_states.items():
+            assert state.load_event is None or rid in conn._load_event_to_reqs.get(state.load_event, ()), (
+                f"sent load of {rid} is not listed under its event")
+        # engine <-> connector
+        for rid in engine.loading:
+            assert rid in load_states, f"{rid} waits for a load the connector does not have"
+        for rid, state in conn._reqs_to_load.items():
+            assert rid in engine.loading or state.finished, f"live load of {rid}: neither loading nor finished"
+        for rid in conn._pending_cpu_hits:
+            assert rid in waiting, f"lookup pin of {rid}, which is not waiting"
+    got = Counter({b.block_id: b.ref_cnt for b in gpu.blocks[1:] if b.ref_cnt})
+    assert got == want_gpu, f"GPU refs not accounted for: pool has {dict(got)}, holders {dict(want_gpu)}"
+    if requests is not None:
+        rel_check_cached_kv(engine, requests)
+
+
+def rel_check_idle(engine: ko.MiniEngine, *, allow_stale_store_counts: bool = False) -> None:
+    """The end of a run: every pool free but its null block, nothing pending anywhere."""
+    conn = rel_unwrap(engine.connector)
+    gpu = engine.gpu_block_pool
+    assert gpu.get_num_free_blocks() == gpu.num_gpu_blocks - 1, "GPU blocks still in use after the run"
+    assert not (engine.waiting or engine.running or engine.loading or engine.req_blocks
+                or engine.num_cached_blocks or engine._recving_counts or engine._resumed), "engine not idle"
+    if conn is None:
+        return
+    cpu = conn.cpu_block_pool
+    assert cpu.get_num_free_blocks() == cpu.num_gpu_blocks - 1, "CPU blocks still in use after the run"
+    assert not conn.has_pending_push_work() and not conn.has_pending_stores(), "push work left after the run"
+    leftovers = {name: getattr(conn, name) for name in (
+        "_reqs_to_load", "_abandoned_reqs_to_load", "_load_event_to_reqs", "_pending_cpu_hits", "_reqs_to_store",
+        "_store_event_to_blocks", "_store_event_to_reqs", "_abandoned_store_event_to_blocks",
+        "_in_flight_store_gpu_blocks", "_pending_finished_stores")}
+    if not allow_stale_store_counts:
+        leftovers["_store_event_pending_counts"] = conn._store_event_pending_counts
+    left = {k: v for k, v in leftovers.items() if v}
+    assert not left, f"connector state left after the run: {left}"
+    for w in (rel_unwrap(w) for w in engine.workers):
+        assert not (w._pending_load_event_indices or w._pending_store_event_indices or w._load_events
+                    or w._store_events or w._completed_store_events), "worker has copies or reports left"
+
+
+# -----------------------------------------------------------------------------
+# Fault injection in the worker -> manager channel (no change to the module: proxies)
+
+@dataclass(frozen=True)
+class RelFaults:
+    load_delay: int = 0   # a worker holds each load report 0..load_delay steps
+    store_delay: int = 0  # a worker holds each store report 0..store_delay steps (per worker: partial counts)
+    conn_delay: int = 0   # the connector sees each aggregated store report 0..conn_delay steps late
+    dup: bool = False     # reports already delivered are delivered again later (and after each reset)
+    split: bool = False   # a step's load and store reports reach the connector in random order
+    exact: bool = False   # every delay is exactly its maximum (scripted scenarios)
+    seed: int = 0
+
+
+class RelProxy:
+    """Everything not overridden passes through to the wrapped object."""
+
+    def __init__(self, inner, faults: RelFaults, rng: random.Random, log: RelLog):
+        self._rel_inner, self._rel_faults, self._rel_rng, self._rel_log = inner, faults, rng, log
+        self._rel_step = 0
+        self.rel_hold = False  # scripted tests: hold every report until released
+
+    def __getattr__(self, name):
+        return getattr(self._rel_inner, name)
+
+    def _rel_delay(self, max_delay: int) -> int:
+        if self.rel_hold:
+            return 10 ** 9
+        return max_delay if self._rel_faults.exact else self._rel_rng.randint(0, max_delay)
+
+    def rel_release(self) -> None:
+        self.rel_hold = False
+
+
+class RelFaultyWorker(RelProxy):
+    """Delays each load report (get_finished) and store report (build_connector_worker_meta) of
+    one worker. Load reports are delayed here, not in the connector, so that the engine and the
+    connector see a load finish at the same step, as in vLLM. With world_size 2 each worker lags
+    on its own, so store events complete from partial counts spread over several steps."""
+
+    def __init__(self, inner, faults, rng, log, world_size: int):
+        super().__init__(inner, faults, rng, log)
+        self._rel_world_size = world_size
+        self._rel_recv: list[tuple[int, str]] = []            # (due step, request id)
+        self._rel_stores: list[tuple[int, dict[int, int]]] = []  # (due step, {event: count})
+        self._rel_delivered_recv: list[str] = []
+        self._rel_engine: ko.MiniEngine | None = None
+
+    def get_finished(self, finished_req_ids):
+        self._rel_step += 1
+        _, recv = self._rel_inner.get_finished(finished_req_ids)
+        for rid in sorted(recv or ()):
+            d = self._rel_delay(self._rel_faults.load_delay)
+            self._rel_log.delayed_reports += d > 0
+            self._rel_recv.append((self._rel_step + d, rid))
+        due = {rid for t, rid in self._rel_recv if t <= self._rel_step}
+        self._rel_recv = [(t, rid) for t, rid in self._rel_recv if t > self._rel_step]
+        self._rel_delivered_recv.extend(sorted(due))
+        if self._rel_faults.dup and self._rel_delivered_recv and self._rel_rng.random() < 0.3:
+            rid = self._rel_rng.choice(self._rel_delivered_recv)
+            # a load report names a request, not a load: a repeat is only unambiguous while that
+            # request has no load in flight, and only with one worker (the engine counts reports)
+            if self._rel_world_size == 1 and self._rel_safe_recv_dup(rid):
+                due.add(rid)
+                self._rel_log.duplicate_reports += 1
+        return None, due or None
+
+    def _rel_safe_recv_dup(self, rid: str) -> bool:
+        conn, eng = rel_unwrap(self._rel_engine.connector), self._rel_engine
+        return not (rid in eng.loading or rid in conn._reqs_to_load or rid in conn._abandoned_reqs_to_load
+                    or any(r == rid for _, r in self._rel_recv))
+
+    def build_connector_worker_meta(self):
+        meta = self._rel_inner.build_connector_worker_meta()
+        if meta is not None:
+            d = self._rel_delay(self._rel_faults.store_delay)
+            self._rel_log.delayed_reports += d > 0
+            self._rel_stores.append((self._rel_step + d, dict(meta.completed_store_events)))
+        due: dict[int, int] = {}
+        for t, m in self._rel_stores:
+            if t <= self._rel_step:
+                for e, n in m.items():
+                    due[e] = due.get(e, 0) + n
+                    self._rel_log.worker_reports[e] += n
+        self._rel_stores = [(t, m) for t, m in self._rel_stores if t > self._rel_step]
+        return ko.SimpleCPUOffloadWorkerMetadata(due) if due else None
+
+    def rel_release(self) -> None:
+        super().rel_release()
+        self._rel_recv = [(min(t, self._rel_step + 1), r) for t, r in self._rel_recv]
+        self._rel_stores = [(min(t, self._rel_step + 1), m) for t, m in self._rel_stores]
+
+    def rel_holding(self) -> bool:
+        return bool(self._rel_recv or self._rel_stores)
+
+
+class RelFaultyConnector(RelProxy):
+    """Sits between the engine and the connector: load reports (finished_recving) go through at
+    once -- the engine acts on them this step, so must the connector -- while the store part of
+    each output is held, reordered with the load part, duplicated, and replayed after resets."""
+
+    def __init__(self, inner, faults, rng, log):
+        super().__init__(inner, faults, rng, log)
+        self._rel_held: list[tuple[int, dict[int, int]]] = []
+        self._rel_delivered: list[dict[int, int]] = []
+
+    def update_connector_output(self, connector_output: ko.KVConnectorOutput) -> None:
+        self._rel_step += 1
+        meta = connector_output.kv_connector_worker_meta
+        if meta is not None and meta.completed_store_events:
+            d = self._rel_delay(self._rel_faults.conn_delay)
+            self._rel_log.delayed_reports += d > 0
+            self._rel_held.append((self._rel_step + d, dict(meta.completed_store_events)))
+        due = [m for t, m in self._rel_held if t <= self._rel_step]
+        self._rel_held = [(t, m) for t, m in self._rel_held if t > self._rel_step]
+        if self._rel_faults.dup and self._rel_delivered and self._rel_rng.random() < 0.3:
+            m = self._rel_rng.choice(self._rel_delivered)
+            if self._rel_safe_dup(m):
+                due.insert(self._rel_rng.randint(0, len(due)), m)
+                self._rel_log.duplicate_reports += 1
+        loads_first = not self._rel_faults.split or self._rel_rng.random() < 0.5
+        if loads_first:
+            self._rel_inner.update_connector_output(ko.KVConnectorOutput(set(connector_output.finished_recving)))
+        for m in due:
+            self._rel_deliver(m)
+        if not loads_first:
+            self._rel_inner.update_connector_output(ko.KVConnectorOutput(set(connector_output.finished_recving)))
+
+    def _rel_safe_dup(self, m: dict[int, int]) -> bool:
+        # A repeat of a report whose event still waits for another worker would complete it
+        # early: counts carry no worker identity, so that repeat is a protocol violation, not
+        # a fault the manager could detect.
+        return not any(e in self._rel_inner._store_event_pending_counts for e in m)
+
+    def _rel_deliver(self, m: dict[int, int]) -> None:
+        inner, log = self._rel_inner, self._rel_log
+        abandoned_dsts = []
+        for e in m:
+            if e in inner._abandoned_store_event_to_blocks:
+                log.stale_reports += 1
+                abandoned_dsts += inner._abandoned_store_event_to_blocks[e].cpu_block_ids
+            elif e not in inner._store_event_to_blocks:
+                log.ignored_reports += 1
+        live_before = set(inner._store_event_to_blocks)
+        inner.update_connector_output(ko.KVConnectorOutput(set(), ko.SimpleCPUOffloadWorkerMetadata(dict(m))))
+        self._rel_delivered.append(m)
+        log.partial_counts += bool(inner._store_event_pending_counts)
+        # a store abandoned by reset() caches nothing when it completes
+        for c in abandoned_dsts:
+            assert inner.cpu_block_pool.blocks[c].block_hash is None, (
+                f"CPU block {c} of a store abandoned by reset() was cached at completion")
+        # a store completes only once every worker reported it (world_size reports)
+        for e in live_before - set(inner._store_event_to_blocks) - set(inner._abandoned_store_event_to_blocks):
+            assert log.worker_reports[e] >= inner.world_size, (
+                f"store event {e} completed after {log.worker_reports[e]} of {inner.world_size} worker reports")
+
+    def rel_replay(self) -> None:
+        """Deliver every report seen so far once more: stale duplicates, which must be ignored."""
+        for m in list(self._rel_delivered):
+            if self._rel_safe_dup(m):
+                self._rel_deliver(m)
+                self._rel_log.duplicate_reports += 1
+
+    def rel_release(self) -> None:
+        super().rel_release()
+        self._rel_held = [(min(t, self._rel_step + 1), m) for t, m in self._rel_held]
+
+    def rel_holding(self) -> bool:
+        return bool(self._rel_held)
+
+
+# -----------------------------------------------------------------------------
+# Schedules: a plan, the driver that runs it, and the hypothesis strategy that draws plans
+
+@dataclass(frozen=True)
+class RelPlan:
+    """One schedule. `ops`, in order:
+      ("add", base, prefix_len, suffix, max_tokens)  a request: bases[base][:prefix_len] + suffix
+      ("step", n)                                    n engine steps
+      ("drain",)                                     steps until the engine is idle
+      ("abort", k)                                   abort live request k (loading / storing first), or id k
+      ("hold" | "release", "conn" | i)              hold / release the reports of the connector or worker i
+      ("reset",)                                     connector.reset()
+      ("reset_gpu",)                                 engine.reset_gpu_prefix_cache() (refused while in use)
+    then steps until the engine is idle."""
+    ops: tuple
+    bases: tuple = ((),)
+    num_gpu_blocks: int = 16
+    num_cpu_blocks: int = 8
+    budget: int = 8
+    hash_block_size: int = REL_BS
+    world_size: int = 1
+    faults: RelFaults = RelFaults()
+    device: str = "cpu"  # "cuda": the worker's copies are truly asynchronous on top of the injected faults
+
+
+@dataclass
+class RelLog:
+    """What a run went through, so scenario tests can assert they reached their interleaving."""
+    steps: int = 0
+    preemptions: int = 0
+    preempted_while_storing: int = 0
+    resumed_with_load: int = 0   # a preempted request came back through a CPU load
+    cpu_hit_tokens: int = 0
+    aborts: int = 0
+    aborts_while_loading: int = 0
+    aborts_with_pin: int = 0     # aborted between its CPU lookup and its allocation
+    steps_with_pins: int = 0     # steps after which a lookup pin was held (head waiting for room)
+    aborts_while_storing: int = 0
+    resets: int = 0
+    resets_refused: int = 0      # reset() returned False: transfers were abandoned
+    resets_with_pins: int = 0    # reset() while a lookup pin was held
+    resets_with_queued_flush: int = 0  # reset() while a finish flush was queued (not sent yet)
+    gpu_resets: int = 0
+    delayed_reports: int = 0
+    duplicate_reports: int = 0
+    stale_reports: int = 0       # store reports of events abandoned by a reset
+    ignored_reports: int = 0     # store reports of events already finished (repeats)
+    partial_counts: int = 0      # deliveries after which a store event waited for another worker
+    cpu_evictions: int = 0       # steps in which a cached CPU block was evicted (reused for a new store)
+    worker_reports: Counter = field(default_factory=Counter)  # store event -> worker reports released
+
+
+def rel_prompt(bases, base: int, prefix_len: int, suffix) -> list[int]:
+    return list(bases[base % len(bases)][:prefix_len]) + list(suffix) or [0]
+
+
+def rel_max_need(plan_ops, bases, bs: int = REL_BS) -> int:
+    """GPU blocks the largest request needs on its own (prompt + outputs)."""
+    return max([ko.cdiv(len(rel_prompt(bases, *op[1:4])) + op[4], bs) for op in plan_ops if op[0] == "add"] or [1])
+
+
+REL_MODEL = dict(num_layers=1, num_kv_heads=1, head_dim=4)  # ToyModel(1, 1, 4): tiny, fast, still exact
+
+
+def rel_build(plan: RelPlan):
+    """Engine, connector, workers and proxies for a plan."""
+    log = RelLog()
+    rng = random.Random(plan.faults.seed)
+    model = ko.ToyModel(**REL_MODEL, device=plan.device)
+    conn = ko.SimpleCPUOffloadScheduler(plan.num_cpu_blocks, REL_BS, hash_block_size=plan.hash_block_size,
+                                        world_size=plan.world_size)
+    proxy = RelFaultyConnector(conn, plan.faults, rng, log)
+    workers = [RelFaultyWorker(ko.SimpleCPUOffloadWorker(plan.num_cpu_blocks), plan.faults, rng, log, plan.world_size)
+               for _ in range(plan.world_size)]
+    engine = ko.MiniEngine(plan.num_gpu_blocks, REL_BS, plan.budget, model, proxy,
+                           workers if plan.world_size > 1 else workers[0], capture_kv=True)
+    for w in workers:
+        w._rel_engine = engine
+    return SimpleNamespace(engine=engine, conn=conn, proxy=proxy, workers=workers, model=model, log=log,
+                           requests={}, aborted=set())
+
+
+def rel_step(run, n: int = 1) -> None:
+    eng, log = run.engine, run.log
+    for _ in range(n):
+        resumed_before = set(eng._resumed)
+        storing = {rid for rid, st_ in run.conn._reqs_to_store.items() if st_.store_events}
+        loading_resumed_before = set(eng.loading) & eng._resumed
+        cached = {b.block_id: b.block_hash for b in run.conn.cpu_block_pool.blocks if b.block_hash is not None}
+        eng.step()
+        log.steps += 1
+        log.preemptions += len(eng._resumed - resumed_before)
+        log.preempted_while_storing += len((eng._resumed - resumed_before) & storing)
+        log.resumed_with_load += len((set(eng.loading) & eng._resumed) - loading_resumed_before)
+        log.cpu_evictions += any(run.conn.cpu_block_pool.blocks[i].block_hash != h for i, h in cached.items())
+        log.steps_with_pins += bool(run.conn._pending_cpu_hits)
+        check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
+
+
+def rel_abort(run, k: int = 0, rid: str | None = None) -> None:
+    """Abort a live request (`rid`, or live request k with loading ones first, then those with a
+    store in flight, so that small k -- what hypothesis shrinks towards -- hits the dangerous windows)."""
+    eng, conn, log = run.engine, run.conn, run.log
+
+    def storing(rid):
+        st_ = conn._reqs_to_store.get(rid)
+        return st_ is not None and bool(st_.store_events)
+
+    if rid is None:
+        live = sorted(eng.running + eng.waiting, key=lambda r: (r.request_id not in eng.loading,
+                                                                not storing(r.request_id)))
+        if not live:
+            return
+        rid = live[k % len(live)].request_id
+    log.aborts += 1
+    log.aborts_with_pin += rid in conn._pending_cpu_hits
+    log.aborts_while_loading += rid in eng.loading
+    log.aborts_while_storing += storing(rid)
+    eng.abort_request(rid)
+    run.aborted.add(rid)
+    check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
+
+
+def rel_run_plan(plan: RelPlan, max_steps: int = 3000, *, before_reset=None):
+    """Run a plan with every check: invariants after each step and op, then at the end an idle
+    engine, exact KV and outputs for every request, and a reset that now succeeds.
+    `before_reset(run)` may look at the idle engine before the caches are dropped."""
+    run = rel_build(plan)
+    eng, log = run.engine, run.log
+    for op in plan.ops:
+        kind = op[0]
+        if kind == "add":
+            _, base, prefix_len, suffix, max_tokens = op
+            rid = f"r{len(run.requests)}"
+            req = ko.Request(rid, rel_prompt(plan.bases, base, prefix_len, suffix), plan.hash_block_size, max_tokens)
+            eng.add_request(req)
+            run.requests[rid] = req
+        elif kind == "step":
+            rel_step(run, op[1])
+        elif kind == "drain":
+            rel_drain(run, max_steps)
+        elif kind == "abort":
+            rel_abort(run, *((0, op[1]) if isinstance(op[1], str) else (op[1],)))
+        elif kind == "reset":
+            log.resets += 1
+            log.resets_with_pins += bool(run.conn._pending_cpu_hits)
+            log.resets_with_queued_flush += bool(run.conn._pending_finished_stores)
+            log.resets_refused += not run.proxy.reset()
+            check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
+            if plan.faults.dup:
+                run.proxy.rel_replay()  # stale reports from before the reset
+                check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
+        elif kind == "reset_gpu":
+            log.gpu_resets += eng.reset_gpu_prefix_cache()
+            check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
+        elif kind in ("hold", "release"):  # scripted tests: ("hold", "conn" | worker index)
+            target = run.proxy if op[1] == "conn" else run.workers[op[1]]
+            target.rel_release() if kind == "release" else setattr(target, "rel_hold", True)
+        else:
+            raise ValueError(f"unknown op {op!r}")
+    rel_finish(run, max_steps, before_reset)
+    return run
+
+
+def rel_stalled(run) -> bool:
+    """Nothing runs, loads, copies or waits for a report, yet requests wait: the next step can
+    only admit the head of the queue, and if it does not, nothing will ever change again."""
+    eng, conn = run.engine, run.conn
+    return bool(eng.waiting) and not (eng.running or eng.loading or conn.has_pending_push_work()
+                                      or conn._reqs_to_load or conn._abandoned_reqs_to_load
+                                      or run.proxy.rel_holding() or any(w.rel_holding() for w in run.workers))
+
+
+def rel_fingerprint(run) -> tuple:
+    """What a step of an otherwise idle engine can change."""
+    eng = run.engine
+    return (tuple((r.request_id, r.num_computed_tokens, len(eng.req_blocks.get(r.request_id, ())))
+                  for r in eng.waiting),
+            eng.gpu_block_pool.get_num_free_blocks(), run.conn.cpu_block_pool.get_num_free_blocks())
+
+
+def rel_drain(run, max_steps: int = 3000) -> None:
+    """Step until the engine is idle; fail at once on a stall (nothing can change any more)."""
+    eng, log = run.engine, run.log
+    start = log.steps
+    while eng.has_unfinished_work():
+        assert log.steps - start < max_steps, (
+            f"no progress after {max_steps} steps: waiting={[r.request_id for r in eng.waiting]} "
+            f"running={[r.request_id for r in eng.running]} loading={eng.loading} "
+            f"free GPU blocks={eng.gpu_block_pool.get_num_free_blocks()}")
+        before = rel_fingerprint(run) if rel_stalled(run) else None
+        rel_step(run)
+        if before is not None and rel_stalled(run) and rel_fingerprint(run) == before:
+            holders = [r.request_id for r in eng.waiting if r.request_id in eng.req_blocks]
+            raise AssertionError(
+                f"stalled: nothing runs; head {eng.waiting[0].request_id!r} needs more GPU blocks than are free "
+                f"({eng.gpu_block_pool.get_num_free_blocks()}); waiting requests holding blocks: {holders} (RB-1?)")
+
+
+def rel_finish(run, max_steps: int = 3000, before_reset=None) -> None:
+    eng, log = run.engine, run.log
+    for p in (run.proxy, *run.workers):
+        p.rel_release()
+    rel_drain(run, max_steps)
+    assert not run.proxy.rel_holding() and not any(w.rel_holding() for w in run.workers), (
+        "a report was still held when the engine went idle: the engine stopped waiting for it")
+    run.proxy.rel_replay()  # late duplicates of every report: all must be ignored
+    check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
+    rel_check_idle(eng, allow_stale_store_counts=True)
+    # every request: KV bit for bit, and the outputs a plain recomputation gives
+    model = run.model
+    for rid, req in run.requests.items():
+        stats = eng.stats[rid]
+        want = rel_expected_outputs(model, req.prompt_token_ids, req.max_tokens)
+        log.cpu_hit_tokens += stats.cpu_hit_tokens
+        if rid in run.aborted:
+            assert stats.kv is None, f"{rid} was aborted but has captured KV"
+            assert stats.output_token_ids == want[:len(stats.output_token_ids)], f"{rid}: wrong output before abort"
+        else:
+            assert stats.kv is not None, f"{rid} never finished"
+            assert torch.equal(stats.kv, model.expected_kv(req.prompt_token_ids).cpu()), (
+                f"{rid}: KV differs from expected_kv")
+            assert stats.output_token_ids == want, f"{rid}: outputs {stats.output_token_ids} != {want}"
+    if before_reset is not None:
+        before_reset(run)
+    # idle: both prefix caches can now be dropped, and are
+    assert run.proxy.reset() is True, "connector.reset() refused although nothing is in flight"
+    assert len(run.conn.cpu_block_pool.cached_block_hash_to_block) == 0
+    assert eng.reset_gpu_prefix_cache() is True, "GPU prefix cache reset refused on an idle engine"
+    check_invariants(eng, run.requests.values())
+    rel_check_idle(eng)
+
+
+REL_TOKENS = st.integers(0, 40)  # a small vocabulary: unrelated prompts collide on short prefixes too
+
+
+@st.composite
+def rel_plans(draw, max_ops: int = 16) -> RelPlan:
+    """Tiny random schedules: 1-2 prompt bases; requests take a prefix of random length of one
+    (often all of it, so that later arrivals can hit what earlier ones stored) plus a short
+    suffix; GPU pools from 'the largest request barely fits' up; CPU pools of 1-11 usable blocks."""
+    bases = tuple(tuple(draw(st.lists(REL_TOKENS, min_size=2 * REL_BS, max_size=7 * REL_BS)))
+                  for _ in range(draw(st.integers(1, 2))))
+    prefix_len = st.one_of(st.just(7 * REL_BS), st.integers(0, 7 * REL_BS))
+    add = st.tuples(st.just("add"), st.integers(0, 1), prefix_len, st.lists(REL_TOKENS, max_size=5).map(tuple),
+                    st.integers(1, 4))
+    step = st.tuples(st.just("step"), st.integers(1, 6))
+    short = st.tuples(st.just("step"), st.integers(1, 2))
+    abort = st.tuples(st.just("abort"), st.integers(0, 7))
+    reset, reset_gpu, drain = st.just(("reset",)), st.just(("reset_gpu",)), st.just(("drain",))
+
+    def again_of(b):  # a request that repeats all of base b: a CPU hit once the GPU copy is gone
+        return st.tuples(st.just("add"), st.just(b), st.just(7 * REL_BS), st.lists(REL_TOKENS, max_size=3).map(tuple),
+                         st.integers(1, 3))
+
+    again = st.integers(0, 1).flatmap(again_of)
+    # short prompts, long decodes: several of them grow together until one is preempted
+    dec = st.tuples(st.just("add"), st.integers(0, 1), st.integers(1, 3 * REL_BS),
+                    st.lists(REL_TOKENS, max_size=2).map(tuple), st.integers(5, 10))
+    # chunks of ops that tend to reach the dangerous windows
+    chunk = st.one_of(
+        st.tuples(add), st.tuples(add), st.tuples(step), st.tuples(abort), st.tuples(reset), st.tuples(reset_gpu),
+        st.tuples(add, add, add, step),                  # a burst: chunked prefill competes
+        st.tuples(dec, dec, dec, dec, step, abort),      # decodes grow together: preemption
+        st.tuples(again, drain, reset_gpu, again, short, abort),  # GPU cache dropped, CPU hit, abort mid-load
+        st.tuples(drain, reset_gpu, again, short, reset),  # reset while the load (and stores) run
+        st.tuples(drain, reset_gpu, again, again, step),   # two CPU hits on one prefix, competing
+        st.tuples(step, reset),                          # reset while copies run
+        # the GPU fills up while a CPU hit is at the head: it keeps its lookup pin while it waits
+        # for room; reset / abort then
+        st.integers(0, 1).flatmap(lambda b: st.tuples(
+            again_of(b), drain, reset_gpu, dec, dec, dec, st.just(("step", 3)), again_of(b), short,
+            st.sampled_from([("reset",), ("abort", 0), ("abort", 1), ("abort", 2)]))),
+    )
+    chunks = draw(st.lists(chunk, min_size=1, max_size=max_ops // 3))
+    ops = (draw(st.one_of(add, again)), *[o for c in chunks for o in c])
+    need = rel_max_need(ops, bases)
+    faults = RelFaults(load_delay=draw(st.integers(0, 3)), store_delay=draw(st.integers(0, 3)),
+                       conn_delay=draw(st.integers(0, 2)), dup=draw(st.booleans()), split=draw(st.booleans()),
+                       seed=draw(st.integers(0, 2 ** 16)))
+    # GPU pool: from 'the largest request barely fits' up (that is how RB-1 was found: a preempted
+    # request queued ahead of one whose load landed and that held its blocks)
+    return RelPlan(ops=ops, bases=bases,
+                   num_gpu_blocks=1 + need + draw(st.integers(0, need + 2)),
+                   num_cpu_blocks=draw(st.integers(2, 12)),
+                   budget=draw(st.sampled_from([2, 3, 4, 5, 7, 8, 12, 16])),
+                   hash_block_size=draw(st.sampled_from([REL_BS, REL_BS // 2])),
+                   world_size=draw(st.sampled_from([1, 2])),
+                   faults=faults)
+
+
+# Quick profile (CI): derandomized, so every run explores the same schedules. Long profile: set
+# KV_OFFLOAD_FUZZ_EXAMPLES; random exploration (hypothesis prints the failing plan and a blob).
+REL_FUZZ_EXAMPLES = int(os.environ.get("KV_OFFLOAD_FUZZ_EXAMPLES") or 0)
+rel_fuzz_settings = settings(
+    max_examples=REL_FUZZ_EXAMPLES or 300, derandomize=not REL_FUZZ_EXAMPLES, database=None, deadline=None,
+    print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@rel_fuzz_settings
+@given(plan=rel_plans())
+def test_rel_fuzz_random_schedules(plan):
+    run = rel_run_plan(plan)
+    log = run.log
+    event(f"steps: {min(log.steps // 25 * 25, 200)}+")
+    for name in ("preemptions", "preempted_while_storing", "resumed_with_load", "cpu_hit_tokens", "cpu_evictions",
+                 "aborts_while_loading", "aborts_while_storing", "aborts_with_pin", "steps_with_pins",
+                 "resets_refused", "resets_with_pins", "resets_with_queued_flush", "stale_reports", "partial_counts",
+                 "duplicate_reports", "ignored_reports"):
+        if getattr(log, name):
+            event(f"reached: {name}")
+
+
+# -----------------------------------------------------------------------------
+# Scripted interleavings: each one is reached on every CI run (the log says so), not by chance
+
+REL_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                    reason="needs a GPU"))]
+REL_BASE_A = tuple(range(1, 21))        # 20 tokens: 5 blocks, 4 of them a CPU hit (cap: num_tokens - 1)
+REL_BASE_B = tuple(range(100, 116))     # 16 tokens, shares nothing with A
+REL_FULL_A, REL_FULL_B = ("add", 0, 20, (), 1), ("add", 1, 16, (), 1)
+
+
+def rel_plan(*ops, **kw) -> RelPlan:
+    kw.setdefault("bases", (REL_BASE_A, REL_BASE_B))
+    kw.setdefault("num_gpu_blocks", 16)
+    kw.setdefault("num_cpu_blocks", 8)
+    kw.setdefault("budget", 8)
+    return RelPlan(ops=ops, **kw)
+
+
+@pytest.mark.parametrize("device", REL_DEVICES)
+def test_rel_abort_while_its_load_is_in_flight(device):
+    """A is stored; the GPU cache is dropped; B (A's prompt) hits 16 tokens on CPU and is aborted
+    while its load report is still on the way. The load's pins (both pools) must stay until the
+    report, then go; nothing else may leak."""
+    plan = rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), REL_FULL_A, ("step", 1), ("abort", "r1"),
+                    faults=RelFaults(load_delay=3, exact=True), device=device)
+    run = rel_run_plan(plan)
+    assert run.log.aborts_while_loading == 1 and run.engine.stats["r1"].cpu_hit_tokens == 16
+
+
+def test_rel_abort_while_its_store_is_in_flight():
+    """A's first blocks are being stored (reports held) when A is aborted after 16 of its 20 tokens:
+    the copies keep their pins and complete, the abort flushes the other confirmed blocks, and a
+    later lookup of A's prompt finds all 16 confirmed tokens (4 blocks) on CPU."""
+    def stored(run):
+        lookup = ko.Request("probe", list(REL_BASE_A), REL_BS)
+        assert run.conn.get_num_new_matched_tokens(lookup, 0)[0] == 16
+        run.conn.request_finished(lookup, [])
+    plan = rel_plan(("add", 0, 20, (), 4), ("hold", 0), ("step", 2), ("abort", "r0"), budget=8)
+    run = rel_run_plan(plan, before_reset=stored)
+    assert run.log.aborts_while_storing == 1
+
+
+def test_rel_reset_while_a_finish_flush_is_queued():
+    """A finishes in one step (20 tokens, budget 20): its flush is queued for the next
+    build_connector_meta(); a reset now must release the flush's pins at once (no worker saw it)."""
+    plan = rel_plan(REL_FULL_A, ("step", 1), ("reset",), budget=20)
+    run = rel_run_plan(plan)
+    assert run.log.resets_with_queued_flush == 1 and run.log.resets_refused == 0
+
+
+@pytest.mark.parametrize("device", REL_DEVICES)
+def test_rel_reset_while_a_store_and_a_load_are_in_flight(device):
+    """reset() with a sent store and a sent load: both are abandoned (reset returns False), their
+    late reports release the pins and cache nothing; a later reset succeeds."""
+    plan = rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), REL_FULL_B, ("step", 1), REL_FULL_A, ("step", 1),
+                    ("reset",),
+                    budget=12, faults=RelFaults(load_delay=2, store_delay=2, exact=True, split=True), device=device)
+    run = rel_run_plan(plan)
+    assert run.log.resets_refused == 1 and run.log.stale_reports >= 1 and run.engine.stats["r2"].cpu_hit_tokens == 16
+
+
+def rel_pin_plan(last_op) -> RelPlan:
+    # A stored; GPU cache dropped; B (16 tokens, then decodes) holds 5 of 7 usable GPU blocks;
+    # A again: a CPU hit of 16 tokens needs 4 blocks, 2 are free -> it waits, holding its lookup pin
+    return rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), ("add", 1, 16, (), 8), ("step", 2), REL_FULL_A,
+                    ("step", 1), last_op, num_gpu_blocks=8, num_cpu_blocks=12)
+
+
+def test_rel_reset_while_a_lookup_pin_is_held():
+    run = rel_run_plan(rel_pin_plan(("reset",)))
+    assert run.log.resets_with_pins == 1
+
+
+def test_rel_abort_while_a_lookup_pin_is_held():
+    run = rel_run_plan(rel_pin_plan(("abort", "r2")))
+    assert run.log.aborts_with_pin == 1
+
+
+def test_rel_preemption_while_stores_are_in_flight():
+    """Three long decodes outgrow 7 GPU blocks: a request is preempted while its stores are still
+    unreported; its blocks stay pinned by the stores (not reused by the others) until they complete."""
+    plan = rel_plan(("add", 0, 12, (), 10), ("add", 1, 12, (), 10), ("add", 0, 8, (7,), 10), ("step", 6),
+                    faults=RelFaults(store_delay=2, load_delay=1, seed=1), num_gpu_blocks=8, budget=4)
+    run = rel_run_plan(plan)
+    assert run.log.preempted_while_storing >= 1
+
+
+@pytest.mark.parametrize("device", REL_DEVICES)
+def test_rel_world_size_2_one_worker_lags(device):
+    """Worker 1 holds its store reports: every store event waits at a count of 1 of 2 until it
+    catches up, across a reset too."""
+    plan = rel_plan(("hold", 1), REL_FULL_A, ("step", 4), ("reset",), ("step", 1), ("release", 1),
+                    REL_FULL_A, world_size=2, device=device)
+    run = rel_run_plan(plan)
+    assert run.log.partial_counts >= 1 and run.log.resets_refused == 1 and run.log.stale_reports >= 1
+
+
+def test_rel_duplicate_and_stale_reports_are_ignored():
+    plan = rel_plan(REL_FULL_A, ("step", 2), ("reset",), REL_FULL_B, ("drain",), ("reset_gpu",), REL_FULL_A,
+                    faults=RelFaults(dup=True, store_delay=1, load_delay=1, seed=3))
+    run = rel_run_plan(plan)
+    assert run.log.duplicate_reports >= 1 and run.log.ignored_reports >= 1
+
+
+def test_rel_one_block_cpu_pool():
+    """A CPU pool of one usable block: every store evicts the previous one; still exact."""
+    plan = rel_plan(REL_FULL_A, REL_FULL_B, ("drain",), ("reset_gpu",), REL_FULL_A, ("add", 0, 4, (9,), 2),
+                    num_cpu_blocks=2, faults=RelFaults(store_delay=1, seed=2))
+    run = rel_run_plan(plan)
+    assert run.log.cpu_evictions >= 1
+
+
+# -----------------------------------------------------------------------------
+# Failures the generator found, kept as named regression tests
+
+# RB-1 (fixed) as the generator first found it (shrunk): 9 usable GPU blocks, budget 2. r2 (11 tokens,
+# 3 outputs) runs while r3 (r1's 28-token prompt) gets 24 tokens from the GPU and CPU caches (a load)
+# and then waits, holding 6 blocks, for room to compute the rest; r2 needs a 4th block, none is free, r2 preempts itself and
+# is queued *ahead* of r3. Now r2 needs 4 blocks, 3 are free, and r3 never gets its turn. The fix:
+# requests that hold blocks are admitted first.
+REL_RB1_PLAN = RelPlan(
+    ops=(("add", 0, 28, (0, 0, 0, 0, 0), 1), ("abort", 0), ("add", 0, 28, (), 1), ("add", 1, 28, (0,), 3),
+         ("step", 1), ("add", 0, 28, (), 1)),
+    bases=((0, 31, 13, 32, 0, 0, 0, 33, 25, 35, 40, 31, 29, 23, 30, 22, 0, 32, 38, 27, 0, 12, 29, 39, 0, 0, 0, 0),
+           (0,) * 10),
+    num_gpu_blocks=10, num_cpu_blocks=12, budget=2)
+
+
+def test_rel_regression_rb1_preempted_head_blocks_loaded_request():
+    run = rel_run_plan(REL_RB1_PLAN, max_steps=300)
+    assert run.log.preemptions >= 1 and run.engine.stats["r3"].cpu_hit_tokens > 0
+
+
+def test_rel_regression_a_landed_load_is_progress():
+    """Found by the generator in the stall detector itself: r3 is the only request, looks up,
+    loads 4 tokens and has its load reported all within one step; the waiting queue looks the
+    same before and after, but the step made progress (r3 now holds its blocks), so it is not a
+    stall. (4 GPU blocks, budget 2: r3 then computes 2 tokens a step.)"""
+    plan = RelPlan(ops=(("add", 0, 28, (), 1), ("add", 0, 28, (), 1), ("drain",), ("reset_gpu",),
+                        ("add", 0, 28, (), 1), ("step", 1), ("abort", 0), ("reset_gpu",), ("add", 0, 28, (), 1)),
+                   bases=((0,) * 8,), num_gpu_blocks=4, num_cpu_blocks=2, budget=2)
+    run = rel_run_plan(plan)
+    assert run.engine.stats["r3"].cpu_hit_tokens == 4
+
+
+def test_rel_rb1_minimal_engine_run_finishes():
+    """RB-1 (fixed) without the test harness: 9 usable GPU blocks, budget 2. 'a' (28 tokens) is stored as it
+    runs; 'b' (11 tokens, 3 outputs) follows; 'c' repeats a's prompt and, once its GPU hit plus a
+    CPU load land, waits holding 6 blocks. 'b' grows into a 4th block, finds none free, preempts
+    itself and is queued ahead of 'c': it needs 4 blocks, 3 are free, and 'c' never ran. Every
+    request fits the pool on its own, so run() must finish."""
+    e = ko.MiniEngine(10, REL_BS, 2, ko.ToyModel(**REL_MODEL), ko.SimpleCPUOffloadScheduler(12, REL_BS),
+                      ko.SimpleCPUOffloadWorker(12))
+    prompt = list(range(1, 29))
+    e.add_request(ko.Request("a", prompt, REL_BS))
+    e.add_request(ko.Request("b", [0] * 11, REL_BS, max_tokens=3))
+    e.step()
+    e.add_request(ko.Request("c", prompt, REL_BS))
+    try:
+        stats = e.run(max_steps=500)
+    except RuntimeError:
+        stuck = [(r.request_id, len(e.req_blocks.get(r.request_id, []))) for r in e.waiting]
+        pytest.fail(f"stalled: waiting (request, blocks held) {stuck}, running {e.running}, "
+                    f"{e.gpu_block_pool.get_num_free_blocks()} GPU blocks free")  # [('b', 0), ('c', 6)], [], 3
+    assert [len(stats[r].output_token_ids) for r in "abc"] == [1, 3, 1]
+
+
+# -----------------------------------------------------------------------------
+# Bad-input catalogue: each bad call raises ValueError naming the problem, and changes nothing
+
+def rel_plain(x):
+    """A comparable, plain copy of (nested) state: tensors as bytes, blocks and requests by their
+    defining fields, dicts in insertion order, sets sorted."""
+    if isinstance(x, torch.Tensor):
+        t = x.detach().cpu().contiguous()
+        return ("tensor", str(t.dtype), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    if isinstance(x, ko.KVCacheBlock):
+        return ("block", x.block_id, x.ref_cnt, x.block_hash)
+    if isinstance(x, ko.Request):
+        return ("request", x.request_id, x.num_computed_tokens, tuple(x.all_token_ids), len(x.block_hashes))
+    if isinstance(x, (ko.BlockPool, RelProxy, ko.SimpleCPUOffloadScheduler, ko.SimpleCPUOffloadWorker,
+                      ko.MiniEngine, ko.ToyModel)):
+        return (type(x).__name__, id(x))  # snapshotted on their own
+    if is_dataclass(x) and not isinstance(x, type):
+        return (type(x).__name__, tuple((f.name, rel_plain(getattr(x, f.name))) for f in fields(x)))
+    if isinstance(x, dict):
+        return ("dict", tuple((rel_plain(k), rel_plain(v)) for k, v in x.items()))
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, tuple(rel_plain(v) for v in x))
+    if isinstance(x, (set, frozenset)):
+        return ("set", tuple(sorted((rel_plain(v) for v in x), key=repr)))
+    if x is None or isinstance(x, (bool, int, float, str, bytes)):
+        return x
+    if isinstance(x, (torch.device, torch.dtype)):
+        return str(x)
+    return ("opaque", type(x).__name__)  # streams, events
+
+
+def rel_pool_state(pool: ko.BlockPool) -> tuple:
+    """Ref counts, free-queue order, the hash map (insertion order per key), every block's keys."""
+    return (tuple(b.ref_cnt for b in pool.blocks),
+            tuple(b.block_id for b in pool.free_block_queue.get_all_free_blocks()),
+            pool.free_block_queue.num_free_blocks,
+            tuple(sorted((k, tuple(b.block_id for b in v)) for k, v in rel_map_entries(pool).items())),
+            tuple(sorted((i, tuple(sorted(keys))) for i, keys in pool.cached_block_hashes_by_block.items())),
+            tuple((b.block_hash, b.block_hash_num_tokens) for b in pool.blocks))
+
+
+def rel_snapshot(world) -> dict:
+    eng, conn, worker = world.engine, world.conn, rel_unwrap(world.worker)
+    skip_engine = {"model", "connector", "workers", "gpu_block_pool", "kv_caches", "_t_arrival"}
+    return {
+        "gpu": rel_pool_state(eng.gpu_block_pool),
+        "cpu": rel_pool_state(conn.cpu_block_pool),
+        "kv": rel_plain(eng.kv_caches),
+        "connector": rel_plain({k: v for k, v in vars(conn).items()
+                                if k not in ("cpu_block_pool", "_gpu_block_pool")}),
+        "connector binding": conn._gpu_block_pool is eng.gpu_block_pool,
+        "worker": rel_plain({k: v for k, v in vars(worker).items() if k != "gpu_caches"}),
+        "worker binding": all(worker.gpu_caches[f"{n}.{kv}"].data_ptr() == eng.kv_caches[n][i].data_ptr()
+                              for n in eng.kv_caches for i, kv in enumerate("kv")),
+        "engine": rel_plain({k: v for k, v in vars(eng).items() if k not in skip_engine}),
+        "requests": rel_plain(world.requests),
+    }
+
+
+def rel_world():
+    """A small engine mid-flight, the state every bad call must leave alone: 'a' finished and its
+    prompt is on CPU (and cached free on GPU); 'b' runs, with a store event sent whose report the
+    worker holds; 'c' (a's prompt) holds a CPU lookup pin of 12 tokens and 4 GPU blocks the
+    'scheduler' took for it."""
+    model = ko.ToyModel(**REL_MODEL)
+    conn = ko.SimpleCPUOffloadScheduler(8, REL_BS)
+    worker = RelFaultyWorker(ko.SimpleCPUOffloadWorker(8), RelFaults(), random.Random(0), RelLog(), 1)
+    eng = ko.MiniEngine(14, REL_BS, 8, model, conn, worker, capture_kv=True)
+    worker._rel_engine = eng
+    a = ko.Request("a", list(range(1, 14)), REL_BS, max_tokens=2)
+    eng.add_request(a)
+    while eng.has_unfinished_work():
+        eng.step()
+    worker.rel_hold = True
+    b = ko.Request("b", list(range(20, 31)), REL_BS, max_tokens=4)
+    eng.add_request(b)
+    eng.step()
+    eng.step()
+    assert conn._store_event_to_blocks, "world: b's store should be in flight"
+    c = ko.Request("c", list(range(1, 14)), REL_BS)
+    hit, _ = conn.get_num_new_matched_tokens(c, 0)
+    assert hit == 12, hit
+    c_blocks = eng.gpu_block_pool.get_new_blocks(4)
+    return SimpleNamespace(engine=eng, conn=conn, worker=worker, model=model, gpu=eng.gpu_block_pool,
+                           cpu=conn.cpu_block_pool, a=a, b=b, c=c, c_blocks=c_blocks,
+                           requests={"a": a, "b": b, "c": c}, live_event=next(iter(conn._store_event_to_blocks)))
+
+
+def _free_cached_gpu_block(w):  # a ref-0 block that is still cached (a's prompt)
+    return next(b for b in w.gpu.free_block_queue.get_all_free_blocks() if b.block_hash is not None)
+
+
+def _in_use_gpu_block(w):
+    return w.engine.req_blocks["b"][0]
+
+
+def _meta(**kw):
+    return ko.SimpleCPUOffloadMetadata(**kw)
+
+
+def _bind_and(meta, copy: str):
+    """The worker's calls of one step with `meta`: bind, then the copy (start_load_kv / wait_for_save)."""
+    def call(w):
+        worker = rel_unwrap(w.worker)
+        worker.bind_connector_metadata(meta)
+        getattr(worker, copy)()
+    return call
+
+
+# (id, bad call, match, xfail reason or None)
+REL_BAD_CALLS = [
+    # --- block pool
+    ("pool.get_new_blocks(-1)", lambda w: w.gpu.get_new_blocks(-1), r"num_blocks must be an int >= 0", None),
+    ("pool.get_new_blocks(1.5)", lambda w: w.gpu.get_new_blocks(1.5), r"num_blocks must be an int >= 0", None),
+    ("pool.get_new_blocks(more than free)", lambda w: w.gpu.get_new_blocks(w.gpu.get_num_free_blocks() + 1),
+     r"Cannot get \d+ free blocks", None),
+    ("pool.free_blocks(in use, then a free one): double free",
+     lambda w: w.gpu.free_blocks([_in_use_gpu_block(w), _free_cached_gpu_block(w)]), r"double free", None),
+    ("pool.free_blocks(in use, then a CPU block): foreign",
+     lambda w: w.gpu.free_blocks([_in_use_gpu_block(w), w.cpu.blocks[1]]), r"not a block of this pool", None),
+    ("pool.touch(cached free, then a CPU block): foreign",
+     lambda w: w.gpu.touch([_free_cached_gpu_block(w), w.cpu.blocks[1]]), r"not a block of this pool", None),
+    # RB-5 (fixed): raised AttributeError after taking refs
+    ("pool.touch(cached free, then a block id): wrong type",
+     lambda w: w.gpu.touch([_free_cached_gpu_block(w), 3]), r"not a block",
+     None),
+    # RB-5 (fixed): raised AttributeError after dropping refs
+    ("pool.free_blocks(in use, then a block id): wrong type",
+     lambda w: w.gpu.free_blocks([_in_use_gpu_block(w), 3]), r"not a block",
+     None),
+    ("BlockPool(0 blocks)", lambda w: ko.BlockPool(0, True, REL_BS), r"num_gpu_blocks must be an int >= 1",
+     None),
+    # --- scheduler-side manager
+    ("manager.get_num_new_matched_tokens(negative)",
+     lambda w: w.conn.get_num_new_matched_tokens(w.c, -REL_BS), r"num_computed_tokens=-4 outside", None),
+    ("manager.get_num_new_matched_tokens(beyond num_tokens)",
+     lambda w: w.conn.get_num_new_matched_tokens(w.c, w.c.num_tokens + REL_BS), r"outside \[0, 13\]", None),
+    ("manager.update_state_after_alloc(misaligned external tokens)",
+     lambda w: w.conn.update_state_after_alloc(w.c, (w.c_blocks,), 3), r"num_external_tokens=3 is misaligned", None),
+    ("manager.update_state_after_alloc(negative external tokens)",
+     lambda w: w.conn.update_state_after_alloc(w.c, (w.c_blocks,), -4), r"num_external_tokens=-4 is misaligned", None),
+    ("manager.update_state_after_alloc(external tokens, no lookup)",
+     lambda w: w.conn.update_state_after_alloc(ko.Request("d", list(range(1, 14)), REL_BS), (w.c_blocks,), 4),
+     r"offered no CPU hit", None),
+    ("manager.update_state_after_alloc(more than the hit)",
+     lambda w: w.conn.update_state_after_alloc(w.c, (w.c_blocks,), 16), r"exceeds the CPU hit of 12", None),
+    ("manager.update_state_after_alloc(too few GPU blocks)",
+     lambda w: w.conn.update_state_after_alloc(w.c, (w.c_blocks[:2],), 12), r"too few", None),
+    ("manager.update_state_after_alloc(two groups for one)",
+     lambda w: w.conn.update_state_after_alloc(w.c, (w.c_blocks, w.c_blocks), 12), r"2 groups, expected 1", None),
+    # RB-4 (fixed): raised IndexError after consuming the lookup pin
+    ("manager.update_state_after_alloc(blocks of no pool)",
+     lambda w: w.conn.update_state_after_alloc(w.c, ([ko.KVCacheBlock(40 + i) for i in range(4)],), 12),
+     r"out of range|not a block|GPU pool",
+     None),
+    # RB-2 (fixed): was silently merged into the running request's state
+    ("manager.update_state_after_alloc(request id of a running request)",
+     lambda w: w.conn.update_state_after_alloc(ko.Request("b", [7] * 9, REL_BS), (w.c_blocks,), 0),
+     r"already|in use|reused",
+     None),
+    ("manager.build_connector_meta(block id out of range)",
+     lambda w: w.conn.build_connector_meta(ko.SchedulerOutput({"b": 1}, {"b": ([99],)})),
+     r"GPU block id 99 out of range", None),
+    ("manager.build_connector_meta(block id of wrong type)",
+     lambda w: w.conn.build_connector_meta(ko.SchedulerOutput({"b": 1}, {"b": ([1.0],)})),
+     r"GPU block id 1.0 out of range", None),
+    ("manager.request_finished_all_groups(negative block id)",
+     lambda w: w.conn.request_finished_all_groups(w.b, ([-1],)), r"GPU block id -1 out of range", None),
+    # RB-3 (fixed): a negative count was stored
+    ("manager.update_connector_output(negative report count)",
+     lambda w: w.conn.update_connector_output(ko.KVConnectorOutput(
+         set(), ko.SimpleCPUOffloadWorkerMetadata({w.live_event: -1}))), r"count|negative",
+     None),
+    ("SimpleCPUOffloadScheduler(hash_block_size that does not divide)",
+     lambda w: ko.SimpleCPUOffloadScheduler(8, REL_BS, hash_block_size=3), r"hash_block_size \(3\) must divide", None),
+    ("SimpleCPUOffloadScheduler(group size that does not divide)",
+     lambda w: ko.SimpleCPUOffloadScheduler(8, 8, hash_block_size=2, group_block_sizes=[8, 6]), r"must nest", None),
+    ("SimpleCPUOffloadScheduler(world_size 0)",
+     lambda w: ko.SimpleCPUOffloadScheduler(8, REL_BS, world_size=0), r"must be >= 1", None),
+    ("SimpleCPUOffloadScheduler(1 CPU block)",
+     lambda w: ko.SimpleCPUOffloadScheduler(1, REL_BS), r"num_cpu_blocks must be >= 2", None),
+    # --- copy worker: a step's calls with bad metadata (bind, then the copy); nothing may be
+    # recorded, or the rejected event is later reported complete (RB-8)
+    ("worker.bind + wait_for_save(GPU source out of range)",
+     _bind_and(_meta(store_event=99, store_gpu_blocks=[1, 99], store_cpu_blocks=[1, 2]), "wait_for_save"),
+     r"store: source block ids \[99\] out of range", None),
+    ("worker.bind + wait_for_save(CPU destination out of range)",
+     _bind_and(_meta(store_event=99, store_gpu_blocks=[1], store_cpu_blocks=[8]), "wait_for_save"),
+     r"destination block ids \[8\] out of range", None),
+    ("worker.bind + start_load_kv(negative CPU source)",
+     _bind_and(_meta(load_event=99, load_gpu_blocks=[5], load_cpu_blocks=[-1]), "start_load_kv"),
+     r"load: source block ids \[-1\] out of range", None),
+    ("worker.bind + start_load_kv(ids of wrong type)",
+     _bind_and(_meta(load_event=99, load_gpu_blocks=[5.0], load_cpu_blocks=[1]), "start_load_kv"),
+     r"destination block ids \[5.0\] out of range", None),
+    ("worker.bind + wait_for_save(unequal id counts)",
+     _bind_and(_meta(store_event=99, store_gpu_blocks=[1, 2], store_cpu_blocks=[1]), "wait_for_save"),
+     r"2 source ids but 1 destination ids", None),
+    ("worker.register_kv_caches(wrong block count)",
+     lambda w: rel_unwrap(w.worker).register_kv_caches({"x": torch.zeros(5, 4)}, 14), r"has shape \(5, 4\)", None),
+    ("worker.register_kv_caches(nothing)",
+     lambda w: rel_unwrap(w.worker).register_kv_caches({}), r"no KV caches", None),
+    ("worker.register_kv_caches(not contiguous)",
+     lambda w: rel_unwrap(w.worker).register_kv_caches({"x": torch.zeros(14, 4, 2).transpose(1, 2)}, 14),
+     r"not contiguous", None),
+    # RB-6 (fixed): raised IndexError
+    ("worker.register_kv_caches(0-dim tensor)",
+     lambda w: rel_unwrap(w.worker).register_kv_caches({"x": torch.zeros(())}), r"shape|dim",
+     None),
+    ("SimpleCPUOffloadWorker(1 CPU block)", lambda w: ko.SimpleCPUOffloadWorker(1),
+     r"num_cpu_blocks must be >= 2", None),
+    # --- engine and requests
+    ("engine.abort_request(unknown id)", lambda w: w.engine.abort_request("nope"), r"unknown or finished", None),
+    ("engine.abort_request(finished request)", lambda w: w.engine.abort_request("a"), r"unknown or finished",
+     None),
+    ("engine.add_request(reused id)",
+     lambda w: w.engine.add_request(ko.Request("a", [5, 6, 7], REL_BS)), r"'a' is already in use", None),
+    ("engine.add_request(hash_block_size mismatch)",
+     lambda w: w.engine.add_request(ko.Request("z", [5, 6, 7], 2)), r"hash_block_size 2 != engine's 4", None),
+    # RB-7 (fixed): was accepted; run() then spun to 'no progress'
+    ("engine.add_request(longer than the GPU pool)",
+     lambda w: w.engine.add_request(ko.Request("big", list(range(60)), REL_BS)), r"GPU blocks|too long|exceeds",
+     None),
+    ("MiniEngine(budget 0) with the live connector",
+     lambda w: ko.MiniEngine(14, REL_BS, 0, w.model, w.conn, rel_unwrap(w.worker)),
+     r"max_num_batched_tokens must be >= 1", None),
+    ("MiniEngine(block size mismatch) with the live connector",
+     lambda w: ko.MiniEngine(14, 8, 8, w.model, w.conn, rel_unwrap(w.worker)), r"do not match", None),
+    ("MiniEngine(worker/connector CPU sizes disagree)",
+     lambda w: ko.MiniEngine(14, REL_BS, 8, w.model, w.conn, ko.SimpleCPUOffloadWorker(6)), r"disagree", None),
+    ("MiniEngine(0 GPU blocks) with the live connector and worker",
+     lambda w: ko.MiniEngine(0, REL_BS, 8, w.model, w.conn, rel_unwrap(w.worker)),
+     r"num_gpu_blocks must be an int >= 1", None),
+    ("Request(empty prompt)", lambda w: ko.Request("e", [], REL_BS), r"prompt_token_ids is empty", None),
+    ("Request(max_tokens 0)", lambda w: ko.Request("e", [1], REL_BS, max_tokens=0), r"must be >= 1", None),
+]
+
+
+@pytest.mark.parametrize("call, match", [
+    pytest.param(call, match, id=name, marks=[pytest.mark.xfail(strict=True, reason=why)] if why else [])
+    for name, call, match, why in REL_BAD_CALLS])
+def test_rel_bad_call_raises_and_changes_nothing(call, match):
+    world = rel_world()
+    before = rel_snapshot(world)
+    with pytest.raises(ValueError, match=match):
+        call(world)
+    after = rel_snapshot(world)
+    changed = [k for k in before if before[k] != after[k]]
+    assert not changed, f"the failed call changed: {changed}"
+
+
+def test_rel_bad_call_catalogue_is_big_enough():
+    layers = {name.split(".")[0].split("(")[0] for name, *_ in REL_BAD_CALLS}
+    assert len(REL_BAD_CALLS) >= 12 and {"pool", "manager", "worker", "engine"} <= layers
+
+
+# -----------------------------------------------------------------------------
+# Module bugs found here with a behaviour to show (RELIABILITY_BUGS.md); xfail until fixed
+
+def rel_manager(num_gpu_blocks=20, num_cpu_blocks=10, world_size=1):
+    gpu = ko.BlockPool(num_gpu_blocks, True, REL_BS)
+    conn = ko.SimpleCPUOffloadScheduler(num_cpu_blocks, REL_BS, world_size=world_size)
+    conn.bind_gpu_block_pool(gpu)
+    return gpu, conn
+
+
+def rel_start(gpu, conn, rid, tokens):
+    """A request scheduled whole: looked up, allocated, registered, prefilled (hashed, computed)."""
+    req = ko.Request(rid, tokens, REL_BS)
+    blocks = gpu.get_new_blocks(ko.cdiv(len(tokens), REL_BS))
+    conn.get_num_new_matched_tokens(req, 0)
+    conn.update_state_after_alloc(req, (blocks,), 0)
+    gpu.cache_full_blocks(req, blocks, 0, len(tokens) // REL_BS, REL_BS, 0)
+    conn.build_connector_meta(ko.SchedulerOutput({rid: len(tokens)}, {rid: ([b.block_id for b in blocks],)}))
+    req.num_computed_tokens = len(tokens)
+    return req, blocks
+
+
+def test_rel_reused_request_id_is_stored():  # RB-2 (fixed)
+    """'x' (9 tokens) stores its 2 full blocks in a decode step, then finishes before the store is
+    reported: its state stays, marked finished. A new request reuses the id 'x' (vLLM clients may
+    reuse ids once a request is done). Its 2 full blocks must be stored like anyone else's."""
+    gpu, conn = rel_manager()
+    x1, b1 = rel_start(gpu, conn, "x", list(range(8)) + [99])
+    m1 = conn.build_connector_meta(ko.SchedulerOutput({"x": 1}))  # decode step: blocks 0, 1 stored
+    assert m1.store_event == 0 and len(m1.store_gpu_blocks) == 2
+    conn.request_finished_all_groups(x1, ([b.block_id for b in b1],))
+    gpu.free_blocks(reversed(b1))
+    x2, b2 = rel_start(gpu, conn, "x", list(range(50, 58)) + [1])
+    stored = list(conn.build_connector_meta(ko.SchedulerOutput({"x": 1})).store_gpu_blocks)
+    conn.update_connector_output(
+        ko.KVConnectorOutput(kv_connector_worker_meta=ko.SimpleCPUOffloadWorkerMetadata({0: 1})))
+    conn.request_finished_all_groups(x2, ([b.block_id for b in b2],))
+    stored += conn.build_connector_meta(ko.SchedulerOutput()).store_gpu_blocks
+    assert stored == [b.block_id for b in b2[:2]], f"the new 'x' stored {stored}"
+
+
+def test_rel_repeated_report_of_a_finished_store_is_kept_until_reset():  # RB-3: vLLM parity
+    """world_size 2: a late repeat of an already completed store event is counted and kept, as
+    vLLM 0.33 keeps it (update_connector_output sums counts per event id, and event ids are never
+    reused, so it can never complete anything); reset() drops it. Nothing is cached twice."""
+    gpu, conn = rel_manager(world_size=2)
+    req, blocks = rel_start(gpu, conn, "a", list(range(8)) + [99])
+    event = conn.build_connector_meta(ko.SchedulerOutput({"a": 1})).store_event
+    report = lambda n: conn.update_connector_output(  # noqa: E731
+        ko.KVConnectorOutput(kv_connector_worker_meta=ko.SimpleCPUOffloadWorkerMetadata({event: n})))
+    report(2)  # both workers: the event completes
+    assert len(conn.cpu_block_pool.cached_block_hash_to_block) == 2
+    report(1)  # a late repeat from one worker
+    assert conn._store_event_pending_counts == {event: 1}
+    assert len(conn.cpu_block_pool.cached_block_hash_to_block) == 2
+    conn.request_finished_all_groups(req, ([b.block_id for b in blocks],))
+    gpu.free_blocks(reversed(blocks))
+    assert conn.reset() and conn._store_event_pending_counts == {}
+
+
+@pytest.mark.parametrize("direction", ["store", "load"])  # RB-8 (fixed)
+def test_rel_rejected_copy_is_never_reported_complete(direction):
+    w = ko.SimpleCPUOffloadWorker(4)
+    w.register_kv_caches({"x": torch.arange(48, dtype=torch.float16).view(6, 8)}, 6)
+    if direction == "store":
+        bad = _meta(store_event=0, store_gpu_blocks=[9], store_cpu_blocks=[1])
+        good = _meta(store_event=1, store_gpu_blocks=[2], store_cpu_blocks=[2])
+    else:
+        bad = _meta(load_event=0, load_gpu_blocks=[1], load_cpu_blocks=[7], load_event_to_reqs={0: ["bad"]})
+        good = _meta(load_event=1, load_gpu_blocks=[1], load_cpu_blocks=[2],
+                     load_event_to_reqs={0: ["bad"], 1: ["ok"]})
+    with pytest.raises(ValueError, match="out of range"):  # at bind, or at the copy
+        w.bind_connector_metadata(bad)
+        w.wait_for_save() if direction == "store" else w.start_load_kv()
+    w.clear_connector_metadata()
+    w.bind_connector_metadata(good)
+    w.wait_for_save() if direction == "store" else w.start_load_kv()
+    _, recv = w.get_finished(set())
+    meta = w.build_connector_worker_meta()
+    done = set(meta.completed_store_events) if direction == "store" else recv
+    assert done == ({1} if direction == "store" else {"ok"}), f"reported complete: {done}"
+
+
+# -----------------------------------------------------------------------------
+# The checker checks: each planted corruption is caught (a checker that passes everything proves nothing)
+
+def rel_midflight():
+    """A run stopped mid-flight: A stored; the GPU cache dropped; B prefilling with a store whose
+    report worker 0 holds; A again with a 16-token load whose report is held too."""
+    plan = rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), ("add", 1, 16, (), 4), ("step", 1), ("hold", 0),
+                    REL_FULL_A, ("step", 2), budget=12)
+    run = rel_build(plan)
+    for op in plan.ops:
+        if op[0] == "add":
+            rid = f"r{len(run.requests)}"
+            run.requests[rid] = ko.Request(rid, rel_prompt(plan.bases, *op[1:4]), REL_BS, op[4])
+            run.engine.add_request(run.requests[rid])
+        elif op[0] == "step":
+            rel_step(run, op[1])
+        elif op[0] == "drain":
+            rel_drain(run)
+        elif op[0] == "reset_gpu":
+            assert run.engine.reset_gpu_prefix_cache()
+        elif op[0] == "hold":
+            run.workers[op[1]].rel_hold = True
+    assert run.engine.loading and run.conn._store_event_to_blocks, "mid-flight: a load and a store in flight"
+    return run
+
+
+def _plant_extra_gpu_ref(run):
+    run.engine.gpu_block_pool.touch([run.engine.req_blocks["r1"][0]])
+
+
+def _plant_lost_store_pin(run):
+    g = next(iter(run.conn._store_event_to_blocks.values())).gpu_block_ids[0]
+    run.conn._store_event_to_blocks[next(iter(run.conn._store_event_to_blocks))].gpu_block_ids.remove(g)
+    run.conn._store_event_to_blocks[next(iter(run.conn._store_event_to_blocks))].cpu_block_ids.pop(0)
+
+
+def _plant_free_block_with_ref(run):
+    run.engine.gpu_block_pool.free_block_queue.get_all_free_blocks()[0].ref_cnt = 1
+
+
+def _plant_wrong_map_entry(run):
+    cpu = run.conn.cpu_block_pool
+    key = next(b.block_hash for b in cpu.blocks if b.block_hash is not None)
+    other = next(b for b in cpu.blocks[1:] if b.block_hash != key)
+    cpu.cached_block_hash_to_block.insert(key, other)
+
+
+def _plant_early_cpu_hash(run):
+    t = next(iter(run.conn._store_event_to_blocks.values()))
+    cpu = run.conn.cpu_block_pool
+    key = run.engine.gpu_block_pool.blocks[t.gpu_block_ids[0]].block_hash
+    cpu._insert_block_hash(key, cpu.blocks[t.cpu_block_ids[0]], None)
+
+
+def _plant_in_flight_gap(run):
+    run.conn._in_flight_store_gpu_blocks.pop()
+
+
+def _plant_corrupt_cpu_kv(run):
+    cpu = run.conn.cpu_block_pool
+    b = next(b for b in cpu.blocks if b.block_hash is not None)
+    rel_unwrap(run.workers[0]).cpu_caches["layers.0.v"][b.block_id].add_(1)
+
+
+def _plant_corrupt_gpu_kv(run):
+    b = next(b for b in run.engine.gpu_block_pool.blocks if b.block_hash is not None)
+    next(iter(run.engine.kv_caches.values()))[0, b.block_id].mul_(-1).add_(0.5)
+
+
+def _plant_lost_load(run):
+    rid = next(iter(run.conn._reqs_to_load))
+    del run.conn._reqs_to_load[rid]
+
+
+@pytest.mark.parametrize("plant, message", [
+    (_plant_extra_gpu_ref, "GPU refs not accounted for"),
+    (_plant_lost_store_pin, "refs not accounted for"),
+    (_plant_free_block_with_ref, "but is in the free queue"),
+    (_plant_wrong_map_entry, "does not carry it"),
+    (_plant_early_cpu_hash, "cached before its copy completed"),
+    (_plant_in_flight_gap, "in-flight set"),
+    (_plant_corrupt_cpu_kv, "KV differs from expected_kv"),
+    (_plant_corrupt_gpu_kv, "KV differs from expected_kv"),
+    (_plant_lost_load, "waits for a load the connector does not have|refs not accounted"),
+])
+def test_rel_check_invariants_catches(plant, message):
+    run = rel_midflight()
+    check_invariants(run.engine, run.requests.values())  # clean
+    plant(run)
+    with pytest.raises(AssertionError, match=message):
+        check_invariants(run.engine, run.requests.values())
+
+
+@pytest.mark.parametrize("part", ["gpu", "cpu", "kv", "connector", "worker", "engine", "requests"])
+def test_rel_snapshot_sees_every_part(part):
+    world = rel_world()
+    before = rel_snapshot(world)
+    change = {
+        "gpu": lambda: world.gpu.free_block_queue.append_n([world.gpu.free_block_queue.popleft()]),
+        "cpu": lambda: world.cpu.touch([world.cpu.blocks[1]]),
+        "kv": lambda: world.engine.kv_caches["layers.0"][1, 3].add_(1),
+        "connector": lambda: world.conn._in_flight_store_gpu_blocks.add(13),
+        "worker": lambda: rel_unwrap(world.worker).cpu_caches["layers.0.k"][7].add_(1),
+        "engine": lambda: world.engine._resumed.add("a"),
+        "requests": lambda: world.c.append_output_token_ids(5),
+    }[part]
+    change()
+    assert before[part] != rel_snapshot(world)[part]
 
 
 # ===============================================================================================
