@@ -1183,9 +1183,11 @@ class SimpleCPUOffloadWorker:
         for name, t in kv_caches.items():
             if t.device != tensors[0].device:
                 raise ValueError(f"KV cache {name!r} is on {t.device}, others on {tensors[0].device}")
-            if t.dim() >= 2 and t.shape[0] != num_gpu_blocks and t.shape[0] == 2 and t.shape[1] == num_gpu_blocks:
-                parts = {f"{name}.k": t[0], f"{name}.v": t[1]}
-            elif t.dim() >= 1 and t.shape[0] == num_gpu_blocks:
+            # each region is [num_blocks, ...]: block i is one contiguous row, so a run of
+            # consecutive ids is one slice on both sides
+            if t.shape[0] != num_gpu_blocks and t.shape[0] == 2 and t.shape[1] == num_gpu_blocks:
+                parts = {f"{name}.k": t[0], f"{name}.v": t[1]}  # (2, N, ...): K and V are separate rows
+            elif t.shape[0] == num_gpu_blocks:
                 parts = {name: t}
             else:
                 raise ValueError(f"KV cache {name!r} has shape {tuple(t.shape)}: expected "
@@ -1581,18 +1583,19 @@ class MiniEngine:
     # --- one step -------------------------------------------------------------------
 
     def step(self) -> None:
+        """One scheduler step + one forward pass, in vLLM's order (see the class docstring)."""
         self.num_steps += 1
         so = self._schedule()
         meta = self.connector.build_connector_meta(so) if self.connector is not None else None
-        for w in self.workers:
+        for w in self.workers:  # each worker = one TP rank with its own CPU mirror
             w.bind_connector_metadata(meta)
-            w.handle_preemptions(meta)
-            w.start_load_kv()
+            w.handle_preemptions(meta)  # before the forward reuses a preempted request's blocks
+            w.start_load_kv()           # loads target requests that do not compute this step
         self._forward(so)
         finished_recving: set[str] = set()
         worker_meta = None
         for w in self.workers:
-            w.wait_for_save()
+            w.wait_for_save()  # stores read blocks confirmed by earlier steps (and finish flushes)
             _, recv = w.get_finished(set())
             for rid in recv or ():  # a load is done once every worker (TP rank) reported it
                 self._recving_counts[rid] = self._recving_counts.get(rid, 0) + 1
@@ -1602,6 +1605,8 @@ class MiniEngine:
             wm = w.build_connector_worker_meta()
             worker_meta = wm if worker_meta is None else worker_meta.aggregate(wm) if wm else worker_meta
             w.clear_connector_metadata()
+        # as vLLM's update_from_output: finished requests first (request_finished_all_groups,
+        # then their blocks are freed; in-flight copies keep their own refs), then completions
         self._update_from_output(so)
         if self.connector is not None:
             self.connector.update_connector_output(KVConnectorOutput(finished_recving, worker_meta))
@@ -1617,6 +1622,7 @@ class MiniEngine:
         return (ids[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.model.device)
 
     def _forward(self, so: SchedulerOutput) -> None:
+        # positions continue from num_computed_tokens: a loaded or GPU-hit prefix is not recomputed
         for req in self.running:
             n = so.num_scheduled_tokens.get(req.request_id, 0)
             if n:
@@ -1634,6 +1640,7 @@ class MiniEngine:
             st.computed_tokens += n
             if req.num_computed_tokens < req.num_tokens:
                 continue  # chunked prefill: more to come
+            # the whole sequence is computed: sample (from the paged KV, loaded parts included)
             token = self.model.next_token(self.kv_caches, self._slots(rid, 0, req.num_computed_tokens))
             if not st.output_token_ids:
                 st.ttft_s = time.perf_counter() - self._t_arrival[rid]
@@ -1674,7 +1681,7 @@ def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: in
     assert engine.reset_gpu_prefix_cache(), "GPU blocks still in use after run()"
     engine.add_request(Request("B", prompt, block_size))
     b = engine.run()["B"]
-    return dict(cacheable_blocks=(prompt_tokens - 1) // block_size, cpu_blocks_registered=stored,
+    return dict(max_hit_blocks=(prompt_tokens - 1) // block_size, cpu_blocks_registered=stored,
                 cpu_hit_tokens=b.cpu_hit_tokens, recomputed_tokens=b.computed_tokens, ttft_a_s=a.ttft_s,
                 ttft_b_s=b.ttft_s, same_output=a.output_token_ids == b.output_token_ids,
                 kv_exact=bool(torch.equal(b.kv, model.expected_kv(prompt))),
