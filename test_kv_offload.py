@@ -446,7 +446,7 @@ def test_two_workers_world_size_2():
 
 
 # ===============================================================================================
-# from test_manager_part.py
+# Manager scenarios: vLLM's tests/v1/simple_kv_offload/test_scheduler.py in spirit, and the seven tests of PR #53532
 BS = 16  # tokens per block unless a test says otherwise
 VARIANTS = ("fixed", "registration_bug", "flush_bug")
 
@@ -1363,7 +1363,7 @@ def test_pool_refuses_more_blocks_than_free(pool):
 
 
 # ===============================================================================================
-# from test_reliability_part.py
+# Reliability: invariants after every step, random schedules with injected faults, the bad-input catalogue
 REL_BS = 4  # tokens per block in every schedule: prompts of tens of tokens span a handful of blocks
 
 
@@ -2721,7 +2721,7 @@ def test_rel_snapshot_sees_every_part(part):
 
 
 # ===============================================================================================
-# from test_notebook_part.py
+# The notebook: it executes headless, and its key claims hold through kv_offload
 NOTEBOOK = pathlib.Path(ko.__file__).resolve().parent / "walkthrough.ipynb"
 
 
