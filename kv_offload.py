@@ -947,8 +947,7 @@ class SimpleCPUOffloadScheduler:
         for gpu_id, cpu_block in zip(gpu_block_ids, cpu_blocks):
             self._register_stored_block(cpu_block, gpu_pool.blocks[gpu_id])
         # ref 0 with a hash: they join the back of the free queues as cached (LRU) blocks
-        self.cpu_block_pool.free_blocks(cpu_blocks)
-        gpu_pool.free_blocks(gpu_pool.blocks[b] for b in gpu_block_ids)
+        self._release_transfer_refs(TransferMeta(gpu_block_ids, cpu_block_ids))
 
     def _register_stored_block(self, cpu_block: KVCacheBlock, gpu_block: KVCacheBlock) -> None:
         """The bug-1 fix. The keys come from the GPU source block, still pinned, so its hashes
@@ -967,7 +966,8 @@ class SimpleCPUOffloadScheduler:
             self.cpu_block_pool._insert_block_hash(key, cpu_block, None)  # as vLLM: count unknown
 
     def _release_transfer_refs(self, transfer: TransferMeta) -> None:
-        """Drop a transfer's pins without caching anything (its data is not to be trusted)."""
+        """Drop a transfer's pins on both pools (CPU first, as vLLM). Caches nothing by itself:
+        a completed store registers its CPU blocks before calling this."""
         gpu_pool = self._require_gpu_pool()
         self.cpu_block_pool.free_blocks(self.cpu_block_pool.blocks[b] for b in transfer.cpu_block_ids)
         gpu_pool.free_blocks(gpu_pool.blocks[b] for b in transfer.gpu_block_ids)
@@ -1033,9 +1033,7 @@ class SimpleCPUOffloadScheduler:
                 reqs.remove(rid)
             if not reqs:
                 del self._load_event_to_reqs[state.load_event]
-        gpu_pool = self._require_gpu_pool()
-        self.cpu_block_pool.free_blocks(self.cpu_block_pool.blocks[b] for b in state.transfer_meta.cpu_block_ids)
-        gpu_pool.free_blocks(gpu_pool.blocks[b] for b in state.transfer_meta.gpu_block_ids)
+        self._release_transfer_refs(state.transfer_meta)
 
     def _cleanup_store_request(self, rid: str) -> None:
         """Metadata only: the blocks belong to the store events, which release them."""
