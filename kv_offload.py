@@ -930,7 +930,7 @@ class SimpleCPUOffloadScheduler:
         transfer = self._store_event_to_blocks.pop(event, None)
         if transfer is None:
             if (transfer := self._abandoned_store_event_to_blocks.pop(event, None)) is not None:
-                self._release_transfer_refs(transfer)  # sent before a reset(): cache nothing
+                self._release_transfer_refs(transfer, abandoned=True)  # sent before a reset()
             return  # else stale (from before a reset) or a duplicate report: ignore
         self._in_flight_store_gpu_blocks.difference_update(transfer.gpu_block_ids)
         self._process_store_completion(transfer.gpu_block_ids, transfer.cpu_block_ids)
@@ -965,9 +965,10 @@ class SimpleCPUOffloadScheduler:
         for key in self._gpu_block_pool.cached_block_hashes_by_block.get(gpu_block.block_id, ()):
             self.cpu_block_pool._insert_block_hash(key, cpu_block, None)  # as vLLM: count unknown
 
-    def _release_transfer_refs(self, transfer: TransferMeta) -> None:
+    def _release_transfer_refs(self, transfer: TransferMeta, abandoned: bool = False) -> None:
         """Drop a transfer's pins on both pools (CPU first, as vLLM). Caches nothing by itself:
-        a completed store registers its CPU blocks before calling this."""
+        a completed store registers its CPU blocks before calling this. `abandoned` marks a
+        store whose copy must not be cached (a hook for the pre-fix variant's stamps)."""
         gpu_pool = self._require_gpu_pool()
         self.cpu_block_pool.free_blocks(self.cpu_block_pool.blocks[b] for b in transfer.cpu_block_ids)
         gpu_pool.free_blocks(gpu_pool.blocks[b] for b in transfer.gpu_block_ids)
@@ -1057,7 +1058,7 @@ class SimpleCPUOffloadScheduler:
         self._pending_cpu_hits.clear()
         self._abandoned_store_event_to_blocks.update(self._store_event_to_blocks)
         for transfer in self._pending_finished_stores:
-            self._release_transfer_refs(transfer)
+            self._release_transfer_refs(transfer, abandoned=True)
         self._pending_finished_stores.clear()
         self._store_event_to_blocks.clear()
         self._in_flight_store_gpu_blocks.clear()
@@ -1094,33 +1095,97 @@ class SimpleCPUOffloadScheduler:
 # 5. The pre-fix variant (vLLM before PR #53532), kept runnable so each bug can be shown
 
 class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
-    """The manager as it was before PR #53532. Each flag turns one bug back on."""
+    """The manager as vLLM 0.29 had it (the last release before PR #53532). Each flag turns one
+    bug back on; with both on, a differential test drives this class in lockstep with vLLM
+    0.29's own manager. `skip_reset_hash` is not a release: it is the fix *without* its
+    reset_hash() line, the trap that the fix's comment warns about.
 
-    def __init__(self, *args: Any, registration_bug: bool = True, flush_bug: bool = True, **kwargs: Any):
+    registration_bug: stamp at allocation, insert the stamped primary key straight into the map
+        at completion. Whole-block lookups hit; fine-grained secondary keys are never copied.
+    skip_reset_hash: stamp at allocation, then register through _insert_block_hash() without
+        reset_hash(): guard 1 returns early, so the primary key never reaches the map.
+    flush_bug: blocks confirmed in a request's last step(s) are never stored.
+    """
+
+    def __init__(self, *args: Any, registration_bug: bool = True, flush_bug: bool = True,
+                 skip_reset_hash: bool = False, **kwargs: Any):
+        if registration_bug and skip_reset_hash:
+            # the trap lives inside the fix's registration path: it cannot be combined with
+            # the pre-fix registration, which never calls _insert_block_hash()
+            raise ValueError("skip_reset_hash=True needs registration_bug=False")
         super().__init__(*args, **kwargs)
         self.registration_bug = registration_bug
         self.flush_bug = flush_bug
+        self.skip_reset_hash = skip_reset_hash
 
     def _allocate_cpu_blocks(self, gpu_block_ids: list[int]) -> list[int]:
         cpu_ids = super()._allocate_cpu_blocks(gpu_block_ids)
-        if self.registration_bug:
-            # before: each destination was stamped with the source's hash right away
-            # (`cpu_blk._block_hash = bhash`), bypassing the pool's bookkeeping
+        if self.registration_bug or self.skip_reset_hash:
+            # vLLM 0.29, _prepare_eager_store_specs: `cpu_blk._block_hash = bhash` right after
+            # get_new_blocks(), around the pool (the key is on the block, not in the map yet)
+            gpu_blocks = self._gpu_block_pool.blocks
             for gpu_id, cpu_id in zip(gpu_block_ids, cpu_ids):
-                self.cpu_block_pool.blocks[cpu_id]._block_hash = self._gpu_block_pool.blocks[gpu_id].block_hash
+                self.cpu_block_pool.blocks[cpu_id]._block_hash = gpu_blocks[gpu_id].block_hash
         return cpu_ids
 
     def _register_stored_block(self, cpu_block: KVCacheBlock, gpu_block: KVCacheBlock) -> None:
-        if not self.registration_bug:
-            return super()._register_stored_block(cpu_block, gpu_block)
-        # before: no reset_hash(), so guard 1 (`block.block_hash == key`) returns and the map
-        # never gets the key; and only the primary was passed, secondaries were never copied
-        self.cpu_block_pool._insert_block_hash(gpu_block.block_hash, cpu_block, None)
+        if self.registration_bug:
+            # vLLM 0.29, _process_store_completion:
+            #   `self.cpu_block_pool.cached_block_hash_to_block.insert(bhash, cpu_block)`
+            # the stamped primary key goes straight into the map; the GPU block's secondary
+            # keys (cached_block_hashes_by_block) are never looked at
+            self.cpu_block_pool.cached_block_hash_to_block.insert(cpu_block.block_hash, cpu_block)
+            return
+        if not self.skip_reset_hash:
+            super()._register_stored_block(cpu_block, gpu_block)
+            return
+        # the trap: the fix's calls without its reset_hash(). The block already carries the
+        # primary (stamped), so guard 1 returns and the map never gets it; each secondary is
+        # then recorded under that stamped primary, findable only by its fine-grained key.
+        self.cpu_block_pool._insert_block_hash(gpu_block.block_hash, cpu_block,
+                                               gpu_block.block_hash_num_tokens)
+        for key in self._gpu_block_pool.cached_block_hashes_by_block.get(gpu_block.block_id, ()):
+            self.cpu_block_pool._insert_block_hash(key, cpu_block, None)
+
+    def _release_transfer_refs(self, transfer: TransferMeta, abandoned: bool = False) -> None:
+        if abandoned and (self.registration_bug or self.skip_reset_hash):
+            # vLLM 0.29, _release_transfer_refs: an abandoned store's CPU blocks drop their
+            # stamps (`cpu_block.reset_hash()`) so they return to the free queue unhashed
+            for cpu_id in transfer.cpu_block_ids:
+                self.cpu_block_pool.blocks[cpu_id].reset_hash()
+        super()._release_transfer_refs(transfer, abandoned)
+
+    def _select_eager_blocks_to_store(self, state: StoreRequestState,
+                                      block_ids_by_group: tuple[list[int], ...]
+                                      ) -> tuple[list[int], list[int]]:
+        if not self.flush_bug:
+            return super()._select_eager_blocks_to_store(state, block_ids_by_group)
+        # vLLM 0.29's per-step scan, which PR #53532 replaced by the selection that the finish
+        # flush shares. One difference shows: with the CPU pool full, 0.29 still walks past
+        # blocks it skips anyway (cached, in flight) and stops at the first one that needs a
+        # CPU block; the fix stops at once. Only the cursor (num_stored_blocks) differs.
+        req = state.request
+        confirmed_tokens = req.num_computed_tokens - req.num_output_placeholders
+        aligned_tokens = confirmed_tokens // self.block_size * self.block_size
+        num_free = self.cpu_block_pool.get_num_free_blocks()
+        gpu_blocks = self._gpu_block_pool.blocks
+        out: list[int] = []
+        advanced = [0] * len(block_ids_by_group)
+        for g, ids in enumerate(block_ids_by_group):
+            ready_blocks = aligned_tokens // self.group_block_sizes[g]
+            for gpu_id in ids[state.num_stored_blocks[g]:ready_blocks]:
+                if self._is_store_candidate(gpu_blocks[gpu_id]):
+                    if len(out) >= num_free:
+                        return out, advanced  # out of space: 0.29 leaves every group here
+                    out.append(gpu_id)
+                advanced[g] += 1
+        return out, advanced
 
     def _queue_finished_eager_store(self, request: Request, block_ids: tuple[list[int], ...]) -> None:
         if not self.flush_bug:
             return super()._queue_finished_eager_store(request, block_ids)
-        # before: `TODO: flush on finish` -- the request's state was dropped, nothing queued
+        # vLLM 0.29: request_finished_all_groups() went straight to request_finished()
+        # (`TODO: flush on finish`): the request's state was dropped, nothing queued
 
 
 # -----------------------------------------------------------------------------

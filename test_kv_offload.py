@@ -380,14 +380,17 @@ def test_toy_model_is_chunking_invariant():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("variant", ["fixed", "registration_bug", "flush_bug"])
+@pytest.mark.parametrize("variant", ["fixed", "registration_bug", "skip_reset_hash", "flush_bug"])
 def test_repeated_prompt_end_to_end(device, variant):
     """A 3000-token prompt, 512-token chunks, block 16. Fixed: B loads (3000-1)//16 = 187 blocks
     = 2992 tokens and computes 8; its KV equals expected_kv bit for bit, outputs match, pools
-    end all-free. Registration bug: nothing is findable -> B recomputes all 3000. Flush bug: the
-    last chunk's blocks (2560..2991, confirmed in A's last step) never reach CPU -> 2560 loaded."""
+    end all-free. Registration bug (vLLM 0.29): the stamped primary keys do reach the map, and
+    with hash_block_size == block_size no lookup needs a secondary key -> 2992 as fixed. The
+    reset_hash trap: no primary key is registered -> B recomputes all 3000. Flush bug: the last
+    chunk's blocks (2560..2991, confirmed in A's last step) never reach CPU -> 2560 loaded."""
     cls, kw = ((ko.SimpleCPUOffloadScheduler, {}) if variant == "fixed" else
                (ko.PreFixCPUOffloadScheduler, {"registration_bug": variant == "registration_bug",
+                                               "skip_reset_hash": variant == "skip_reset_hash",
                                                "flush_bug": variant == "flush_bug"}))
     eng, conn, model = _story_engine(cls, device=device, **kw)
     prompt = _prompt(3000)
@@ -397,7 +400,7 @@ def test_repeated_prompt_end_to_end(device, variant):
     eng.add_request(ko.Request("B", prompt, 16))
     st = eng.run()
     a, b = st["A"], st["B"]
-    expected_hit = {"fixed": 2992, "registration_bug": 0, "flush_bug": 2560}[variant]
+    expected_hit = {"fixed": 2992, "registration_bug": 2992, "skip_reset_hash": 0, "flush_bug": 2560}[variant]
     assert b.cpu_hit_tokens == expected_hit and b.computed_tokens == 3000 - expected_hit
     assert a.output_token_ids == b.output_token_ids and len(b.output_token_ids) == 1
     assert torch.equal(b.kv, model.expected_kv(prompt)) and torch.equal(a.kv, b.kv)
@@ -448,7 +451,8 @@ def test_two_workers_world_size_2():
 # ===============================================================================================
 # Manager scenarios: vLLM's tests/v1/simple_kv_offload/test_scheduler.py in spirit, and the seven tests of PR #53532
 BS = 16  # tokens per block unless a test says otherwise
-VARIANTS = ("fixed", "registration_bug", "flush_bug")
+# registration_bug: vLLM 0.29's registration; skip_reset_hash: the fix without reset_hash() (the trap)
+VARIANTS = ("fixed", "registration_bug", "skip_reset_hash", "flush_bug")
 
 
 # -----------------------------------------------------------------------------
@@ -459,6 +463,7 @@ def make_scheduler(variant: str, **kw) -> ko.SimpleCPUOffloadScheduler:
     if variant == "fixed":
         return ko.SimpleCPUOffloadScheduler(**kw)
     return ko.PreFixCPUOffloadScheduler(**kw, registration_bug=variant == "registration_bug",
+                                        skip_reset_hash=variant == "skip_reset_hash",
                                         flush_bug=variant == "flush_bug")
 
 
@@ -605,17 +610,19 @@ def pool_state(pool: ko.BlockPool) -> dict:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_store_lookup_load_roundtrip(variant):
-    """Stored blocks become CPU hits and load into the GPU blocks after the local hit (bug 1: never)."""
+    """Stored blocks become CPU hits and load into the GPU blocks after the local hit. vLLM 0.29
+    inserted the stamped primary keys directly, so whole-block hits worked there; the reset_hash
+    trap registers none of them (hit 0)."""
     h = Harness(variant)
     req = h.request(2 * BS + 1)  # 33 tokens: 2 full blocks + 1
     meta, (table,) = h.prefill((req, 33))
     # fresh CPU pool: free queue [1..7]; the two stored blocks land in CPU blocks 1 and 2
     assert (meta.store_gpu_blocks, meta.store_cpu_blocks) == (ids(table)[0][:2], [1, 2])
     # registration: both keys in the CPU map. Cap 33-1=32 keeps both blocks: hit 32.
-    # Pre-fix: the copy ran but the keys never reach the map: hit 0.
+    # The trap: the copy ran but guard 1 kept both primaries out of the map: hit 0.
     assert_variant(variant, (h.in_cpu(req), h.probe(req)), ([True, True], 32),
-                   registration_bug=([False, False], 0))
-    if variant == "registration_bug":
+                   skip_reset_hash=([False, False], 0))
+    if variant == "skip_reset_hash":
         return
     req2 = h.twin(req)
     assert h.sched.get_num_new_matched_tokens(req2, 0) == (32, True)
@@ -747,16 +754,17 @@ def test_touched_blocks_survive_eviction():
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_duplicate_store_skipped(variant):
-    """A second request with the same prefix stores nothing new (bug 1: stores it again)."""
+    """A second request with the same prefix stores nothing new (the trap: stores it again)."""
     h = Harness(variant)
     req = h.request(33)
     h.prefill((req, 33))
     meta2, _ = h.prefill((h.twin(req), 33))  # fresh GPU blocks, same hashes
     # fixed: both keys already in the CPU map -> no store event.
-    # pre-fix: the map is empty, so both blocks are copied again, into the next free CPU
-    # blocks: free queue after the first store is [3..7, 1, 2] -> CPU 3, 4 (event 1).
+    # vLLM 0.29 found the primaries (inserted directly) and skipped them too. The trap: the
+    # map is empty, so both blocks are copied again, into the next free CPU blocks: free
+    # queue after the first store is [3..7, 1, 2] -> CPU 3, 4 (event 1).
     assert_variant(variant, (meta2.store_event, meta2.store_cpu_blocks), (-1, []),
-                   registration_bug=(1, [3, 4]))
+                   skip_reset_hash=(1, [3, 4]))
 
 
 def test_in_flight_store_dedup_across_steps():
@@ -1023,7 +1031,10 @@ def test_groups_store_only_scheduler_block_aligned_prefix():
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_eager_store_preserves_secondary_block_hashes(variant):
-    """A stored block is found under its primary key and its fine-grained secondaries (bug 1: neither)."""
+    """A stored block is found under its primary key and its fine-grained secondaries. vLLM 0.29
+    inserted the primary only: whole blocks hit (64), the fine-grained probe misses (0). The
+    trap registers the secondaries under the stamped primary but not the primary: b finds f0
+    (16), and a's whole-block walk misses at block 0, so it too falls back to f0 (16)."""
     h = Harness(variant, block_size=32, hash_block_size=16)
     a = h.request(4 * 16 + 1)  # 65 tokens: fine hashes f0..f3, two 32-blocks keyed f1 and f3
     table = h.alloc(a, 65)
@@ -1042,7 +1053,8 @@ def test_eager_store_preserves_secondary_block_hashes(variant):
     _, full_hit = ko.find_longest_cache_hit(a.block_hashes, 64, [0], h.cpu, 32)
     assert_variant(variant, (secondaries, fine_hit, full_hit),
                    ({cpu0: {sec[0]}, cpu1: {sec[1]}}, 16, 64),
-                   registration_bug=({cpu0: set(), cpu1: set()}, 0, 0))
+                   registration_bug=({cpu0: set(), cpu1: set()}, 0, 64),
+                   skip_reset_hash=({cpu0: {sec[0]}, cpu1: {sec[1]}}, 16, 16))
 
 
 def _prefill_then_finish(h, *reqs_tokens):
@@ -1077,7 +1089,7 @@ def test_finished_eager_stores_are_batched(variant):
     # a, b, c all 33 tokens -> hit 32 each once stored and registered
     assert_variant(variant, (pairs, [h.probe(r) for r in (a, b, c)]),
                    (fixed_pairs, [32, 32, 32]),
-                   registration_bug=(fixed_pairs, [0, 0, 0]),
+                   skip_reset_hash=(fixed_pairs, [0, 0, 0]),
                    flush_bug=({gc[0]: 1, gc[1]: 2}, [0, 0, 32]))
     # the flushed GPU blocks were freed by the engine at finish; the completion drops the pin
     assert [blk.ref_cnt for blk in ta[0] + tb[0]] == [0] * 6
@@ -1085,7 +1097,7 @@ def test_finished_eager_stores_are_batched(variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_finished_eager_store_skips_existing_cpu_cache_entries(variant):
-    """The flush skips blocks already in the CPU cache (bug 1: the empty map makes it copy them again)."""
+    """The flush skips blocks already in the CPU cache (the trap: the empty map makes it copy them again)."""
     h = Harness(variant)
     x = h.request(33)
     h.prefill((x, 33))  # x's blocks 0,1 on CPU (1, 2)
@@ -1093,10 +1105,10 @@ def test_finished_eager_store_skips_existing_cpu_cache_entries(variant):
     (ta,) = _prefill_then_finish(h, (a, 49))
     g = ids(ta)[0]
     # confirmed 49 -> 3 full blocks; 0 and 1 are cached -> only block 2 queued: 7 - 1 = 6 free
-    # (cached ref-0 blocks count as free). Pre-fix registration: the map is empty, all 3 are
-    # copied again (4 free); pre-fix flush: nothing queued (7 free).
+    # (cached ref-0 blocks count as free). The trap: the map is empty, all 3 are copied again
+    # (4 free); pre-fix flush: nothing queued (7 free).
     assert_variant(variant, (h.queued_flush_gpu_ids(), h.cpu.get_num_free_blocks()),
-                   ([g[2]], 6), registration_bug=(g[:3], 4), flush_bug=([], 7))
+                   ([g[2]], 6), skip_reset_hash=(g[:3], 4), flush_bug=([], 7))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -1135,14 +1147,15 @@ def test_queued_flush_counts_as_in_flight():
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_registration_survives_stamped_destination(variant):
-    """A CPU block already carrying its key as primary is still registered (reset_hash() first)."""
+    """A CPU block already carrying its key as primary is still registered (reset_hash() first).
+    vLLM 0.29's direct insert registered it too; the fix without reset_hash() does not."""
     h = Harness(variant)
     req = h.request(33)
     meta, _ = h.prefill((req, 33), complete=False)
     for g, c in zip(meta.store_gpu_blocks, meta.store_cpu_blocks):  # what pre-fix code did
         h.cpu.blocks[c]._block_hash = h.gpu.blocks[g].block_hash
     h.complete_store(meta.store_event)
-    assert_variant(variant, h.in_cpu(req), [True, True], registration_bug=[False, False])
+    assert_variant(variant, h.in_cpu(req), [True, True], skip_reset_hash=[False, False])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -1176,7 +1189,7 @@ def test_finished_eager_store_covers_all_groups(variant):
     if meta.store_event >= 0:
         h.complete_store(meta.store_event)
     assert_variant(variant, (queued, h.probe(a)), (sorted(g0[:4] + g1[:2]), 64),
-                   registration_bug=(sorted(g0[:4] + g1[:2]), 0), flush_bug=([], 0))
+                   skip_reset_hash=(sorted(g0[:4] + g1[:2]), 0), flush_bug=([], 0))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -2883,6 +2896,7 @@ def test_notebook_claim_story_kv_bit_exact():
 #   pip download --no-deps vllm==0.33.0; unzip its vllm/ folder outside the repo; put it on
 #   PYTHONPATH; pip install the pure-Python modules its imports ask for (README: Comparing with vLLM).
 
+_vllm_version = ""  # the version of the vLLM sources on PYTHONPATH, if any
 try:  # vLLM 0.33's sources (a wheel unzipped on PYTHONPATH) and their few pure-Python deps
     from vllm.v1.core.block_pool import BlockPool as VBlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks as VKVCacheBlocks
@@ -3361,9 +3375,17 @@ def make_vllm_scheduler(num_gpu_blocks, num_cpu_blocks, block_size, hash_block_s
         num_prefill_lookahead_tokens=0,
         scheduler_config=SimpleNamespace(max_num_batched_tokens=64),
     )
+    if _vllm_version.startswith("0.29"):  # no num_cpu_blocks yet: derived from the byte capacity
+        return VScheduler(vllm_config, kv_cache_config, cpu_capacity_bytes=num_cpu_blocks * page,
+                          scheduler_block_size=block_size, hash_block_size=hash_block_size,
+                          lazy_offload=False)
     return VScheduler(vllm_config, kv_cache_config, cpu_capacity_bytes=1 << 40,
                       scheduler_block_size=block_size, hash_block_size=hash_block_size,
                       lazy_offload=False, num_cpu_blocks=num_cpu_blocks)
+
+
+# fields an older vLLM's SchedulerOutput still requires (none of them is read by the manager)
+V_EXTRA_OUTPUT_FIELDS = {"num_common_prefix_blocks": []} if _vllm_version.startswith("0.29") else {}
 
 
 def _ids(groups):
@@ -3384,7 +3406,7 @@ def manager_state(m) -> dict:
         "reqs_to_store": [(k, store(v)) for k, v in m._reqs_to_store.items()],
         "reqs_to_load": [(k, load(v)) for k, v in m._reqs_to_load.items()],
         "abandoned_reqs_to_load": [(k, load(v)) for k, v in m._abandoned_reqs_to_load.items()],
-        "pending_cpu_hits": [(k, (_ids(v[0]), v[1], v[2])) for k, v in m._pending_cpu_hits.items()],
+        "pending_cpu_hits": [(k, (_ids(v[0]), *v[1:])) for k, v in m._pending_cpu_hits.items()],
         "load_event_to_reqs": [(k, list(v)) for k, v in m._load_event_to_reqs.items()],
         "store_event_to_blocks": [(k, tm(v)) for k, v in m._store_event_to_blocks.items()],
         "abandoned_store_event_to_blocks": [(k, tm(v)) for k, v in m._abandoned_store_event_to_blocks.items()],
@@ -3564,7 +3586,7 @@ class ManagerTrace:
             scheduled_cached_reqs=cached, num_scheduled_tokens=dict(ns),
             total_num_scheduled_tokens=sum(ns.values()), scheduled_spec_decode_tokens={},
             scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[],
-            preempted_req_ids=set(preempted), kv_connector_block_state=None)
+            preempted_req_ids=set(preempted), kv_connector_block_state=None, **V_EXTRA_OUTPUT_FIELDS)
         return ours, vllm
 
     # --- request lifecycle ------------------------------------------------------
@@ -3887,3 +3909,102 @@ def test_prefix_variant_diverges_exactly_by_its_bugs(registration_bug, flush_bug
         assert len(diverged) == 3, diverged
     else:
         assert diverged == []
+
+
+# =============================================================================
+# d) The pre-fix variant against vLLM 0.29, the last release before PR #53532 (skipped unless
+#    the vLLM on PYTHONPATH is 0.29; README: Comparing with vLLM)
+
+VLLM_029_MISSING = None if _vllm_version.startswith("0.29") else "needs vLLM 0.29's sources on PYTHONPATH"
+needs_vllm_029 = pytest.mark.skipif(VLLM_029_MISSING is not None, reason=str(VLLM_029_MISSING))
+
+
+def neutralise_vllm_029(v) -> None:
+    """Make vLLM 0.29's manager agree with the fixed one wherever the difference did NOT come
+    from PR #53532 (its diff touches registration, stamping, the finish flush and the scan it
+    shares), so that the lockstep comparison sees the two bugs and nothing else. Each wrapper
+    mirrors what a later vLLM does."""
+    lookup = v.get_num_new_matched_tokens
+    reset = v.reset
+
+    def get_num_new_matched_tokens(request, num_computed_tokens):
+        # vLLM 0.30+: a request that skips reading external KV, or whose local prefix is not
+        # scheduler-block aligned, gets no external hit (0.29 looked it up anyway); the stale
+        # pin of an earlier lookup is dropped first, as both versions do
+        if request.skip_reading_prefix_cache or num_computed_tokens % v.block_size:
+            if (stale := v._pending_cpu_hits.pop(request.request_id, None)) is not None:
+                v._free_pending_cpu_hit(stale)
+            return 0, False
+        return lookup(request, num_computed_tokens)
+
+    def reset_releasing_lookup_pins():
+        # vLLM 0.31+: reset() also drops the pins of lookups not yet followed by an allocation
+        # (0.29 kept them until the request's next lookup or its finish)
+        for pending in v._pending_cpu_hits.values():
+            v._free_pending_cpu_hit(pending)
+        v._pending_cpu_hits.clear()
+        return reset()
+
+    build = v.build_connector_meta
+
+    def build_connector_meta_resetting_preempted(scheduler_output):
+        # vLLM 0.33+: a preempted request's store state (table and cursor) is cleared in the
+        # step that preempts it; 0.29 cleared it only when the request resumed
+        for req_id in scheduler_output.preempted_req_ids:
+            if (state := v._reqs_to_store.get(req_id)) is not None:
+                state.block_ids = tuple([] for _ in state.block_ids)
+                state.num_stored_blocks = [0] * len(state.num_stored_blocks)
+        return build(scheduler_output)
+
+    v.get_num_new_matched_tokens = get_num_new_matched_tokens
+    v.reset = reset_releasing_lookup_pins
+    v.build_connector_meta = build_connector_meta_resetting_preempted
+    v._pending_finished_stores = []  # 0.29 has no finish flush queue: always empty, as ours with flush_bug
+
+
+class ManagerTrace029(ManagerTrace):
+    """ManagerTrace with vLLM 0.29's manager (neutralised as above) on the vLLM side."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        neutralise_vllm_029(self.vllm)
+
+    def check(self, op):
+        w = self.what(op)
+        ours, theirs = manager_state(self.ours), manager_state(self.vllm)
+        # 0.29's pending CPU hit is (blocks, hit_length); 0.30 added num_computed_tokens
+        ours["pending_cpu_hits"] = [(k, v[:2]) for k, v in ours["pending_cpu_hits"]]
+        assert_same(ours, theirs, w + " [manager state]")
+        assert_same(vpool_state(self.ours.cpu_block_pool), vpool_state(self.vllm.cpu_block_pool), w + " [CPU pool]")
+        self.gpu.check(w + " [GPU pool]")
+
+
+@needs_vllm_029
+@pytest.mark.parametrize("gpu,cpu,bs,hbs,sizes,world", MANAGER_CONFIGS)
+@pytest.mark.parametrize("seed", range(int(os.environ.get("KV_OFFLOAD_029_SEEDS", "4"))))
+def test_pre_fix_variant_matches_vllm_029(seed, gpu, cpu, bs, hbs, sizes, world):
+    """PreFixCPUOffloadScheduler with both bugs, step for step against vLLM 0.29's own manager:
+    every return value, metadata field, bookkeeping table and both pools after every call."""
+    trace = ManagerTrace029(seed * 7919 + gpu + cpu, gpu, cpu, bs, hbs, sizes, world_size=world,
+                            ours_cls=ko.PreFixCPUOffloadScheduler)
+    trace.run(100)
+    assert trace.finished_total > 0 and trace.stats["stores"] > 0, trace.stats
+
+
+@needs_vllm_029
+@pytest.mark.parametrize("kwargs", [dict(registration_bug=False, flush_bug=False),
+                                    dict(registration_bug=False), dict(flush_bug=False),
+                                    dict(registration_bug=False, skip_reset_hash=True)])
+def test_vllm_029_differential_sees_each_fix(kwargs):
+    """The comparison above can fail: take away either bug (or swap the registration for the
+    reset_hash trap) and our manager no longer behaves like vLLM 0.29."""
+    cfg = MANAGER_CONFIGS[4]  # hbs < block size: the registration bug shows in secondary keys
+    diverged = 0
+    for seed in range(3):
+        trace = ManagerTrace029(seed * 7919 + cfg[0] + cfg[1], *cfg[:5], world_size=cfg[5],
+                                ours_cls=ko.PreFixCPUOffloadScheduler, **kwargs)
+        try:
+            trace.run(100)
+        except AssertionError:
+            diverged += 1
+    assert diverged == 3
