@@ -14,11 +14,16 @@ It follows vLLM 0.33:
   vllm/distributed/kv_transfer/kv_connector/utils.py                      yield_req_data
 with the same names, ref counts, allocation and eviction order, and guards.
 
-The two bugs (PR #53532), both kept runnable in PreFixCPUOffloadScheduler:
-  1. registration: CPU blocks were stamped with their hash at allocation, so registering them
-     through BlockPool._insert_block_hash() hit its early-return guard: the hash map stayed empty
-     and every lookup missed. Fix: reset_hash() first, then insert the GPU block's primary *and*
-     fine-grained secondary hashes.
+The two bugs (vLLM 0.29.0 is the last release with them; PR #53532 fixed both), kept runnable
+in PreFixCPUOffloadScheduler, which matches vLLM 0.29's manager step for step:
+  1. registration: 0.29 stamped each CPU destination with the GPU block's primary hash at
+     allocation and, when the copy completed, inserted that key straight into the CPU pool's
+     cached_block_hash_to_block, around BlockPool._insert_block_hash(). Whole-block lookups hit;
+     the GPU block's fine-grained secondary hashes (cached_block_hashes_by_block) were never
+     copied, so a hit that needs one missed. Fix: register through _insert_block_hash(), primary
+     and every secondary, after reset_hash(): on a stamped block the method's first guard
+     returns early and the primary is lost -- the trap the fix's comment warns about
+     (`skip_reset_hash=True` runs the fix without that line).
   2. final flush: blocks confirmed in a request's last step(s) were never stored. Fix: queue them
      at finish (_pending_finished_stores) and merge them into the next store event.
 
@@ -1730,16 +1735,19 @@ class MiniEngine:
 # 8. `python kv_offload.py` (the story) and `python kv_offload.py --bench`
 
 def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: int = 8192, block_size: int = 16,
-              max_num_batched_tokens: int = 1024, device: str = "cpu", seed: int = 0, **scheduler_kwargs: Any) -> dict:
+              max_num_batched_tokens: int = 1024, device: str = "cpu", seed: int = 0,
+              num_cpu_blocks: int | None = None, **scheduler_kwargs: Any) -> dict:
     """Request A (a long prompt, prefilled in chunks), then the GPU prefix cache is dropped, then
-    request B with the same prompt. Returns what happened to B, and whether its KV is exact."""
+    request B with the same prompt. Returns what happened to B, and whether its KV is exact.
+    The CPU pool is as large as the GPU pool unless `num_cpu_blocks` says otherwise."""
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, 32000, (prompt_tokens,), generator=gen).tolist()
     num_blocks = prompt_tokens // block_size + 64
+    num_cpu_blocks = num_blocks if num_cpu_blocks is None else num_cpu_blocks
     model = ToyModel(num_layers=4, num_kv_heads=4, head_dim=64, device=device, rounds=8)
-    connector = scheduler_cls(num_blocks, block_size, **scheduler_kwargs)
+    connector = scheduler_cls(num_cpu_blocks, block_size, **scheduler_kwargs)
     engine = MiniEngine(num_blocks, block_size, max_num_batched_tokens, model, connector,
-                        SimpleCPUOffloadWorker(num_blocks), capture_kv=True)
+                        SimpleCPUOffloadWorker(num_cpu_blocks), capture_kv=True)
     engine.add_request(Request("A", prompt, block_size))
     a = engine.run()["A"]
     stored = len(connector.cpu_block_pool.cached_block_hash_to_block)
@@ -1751,14 +1759,26 @@ def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: in
                 ttft_b_s=b.ttft_s, same_output=a.output_token_ids == b.output_token_ids,
                 kv_exact=bool(torch.equal(b.kv, model.expected_kv(prompt))),
                 all_free=engine.gpu_block_pool.get_num_free_blocks() == num_blocks - 1
-                and connector.cpu_block_pool.get_num_free_blocks() == num_blocks - 1)
+                and connector.cpu_block_pool.get_num_free_blocks() == num_cpu_blocks - 1)
+
+
+# The demo's columns: vLLM 0.29 as released, each of its bugs alone, the fix without its
+# reset_hash() line (the trap), and the fix. Name -> (manager class, keyword arguments).
+STORY_VARIANTS: dict[str, tuple[type, dict[str, bool]]] = {
+    "0.29 (both)": (PreFixCPUOffloadScheduler, {}),
+    "registration": (PreFixCPUOffloadScheduler, {"flush_bug": False}),
+    "final flush": (PreFixCPUOffloadScheduler, {"registration_bug": False}),
+    "no reset_hash": (PreFixCPUOffloadScheduler,
+                      {"registration_bug": False, "flush_bug": False, "skip_reset_hash": True}),
+    "fixed": (SimpleCPUOffloadScheduler, {}),
+}
 
 
 def _print_table(rows: dict[str, dict], fmt: dict[str, str]) -> None:
     keys = list(next(iter(rows.values())))
-    print(f"{'':28}" + "".join(f"{name:>22}" for name in rows))
+    print(f"{'':24}" + "".join(f"{name:>15}" for name in rows))
     for k in keys:
-        print(f"{k:28}" + "".join(f"{fmt.get(k, '{}').format(r[k]):>22}" for r in rows.values()))
+        print(f"{k:24}" + "".join(f"{fmt.get(k, '{}').format(r[k]):>15}" for r in rows.values()))
 
 
 def bench_manager(prompt_tokens: int = 65536, chunk: int = 4096, block_size: int = 16) -> dict[str, float]:
@@ -1857,12 +1877,19 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     if not args.bench:
-        print(f"Request A: {args.prompt_tokens}-token prompt, chunked prefill (1024 tokens/step), 1 output token.\n"
-              "GPU prefix cache dropped. Request B: the same prompt.\n")
-        rows = {"pre-fix (both bugs)": run_story(PreFixCPUOffloadScheduler, args.prompt_tokens),
-                "pre-fix: registration": run_story(PreFixCPUOffloadScheduler, args.prompt_tokens, flush_bug=False),
-                "pre-fix: final flush": run_story(PreFixCPUOffloadScheduler, args.prompt_tokens, registration_bug=False),
-                "fixed (PR #53532)": run_story(SimpleCPUOffloadScheduler, args.prompt_tokens)}
+        # one thread: torch's default (one per core) slows the toy model 10-50x on a busy box
+        torch.set_num_threads(1)
+        print(f"Request A: {args.prompt_tokens}-token prompt, chunked prefill (1024 tokens/step), "
+              "1 output token.\nGPU prefix cache dropped. Request B: the same prompt.\n"
+              "Columns: vLLM 0.29 (both bugs), each bug alone, the fix without reset_hash(), "
+              "the fix.\n")
+        rows = {}
+        start = time.perf_counter()
+        for name, (cls, kwargs) in STORY_VARIANTS.items():
+            print(f"  running {name!r} ...", end="", flush=True)
+            rows[name] = run_story(cls, args.prompt_tokens, **kwargs)
+            print(f" done ({time.perf_counter() - start:.1f} s elapsed)")
+        print()
         _print_table(rows, {"ttft_a_s": "{:.3f}", "ttft_b_s": "{:.3f}"})
         return
     m = bench_manager()
