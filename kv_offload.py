@@ -149,10 +149,11 @@ class KVCacheBlock:
     # number of holders: running requests, in-flight copies, lookup pins. 0 = in the free queue
     ref_cnt: int = 0
     # primary prefix-cache key (hash + group id), set only by BlockPool through set_block_hash().
-    # The pre-fix offload code wrote this field directly: that is bug 1.
-    _block_hash: bytes | None = None
-    # prefix tokens covered by _block_hash (None when the registrar does not know, e.g. CPU copies)
-    _block_hash_num_tokens: int | None = None
+    # The pre-fix offload code wrote this field directly: that is bug 1. A plain field, as in
+    # vLLM 0.34 (a property here cost a call on every hot-path read).
+    block_hash: bytes | None = None
+    # prefix tokens covered by block_hash (None when the registrar does not know, e.g. CPU copies)
+    block_hash_num_tokens: int | None = None
     # links of the free queue; only FreeKVCacheBlockQueue touches them
     prev_free_block: KVCacheBlock | None = None
     next_free_block: KVCacheBlock | None = None
@@ -161,26 +162,20 @@ class KVCacheBlock:
     # the owning pool (None for the queue's sentinels): lets touch/free reject foreign blocks
     pool: BlockPool | None = field(default=None, repr=False)
 
-    @property
-    def block_hash(self) -> bytes | None:
-        return self._block_hash
-
-    @property
-    def block_hash_num_tokens(self) -> int | None:
-        return self._block_hash_num_tokens
-
     def set_block_hash(self, key: bytes, num_tokens: int | None = None) -> None:
-        assert self._block_hash is None and self._block_hash_num_tokens is None, (
+        assert self.block_hash is None and self.block_hash_num_tokens is None, (
             f"block {self.block_id} already has a hash: a block must be evicted (reset_hash) "
             "before it is registered under a new key")
-        self._block_hash, self._block_hash_num_tokens = key, num_tokens
+        self.block_hash = key
+        self.block_hash_num_tokens = num_tokens
 
     def reset_hash(self) -> None:
-        self._block_hash = self._block_hash_num_tokens = None
+        self.block_hash = None
+        self.block_hash_num_tokens = None
 
     def __repr__(self) -> str:  # ids only: the links would recurse through the whole queue
         return (f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, "
-                f"block_hash={self._block_hash.hex()[:8] if self._block_hash else None})")
+                f"block_hash={self.block_hash.hex()[:8] if self.block_hash else None})")
 
 
 class FreeKVCacheBlockQueue:
@@ -227,19 +222,29 @@ class FreeKVCacheBlockQueue:
         block.prev_free_block = block.next_free_block = None
         self.num_free_blocks -= 1
 
+    # A sentinel that lost its link means the queue is corrupted (a caller wrote the links):
+    # fail before linking anything, with vLLM's exception types and messages.
     def append(self, block: KVCacheBlock) -> None:
+        if self.fake_free_list_tail.prev_free_block is None:
+            raise RuntimeError("prev_free_block of fake_free_list_tail should always exist")
         self.append_n([block])
 
     def append_n(self, blocks: list[KVCacheBlock]) -> None:
-        self._link_after(self.fake_free_list_tail.prev_free_block, blocks)
+        if not blocks:
+            return
+        last_block = self.fake_free_list_tail.prev_free_block
+        assert last_block is not None, "prev_free_block of fake_free_list_tail should always exist"
+        self._link_after(last_block, blocks)
 
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        if not blocks:
+            return
+        first_block = self.fake_free_list_head.next_free_block
+        assert first_block is not None, "next_free_block of fake_free_list_head should always exist"
         self._link_after(self.fake_free_list_head, blocks)
 
     def _link_after(self, prev: KVCacheBlock, blocks: list[KVCacheBlock]) -> None:
-        # splice `blocks`, in order, between `prev` and its current successor
-        if not blocks:
-            return
+        # splice `blocks` (not empty), in order, between `prev` and its current successor
         nxt = prev.next_free_block
         for b in blocks:
             prev.next_free_block, b.prev_free_block = b, prev
@@ -261,49 +266,55 @@ class BlockHashToBlockMap:
 
     Several blocks may carry one key: vLLM does not de-duplicate (a block table must stay
     append-only, so a block that becomes full keeps its id even if an identical one is cached).
-    get_one_block() returns the first inserted.
-    NOTE: the value is a bare block in the common one-block case and a {block_id: block} dict
-    (insertion-ordered) otherwise, as in vLLM: no inner dict per key, less work for the GC.
+    get_one_block() returns the earliest inserted block still cached under the key.
+    NOTE: entries hold block *ids*, not blocks, as in vLLM 0.34: the cyclic GC does not track a
+    dict of only bytes and ints, so a big cache adds nothing to each collection. `_cache` holds
+    one id per key; `_dup_ids` lists, in insertion order, all ids of the rare keys cached by
+    several blocks, kept apart so that `_cache` holds no containers. (vLLM also untracks
+    `_cache` explicitly for Python 3.14+, which stopped doing it by itself; not done here.)
     """
 
-    def __init__(self) -> None:
-        self._cache: dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self._blocks = blocks  # the pool's blocks: block id -> block
+        self._cache: dict[bytes, int] = {}
+        self._dup_ids: dict[bytes, dict[int, None]] = {}  # an insertion-ordered set per key
 
     def get_one_block(self, key: bytes) -> KVCacheBlock | None:
-        blocks = self._cache.get(key)
-        return blocks if blocks is None or type(blocks) is KVCacheBlock else next(iter(blocks.values()))
+        block_id = self._cache.get(key)
+        return None if block_id is None else self._blocks[block_id]
 
     def contain(self, key: bytes, block_id: int) -> bool:
-        blocks = self._cache.get(key)
-        if blocks is None:
-            return False
-        return blocks.block_id == block_id if type(blocks) is KVCacheBlock else block_id in blocks
+        dup_ids = self._dup_ids.get(key)
+        if dup_ids is not None:
+            return block_id in dup_ids
+        return self._cache.get(key) == block_id
 
     def insert(self, key: bytes, block: KVCacheBlock) -> None:
-        blocks = self._cache.get(key)
-        if blocks is None:
-            self._cache[key] = block
-        elif type(blocks) is KVCacheBlock:
-            self._cache[key] = {blocks.block_id: blocks, block.block_id: block}
-        else:
-            blocks[block.block_id] = block
+        block_id = self._cache.setdefault(key, block.block_id)
+        if block_id != block.block_id:  # the key already names another block
+            dup_ids = self._dup_ids.setdefault(key, {block_id: None})
+            dup_ids[block.block_id] = None
 
     def pop(self, key: bytes, block_id: int) -> KVCacheBlock | None:
-        blocks = self._cache.get(key)
-        if blocks is None:
-            return None
-        if type(blocks) is KVCacheBlock:
-            if blocks.block_id != block_id:
+        dup_ids = self._dup_ids.get(key)
+        if dup_ids is None:
+            if self._cache.get(key) != block_id:
                 return None
             del self._cache[key]
-            return blocks
-        block = blocks.pop(block_id, None)
-        if not blocks:
-            del self._cache[key]
-        return block
+        else:
+            if dup_ids.pop(block_id, False) is False:  # the values are None: False = absent
+                return None
+            self._cache[key] = next(iter(dup_ids))  # the earliest inserted of the others
+            if len(dup_ids) == 1:
+                del self._dup_ids[key]
+        return self._blocks[block_id]
 
     def __len__(self) -> int:
         return len(self._cache)
+
+    def clear(self) -> None:
+        self._cache.clear()
+        self._dup_ids.clear()
 
 
 class BlockPool:
@@ -326,7 +337,7 @@ class BlockPool:
         self.hash_block_size = hash_block_size
         self.blocks = [KVCacheBlock(i, pool=self) for i in range(num_gpu_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
-        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.cached_block_hash_to_block = BlockHashToBlockMap(self.blocks)
         # secondary keys: fine-grained prefix boundaries inside a block that already has a primary
         self.cached_block_hashes_by_block: dict[int, set[bytes]] = {}
         # block 0 is a placeholder (e.g. skipped sliding-window slots); never handed out
@@ -357,13 +368,14 @@ class BlockPool:
         if num_cached_blocks >= num_full_blocks:
             return
         scale = block_size // self.hash_block_size
+        # the group id's 4 bytes, appended per block: cheaper than packing them each time
+        group_suffix = make_block_hash_with_group_id(b"", kv_cache_group_id)
         for i in range(num_cached_blocks, num_full_blocks):
             blk = blocks[i]
             if blk.is_null:
                 continue
             num_tokens = (i + 1) * block_size
-            key = make_block_hash_with_group_id(request.block_hashes[(i + 1) * scale - 1],
-                                                kv_cache_group_id)
+            key = request.block_hashes[(i + 1) * scale - 1] + group_suffix
             if blk.block_hash is not None:
                 # only valid case: a partial-tail entry (cache_partial_block) being promoted
                 assert blk.block_hash_num_tokens is not None and blk.block_hash_num_tokens < num_tokens, (
@@ -389,9 +401,9 @@ class BlockPool:
 
     def _remove_cached_block_hashes(self, block: KVCacheBlock) -> list[bytes]:
         """Take the primary and every secondary key of `block` out of the map; reset its hash."""
-        if block._block_hash is None and block.block_id not in self.cached_block_hashes_by_block:
-            return []  # the common case on allocation: nothing cached
-        keys = [block._block_hash] if block._block_hash is not None else []
+        if block.block_hash is None:
+            return []  # a block has secondary keys only alongside a primary one
+        keys = [block.block_hash]
         keys.extend(self.cached_block_hashes_by_block.pop(block.block_id, ()))
         removed = [k for k in keys
                    if self.cached_block_hash_to_block.pop(k, block.block_id) is not None]
@@ -399,16 +411,15 @@ class BlockPool:
         return removed
 
     def _insert_block_hash(self, key: bytes, block: KVCacheBlock, num_tokens: int | None) -> None:
-        # Guard 1: the block already carries this key as its primary -> assumed registered.
-        # This is the guard bug 1 walked into: a block *stamped* with the key but never inserted
-        # returns here and the map never learns about it.
-        if block._block_hash == key:
-            return
-        # Guard 2: already registered (as a secondary key) for this very block.
-        if self.cached_block_hash_to_block.contain(key, block.block_id):
-            return
-        if block._block_hash is None:
+        if block.block_hash is None:
+            # the common case, checked first (vLLM 0.34): no hash, so no entry in the map yet
             block.set_block_hash(key, num_tokens)
+        elif block.block_hash == key or self.cached_block_hash_to_block.contain(key, block.block_id):
+            # Guard 1: the block carries this key as its primary -> assumed registered. This is
+            # the guard bug 1 walked into: a block *stamped* with the key but never inserted
+            # returns here and the map never learns about it.
+            # Guard 2: already registered (as a secondary key) for this very block.
+            return
         else:
             self.cached_block_hashes_by_block.setdefault(block.block_id, set()).add(key)
         self.cached_block_hash_to_block.insert(key, block)
@@ -422,8 +433,10 @@ class BlockPool:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool "
                              f"({self.get_num_free_blocks()} free)")
         ret = self.free_block_queue.popleft_n(num_blocks)
+        caching = self.enable_caching
         for block in ret:
-            if self.enable_caching:
+            # most blocks were never cached: skip the eviction call when there is nothing to evict
+            if caching and block.block_hash is not None:
                 self._remove_cached_block_hashes(block)
             assert block.ref_cnt == 0, f"block {block.block_id} in the free queue with refs"
             block.ref_cnt = 1
@@ -446,9 +459,11 @@ class BlockPool:
         for block in leaving:  # only once all are valid: a failed touch changes nothing
             self.free_block_queue.remove(block)
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], evict_first: bool = False) -> None:
         """Drop one reference each; blocks reaching 0 return to the free queue in the given order
-        (first = evicted first): unhashed ones to the front, hashed ones to the back."""
+        (first = evicted first): unhashed ones to the front, hashed ones to the back.
+        evict_first=True sends hashed ones to the front too, for blocks whose contents another
+        tier already holds (vLLM 0.34 uses it for lazy-mode stores; eager mode never does)."""
         blocks, first, last, caching = list(ordered_blocks), [], [], self.enable_caching
         for i, block in enumerate(blocks):
             if type(block) is not KVCacheBlock or block.pool is not self:
@@ -460,8 +475,12 @@ class BlockPool:
                 self._undo(blocks[:i], -1)
                 raise ValueError(f"free_blocks: block {block.block_id} is free already (a double free)")
             block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                (last if block._block_hash is not None and caching else first).append(block)
+            if block.ref_cnt != 0:
+                continue
+            if block.block_hash is None or not caching or evict_first:
+                first.append(block)
+            else:
+                last.append(block)
         self.free_block_queue.prepend_n(first)  # never a hit: reuse first (LIFO, GPU locality)
         self.free_block_queue.append_n(last)    # cached: keep as long as possible (LRU)
 
@@ -476,7 +495,8 @@ class BlockPool:
         but the null block is in use: a running request could still hit its own blocks."""
         if self.num_gpu_blocks - self.get_num_free_blocks() != 1:
             return False
-        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        # in place, as vLLM 0.34 (a new map made after a gc.freeze() would not be frozen)
+        self.cached_block_hash_to_block.clear()
         self.cached_block_hashes_by_block.clear()
         for block in self.blocks:
             block.reset_hash()
@@ -1105,9 +1125,10 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         cpu_ids = super()._allocate_cpu_blocks(gpu_block_ids)
         if self.registration_bug:
             # before: each destination was stamped with the source's hash right away
-            # (`cpu_blk._block_hash = bhash`), bypassing the pool's bookkeeping
+            # (`cpu_blk._block_hash = bhash`, a field vLLM 0.34 renamed block_hash), bypassing the
+            # pool's bookkeeping
             for gpu_id, cpu_id in zip(gpu_block_ids, cpu_ids):
-                self.cpu_block_pool.blocks[cpu_id]._block_hash = self._gpu_block_pool.blocks[gpu_id].block_hash
+                self.cpu_block_pool.blocks[cpu_id].block_hash = self._gpu_block_pool.blocks[gpu_id].block_hash
         return cpu_ids
 
     def _register_stored_block(self, cpu_block: KVCacheBlock, gpu_block: KVCacheBlock) -> None:

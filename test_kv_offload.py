@@ -134,7 +134,7 @@ def test_insert_guard_traps_a_stamped_block():
     pool = ko.BlockPool(3, True, 4)
     blk = pool.get_new_blocks(1)[0]
     key = ko.make_block_hash_with_group_id(b"k" * 32, 0)
-    blk._block_hash = key                              # what the pre-fix manager did
+    blk.block_hash = key                               # what the pre-fix manager did
     pool._insert_block_hash(key, blk, None)
     assert pool.cached_block_hash_to_block.get_one_block(key) is None
     blk.reset_hash()                                   # the fix: reset first
@@ -1140,7 +1140,7 @@ def test_registration_survives_stamped_destination(variant):
     req = h.request(33)
     meta, _ = h.prefill((req, 33), complete=False)
     for g, c in zip(meta.store_gpu_blocks, meta.store_cpu_blocks):  # what pre-fix code did
-        h.cpu.blocks[c]._block_hash = h.gpu.blocks[g].block_hash
+        h.cpu.blocks[c].block_hash = h.gpu.blocks[g].block_hash
     h.complete_store(meta.store_event)
     assert_variant(variant, h.in_cpu(req), [True, True], registration_bug=[False, False])
 
@@ -1390,10 +1390,14 @@ def rel_unwrap(obj):
 
 
 def rel_map_entries(pool: ko.BlockPool) -> dict[bytes, list[ko.KVCacheBlock]]:
-    """key -> blocks of the prefix-cache map. The map stores a bare block for one block and a
-    {block_id: block} dict for several (as vLLM does); both read the same here."""
-    return {key: [v] if isinstance(v, ko.KVCacheBlock) else list(v.values())
-            for key, v in pool.cached_block_hash_to_block._cache.items()}
+    """key -> blocks of the prefix-cache map. The map holds one block id per key in `_cache`
+    and, for a key cached by several blocks, all their ids in `_dup_ids` (as vLLM 0.34 does);
+    the two must agree: every `_dup_ids` key is in `_cache`, naming its first id."""
+    m = pool.cached_block_hash_to_block
+    for key, dup_ids in m._dup_ids.items():
+        assert len(dup_ids) > 1 and m._cache.get(key) == next(iter(dup_ids)), (
+            f"map key {key.hex()[:8]}: _cache={m._cache.get(key)} disagrees with _dup_ids={list(dup_ids)}")
+    return {key: [pool.blocks[i] for i in m._dup_ids.get(key, [block_id])] for key, block_id in m._cache.items()}
 
 
 def rel_check_pool(pool: ko.BlockPool, name: str) -> None:
