@@ -108,7 +108,8 @@ class Request:
         self.num_computed_tokens = 0
         # tokens scheduled but not yet produced (async scheduling); always 0 here
         self.num_output_placeholders = 0
-        self.skip_reading_prefix_cache = False
+        # vLLM: True when the request may not read KV from a connector (e.g. prompt logprobs)
+        self.skip_reading_external_kv = False
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()
 
@@ -699,6 +700,9 @@ class SimpleCPUOffloadScheduler:
         # req -> (hit blocks per group, hit tokens, num_computed_tokens of the lookup), pinned
         # between get_num_new_matched_tokens() and update_state_after_alloc()
         self._pending_cpu_hits: dict[str, tuple[tuple[list[KVCacheBlock], ...], int, int]] = {}
+        # req -> its local (GPU) hit in tokens, from get_num_new_matched_tokens(); the CPU copies
+        # of that prefix are moved to the MRU end in update_state_after_alloc() (vLLM 0.34)
+        self._pending_local_hits: dict[str, int] = {}
         self._abandoned_reqs_to_load: dict[str, LoadRequestState] = {}
         # stores
         self._reqs_to_store: dict[str, StoreRequestState] = {}
@@ -742,8 +746,15 @@ class SimpleCPUOffloadScheduler:
         # a retry (e.g. after a failed allocation) drops the earlier pin first
         if (stale := self._pending_cpu_hits.pop(request.request_id, None)) is not None:
             self._free_pending_cpu_hit(stale)
+        self._pending_local_hits.pop(request.request_id, None)
+        if request.skip_reading_external_kv:
+            return 0, False
+        if num_computed_tokens:
+            # remembered even when nothing hits on CPU below; a request waiting for GPU blocks
+            # repeats this lookup every step, so the latest local hit is the one refreshed
+            self._pending_local_hits[request.request_id] = num_computed_tokens
         # loads copy whole blocks: the external part must start on a block boundary
-        if request.skip_reading_prefix_cache or num_computed_tokens % self.block_size:
+        if num_computed_tokens % self.block_size:
             return 0, False
         remaining = request.block_hashes[num_computed_tokens // self.hash_block_size:]
         max_hit_len = request.num_tokens - 1 - num_computed_tokens  # the last token is always recomputed
@@ -802,6 +813,8 @@ class SimpleCPUOffloadScheduler:
         if rid not in self._reqs_to_store:  # also with 0 external tokens: it will be stored
             self._reqs_to_store[rid] = StoreRequestState(
                 request, tuple([] for _ in range(n_groups)), [0] * n_groups)
+        if num_local_tokens := self._pending_local_hits.pop(rid, None):
+            self._refresh_cpu_lru(request, num_local_tokens)
         if self._pending_cpu_hits.pop(rid, None) is None:
             return
         # pin the CPU sources for the copy, then drop the lookup pin (never a 0 in between);
@@ -811,6 +824,20 @@ class SimpleCPUOffloadScheduler:
         if num_external_tokens:
             self._reqs_to_load[rid] = LoadRequestState(
                 request, TransferMeta([b.block_id for b in gpu_blocks], [b.block_id for b in cpu_blocks]))
+
+    def _refresh_cpu_lru(self, request: Request, num_local_tokens: int) -> None:
+        """Move the CPU copies of the request's local (GPU) hit to the MRU end (vLLM 0.34).
+
+        The CPU cache is inclusive: a prefix served from the GPU has CPU copies too, but eager
+        stores skip blocks already on CPU, so nothing else would ever touch those copies again.
+        The most reused prefixes (those hitting on the GPU) would age to the LRU front of the CPU
+        pool and be evicted first, right before the GPU may evict them as well."""
+        prefix_hit, _ = self._find_longest_cache_hit(request.block_hashes, num_local_tokens)
+        prefix_blocks = [b for grp in prefix_hit for b in grp if not b.is_null]
+        # touch + free: ref-0 blocks leave the queue and rejoin it at the back (pinned ones stay
+        # out); reversed, so the prefix's tail is evicted before its head, as a request frees
+        self.cpu_block_pool.touch(prefix_blocks)
+        self.cpu_block_pool.free_blocks(reversed(prefix_blocks))
 
     # --- one step: build the worker's metadata -----------------------------------
 
@@ -1009,6 +1036,7 @@ class SimpleCPUOffloadScheduler:
         rid = request.request_id
         if (pending := self._pending_cpu_hits.pop(rid, None)) is not None:
             self._free_pending_cpu_hit(pending)  # aborted between lookup and allocation
+        self._pending_local_hits.pop(rid, None)
         if (load := self._reqs_to_load.get(rid)) is not None:
             if load.load_event is not None:
                 load.finished = True  # the copy may be running: release at completion
@@ -1075,6 +1103,7 @@ class SimpleCPUOffloadScheduler:
         for pending in self._pending_cpu_hits.values():
             self._free_pending_cpu_hit(pending)
         self._pending_cpu_hits.clear()
+        self._pending_local_hits.clear()
         self._abandoned_store_event_to_blocks.update(self._store_event_to_blocks)
         for transfer in self._pending_finished_stores:
             self._release_transfer_refs(transfer)

@@ -3583,7 +3583,7 @@ class ManagerTrace:
             prompt = self.tokens.prompt(self.max_prompt)
         self.prompts.append(prompt)
         req = ko.Request(rid, prompt, self.hbs, max_tokens=1)
-        req.skip_reading_prefix_cache = self.rng.random() < 0.05
+        req.skip_reading_external_kv = self.rng.random() < 0.05
         self.waiting.append(EngineReq(req, self.rng.randint(1, 6), len(self.sizes)))
 
     def finish(self, er, how="finished_all_groups"):
