@@ -572,21 +572,29 @@ class TransferMeta:
 
 @dataclass
 class SchedulerOutput:
-    """The parts of vLLM's SchedulerOutput the connector reads, for one step."""
-    # req_id -> tokens the forward pass of this step computes (insertion order = vLLM's order:
-    # newly scheduled requests first, then running and resumed ones)
+    """The parts of vLLM's SchedulerOutput the connector reads, for one step. vLLM 0.34 sends
+    new *and resumed* requests whole (scheduled_new_reqs), then running ones
+    (scheduled_cached_reqs, which lost resumed_req_ids and all_token_ids in 0.34); here one dict
+    in that order carries both, and resumed_req_ids marks the whole tables that replace one."""
+    # req_id -> tokens the forward pass of this step computes. Insertion order = the order
+    # vLLM 0.34 yields requests in: new and resumed ones first, then running ones. When CPU
+    # space runs short, it decides whose blocks are stored.
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # req_id -> GPU block ids allocated to it this step, per KV-cache group (new or resumed
     # request: its whole table)
     new_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
-    # requests that come back after a preemption (their table is new)
+    # requests whose new_block_ids is a whole table replacing the one the connector holds: back
+    # after a preemption, or re-sent (vLLM 0.34 treats every NewRequestData this way)
     resumed_req_ids: set[str] = field(default_factory=set)
     # requests preempted this step: their blocks are freed and may be reused at once
     preempted_req_ids: set[str] = field(default_factory=set)
 
 
 def yield_req_data(scheduler_output: SchedulerOutput) -> Iterator[tuple[str, tuple[list[int], ...] | None, bool]]:
-    """(req_id, new block ids or None, resumed) for every request of the step."""
+    """(req_id, new block ids or None, resumed) for every request of the step: in the order of
+    num_scheduled_tokens (new and resumed requests first, then running ones, as vLLM 0.34
+    yields them), then any request given blocks but no tokens. `resumed` is vLLM's
+    is_full_table: the ids are the request's whole table, not this step's additions."""
     for req_id in scheduler_output.num_scheduled_tokens:
         yield (req_id, scheduler_output.new_block_ids.get(req_id),
                req_id in scheduler_output.resumed_req_ids)
@@ -887,11 +895,11 @@ class SimpleCPUOffloadScheduler:
             if (state := self._reqs_to_store.get(rid)) is not None:
                 state.block_ids, state.num_stored_blocks = tuple([] for _ in range(n_groups)), [0] * n_groups
         all_gpu, all_cpu, req_ids = [], [], []
-        for rid, new_ids, resumed in yield_req_data(so):
+        for rid, new_ids, is_full_table in yield_req_data(so):
             state = self._reqs_to_store.get(rid)
             if state is None or state.finished:
                 continue
-            if resumed:
+            if is_full_table:  # a resumed (or re-sent) request: its new table replaces the old
                 state.block_ids = tuple([] for _ in range(n_groups))
             for g, ids in enumerate((new_ids or ())[:n_groups]):
                 if ids is not None:
@@ -1585,6 +1593,7 @@ class MiniEngine:
         # requests whose load landed hold GPU blocks: admit them before anything new, or a
         # preempted request queued ahead of them could wait forever for those very blocks
         self.waiting.sort(key=lambda r: r.request_id not in self.req_blocks or r.request_id in self.loading)
+        admitted: dict[str, int] = {}  # new and resumed requests scheduled this step -> tokens
         while self.waiting and budget > 0 and not so.preempted_req_ids:
             req = self.waiting[0]
             rid = req.request_id
@@ -1622,12 +1631,15 @@ class MiniEngine:
             self.waiting.pop(0)
             self.running.append(req)
             self._cache_blocks(req, req.num_computed_tokens + n)
-            so.num_scheduled_tokens[rid] = n
+            admitted[rid] = n
             so.new_block_ids[rid] = ([b.block_id for b in self.req_blocks[rid]],)  # whole table
             if rid in self._resumed:
                 so.resumed_req_ids.add(rid)
                 self._resumed.discard(rid)
             budget -= n
+        # scheduled running-first (they keep their budget), but listed as vLLM 0.34 sends them:
+        # new and resumed requests (whole tables) before running ones
+        so.num_scheduled_tokens = admitted | so.num_scheduled_tokens
         return so
 
     # --- one step -------------------------------------------------------------------
