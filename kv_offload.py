@@ -6,7 +6,7 @@ What it is: a runnable, tested reference of the scheduler-side offload manager, 
 block pool it sits on, the GPU<->CPU copy worker, and a toy engine that drives them the way vLLM's
 scheduler does, so the bug of vLLM issue #53498 and its fix (PR #53532) can be *run*.
 
-It follows vLLM 0.33:
+It follows vLLM 0.34:
   vllm/v1/core/kv_cache_utils.py          hashing, KVCacheBlock, FreeKVCacheBlockQueue
   vllm/v1/core/block_pool.py              BlockHashToBlockMap, BlockPool
   vllm/v1/core/single_type_kv_cache_manager.py, kv_cache_coordinator.py   find_longest_cache_hit

@@ -2883,11 +2883,12 @@ def test_notebook_claim_story_kv_bit_exact():
 
 
 # ===============================================================================================
-# Differential tests against vLLM 0.33 itself (skipped without it). To run them:
-#   pip download --no-deps vllm==0.33.0; unzip its vllm/ folder outside the repo; put it on
+# Differential tests against vLLM 0.34 itself (skipped without it). To run them:
+#   pip download --no-deps vllm==0.34.0; unzip its vllm/ folder outside the repo; put it on
 #   PYTHONPATH; pip install the pure-Python modules its imports ask for (README: Comparing with vLLM).
 
-try:  # vLLM 0.33's sources (a wheel unzipped on PYTHONPATH) and their few pure-Python deps
+VLLM_VERSION: str | None = None  # the version of the vLLM that imports here, e.g. "0.34.0"
+try:  # vLLM's sources (a wheel unzipped on PYTHONPATH) and their few pure-Python deps
     from vllm.v1.core.block_pool import BlockPool as VBlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks as VKVCacheBlocks
     from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue as VFreeQueue
@@ -2905,12 +2906,28 @@ try:  # vLLM 0.33's sources (a wheel unzipped on PYTHONPATH) and their few pure-
     from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler as VScheduler
     from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata as VWorkerMeta
     from vllm.utils.hashing import sha256 as v_sha256
-    from vllm._version import __version__ as _vllm_version
-    VLLM_MISSING = None if _vllm_version.startswith("0.33") else f"vLLM {_vllm_version} is not 0.33"
+    from vllm._version import __version__ as VLLM_VERSION
+    VLLM_IMPORT_ERROR = None
 except Exception as exc:  # noqa: BLE001 - any import failure means "no vLLM here"
-    VLLM_MISSING = f"vLLM 0.33 sources not importable ({type(exc).__name__}: {exc})"
-if VLLM_MISSING is None:
+    VLLM_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+if VLLM_VERSION is not None:
     v_init_none_hash(v_sha256)  # vLLM requires it before hashing; our keys are opaque bytes
+    # vLLM 0.34 sends a resumed request whole, in scheduled_new_reqs; before, it came with the
+    # running ones, marked in CachedRequestData.resumed_req_ids
+    V_RESUMED_IN_NEW_REQS = "resumed_req_ids" not in VCachedRequestData.__dataclass_fields__
+    V_NEW_REQ_EXTRA = {"prefill_token_ids": []} if "prefill_token_ids" in VNewRequestData.__dataclass_fields__ else {}
+
+
+def vllm_missing(version: str) -> str | None:
+    """Why the differential tests written for vLLM `version` (e.g. "0.34") cannot run, or None."""
+    if VLLM_VERSION is None:
+        return f"vLLM {version} sources not importable ({VLLM_IMPORT_ERROR})"
+    if not VLLM_VERSION.startswith(version + "."):
+        return f"vLLM {VLLM_VERSION} is not {version}"
+    return None
+
+
+VLLM_MISSING = vllm_missing("0.34")  # the module follows vLLM 0.34
 needs_vllm = pytest.mark.skipif(VLLM_MISSING is not None, reason=str(VLLM_MISSING))
 
 
@@ -2919,11 +2936,13 @@ def _bid(b):
 
 
 def map_contents(m) -> dict:
-    """key -> block ids in insertion order (vLLM stores a bare block or a dict of them)."""
-    out = {}
-    for key, v in m._cache.items():
-        out[key] = [b.block_id for b in v.values()] if isinstance(v, dict) else [v.block_id]
-    return out
+    """key -> block ids in insertion order. vLLM 0.34 (and ours) keep one id per key in `_cache`
+    and every id of a key of several blocks in `_dup_ids`; before 0.34 vLLM kept a bare block
+    or a {block_id: block} dict per key."""
+    if hasattr(m, "_dup_ids"):
+        return {key: list(m._dup_ids.get(key, [block_id])) for key, block_id in m._cache.items()}
+    return {key: [b.block_id for b in v.values()] if isinstance(v, dict) else [v.block_id]
+            for key, v in m._cache.items()}
 
 
 def vpool_state(pool) -> dict:
@@ -3239,8 +3258,9 @@ class PoolTrace:
         k = rng.randint(1, len(self.pins))
         rng.shuffle(self.pins)
         ids, self.pins = self.pins[:k], self.pins[k:]
-        call_both(self.what(f"free_blocks(pins {ids})"),
-                  lambda: p.ours.free_blocks(p.ob(ids)), lambda: p.vllm.free_blocks(p.vb(ids)))
+        kw = {"evict_first": True} if rng.random() < 0.3 else {}  # vLLM 0.34: cached ones to the front
+        call_both(self.what(f"free_blocks(pins {ids}, {kw})"),
+                  lambda: p.ours.free_blocks(p.ob(ids), **kw), lambda: p.vllm.free_blocks(p.vb(ids), **kw))
 
     def op_get_new_blocks(self):
         rng, p = self.rng, self.pair
@@ -3363,6 +3383,7 @@ def make_vllm_scheduler(num_gpu_blocks, num_cpu_blocks, block_size, hash_block_s
         model_config=SimpleNamespace(max_model_len=1 << 20),
         max_in_flight_tokens=64,
         num_prefill_lookahead_tokens=0,
+        num_hash_lookahead_tokens=0,  # read since vLLM 0.34
         scheduler_config=SimpleNamespace(max_num_batched_tokens=64),
     )
     return VScheduler(vllm_config, kv_cache_config, cpu_capacity_bytes=1 << 40,
@@ -3389,6 +3410,7 @@ def manager_state(m) -> dict:
         "reqs_to_load": [(k, load(v)) for k, v in m._reqs_to_load.items()],
         "abandoned_reqs_to_load": [(k, load(v)) for k, v in m._abandoned_reqs_to_load.items()],
         "pending_cpu_hits": [(k, (_ids(v[0]), v[1], v[2])) for k, v in m._pending_cpu_hits.items()],
+        "pending_local_hits": list(getattr(m, "_pending_local_hits", {}).items()),  # vLLM 0.34+
         "load_event_to_reqs": [(k, list(v)) for k, v in m._load_event_to_reqs.items()],
         "store_event_to_blocks": [(k, tm(v)) for k, v in m._store_event_to_blocks.items()],
         "abandoned_store_event_to_blocks": [(k, tm(v)) for k, v in m._abandoned_store_event_to_blocks.items()],
@@ -3544,27 +3566,35 @@ class ManagerTrace:
         return new
 
     def outputs(self, new_reqs, cached_reqs, preempted):
-        """One step's SchedulerOutput for each library. new_reqs: [(rid, n, full table)];
-        cached_reqs: [(rid, n, new ids or None, resumed)]."""
-        ns = {rid: n for rid, n, *_ in new_reqs}
-        ns.update({rid: n for rid, n, *_ in cached_reqs})
+        """One step's SchedulerOutput for each library. new_reqs: [(rid, n, whole table, resumed)]
+        in scheduling order; cached_reqs, the running ones: [(rid, n, new ids or None)]. vLLM 0.34
+        sends resumed requests whole with the new ones; before, with the running ones after them."""
+        resumed = {rid for rid, _, _, r in new_reqs if r}
+        if not V_RESUMED_IN_NEW_REQS:
+            cached_reqs = cached_reqs + [(rid, n, t) for rid, n, t, r in new_reqs if r]
+            new_reqs = [x for x in new_reqs if not x[3]]
+        ns = {rid: n for rid, n, *_ in new_reqs}  # ours: the order vLLM yields them in
+        ns.update({rid: n for rid, n, _ in cached_reqs})
         ours = ko.SchedulerOutput(
             num_scheduled_tokens=dict(ns),
-            new_block_ids={**{rid: tuple(list(x) for x in t) for rid, _, t in new_reqs},
-                           **{rid: tuple(list(x) for x in t) for rid, _, t, _ in cached_reqs if t is not None}},
-            resumed_req_ids={rid for rid, _, _, resumed in cached_reqs if resumed},
-            preempted_req_ids=set(preempted))
-        cached = VCachedRequestData(
-            req_ids=[c[0] for c in cached_reqs],
-            resumed_req_ids={rid for rid, _, _, resumed in cached_reqs if resumed},
-            new_token_ids=[[] for _ in cached_reqs], all_token_ids={},
-            new_block_ids=[None if t is None else tuple(list(x) for x in t) for _, _, t, _ in cached_reqs],
-            num_computed_tokens=[0] * len(cached_reqs), num_output_tokens=[0] * len(cached_reqs))
+            new_block_ids={**{rid: tuple(list(x) for x in t) for rid, _, t, _ in new_reqs},
+                           **{rid: tuple(list(x) for x in t) for rid, _, t in cached_reqs if t is not None}},
+            resumed_req_ids=resumed, preempted_req_ids=set(preempted))
+        cached = VCachedRequestData.make_empty()
+        for rid, _, t in cached_reqs:
+            cached.req_ids.append(rid)
+            cached.new_block_ids.append(None if t is None else tuple(list(x) for x in t))
+            cached.new_token_ids.append([])
+            cached.num_computed_tokens.append(0)
+            cached.num_output_tokens.append(0)
+        if not V_RESUMED_IN_NEW_REQS:
+            cached.resumed_req_ids.update(resumed)
         vllm = VSchedulerOutput(
             scheduled_new_reqs=[VNewRequestData(req_id=rid, prompt_token_ids=None, mm_features=[],
                                                 sampling_params=None, pooling_params=None,
                                                 block_ids=tuple(list(x) for x in t), num_computed_tokens=0,
-                                                lora_request=None) for rid, _, t in new_reqs],
+                                                lora_request=None, **V_NEW_REQ_EXTRA)
+                                for rid, _, t, _ in new_reqs],
             scheduled_cached_reqs=cached, num_scheduled_tokens=dict(ns),
             total_num_scheduled_tokens=sum(ns.values()), scheduled_spec_decode_tokens={},
             scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[],
@@ -3657,7 +3687,7 @@ class ManagerTrace:
                 continue
             new = self.grow(er, req.num_computed_tokens + n)
             self.gpu_cache(er, req.num_computed_tokens + n)
-            cached_reqs.append((er.rid, n, new if any(new) else None, False))
+            cached_reqs.append((er.rid, n, new if any(new) else None))
             scheduled.append((er, n))
             budget -= n
             i += 1
@@ -3673,7 +3703,7 @@ class ManagerTrace:
                     continue
                 self.grow(er, req.num_computed_tokens + n)
                 self.gpu_cache(er, req.num_computed_tokens + n)
-                new_reqs.append((er.rid, n, [list(x) for x in er.table]))
+                new_reqs.append((er.rid, n, [list(x) for x in er.table], False))
             else:
                 if rng.random() < 0.04:  # aborted while waiting (maybe with a pin from an earlier lookup)
                     self.waiting.remove(er)
@@ -3714,17 +3744,14 @@ class ManagerTrace:
                     self.loading.append(er)
                     continue
                 self.gpu_cache(er, total)
-                if er.preempted:  # vLLM (MRV1): a resumed request, whole table, in the cached list
-                    cached_reqs.append((er.rid, n, [list(x) for x in er.table], True))
-                else:
-                    new_reqs.append((er.rid, n, [list(x) for x in er.table]))
+                new_reqs.append((er.rid, n, [list(x) for x in er.table], er.preempted))  # whole table
             self.waiting.remove(er)
             er.status = "running"
             self.running.append(er)
             scheduled.append((er, n))
             budget -= n
 
-        # 3. the connector's metadata for this step (new requests first, as vLLM yields them)
+        # 3. the connector's metadata for this step (new and resumed first, as vLLM 0.34 yields them)
         so_o, so_v = self.outputs(new_reqs, cached_reqs, preempted)
         for er, _ in scheduled:  # async scheduling: a token in flight is computed but not confirmed
             if er.req.num_computed_tokens > 0 and rng.random() < 0.15:
