@@ -2,7 +2,7 @@
 
 Oracles, never the code under test: hand-derived numbers (in each docstring), ToyModel.expected_kv
 for KV bytes, the pre-fix variant (every test about either bug must fail there: see
-assert_variant), vLLM's copy-test oracle for the worker, and vLLM 0.33 itself when importable
+assert_variant), vLLM's copy-test oracle for the worker, and vLLM 0.34 itself when importable
 (the differential tests at the end skip cleanly without it).
 
 Sections: hashing and requests; block pool; find_longest_cache_hit; copy worker; toy model and
@@ -11,6 +11,7 @@ engine; manager scenarios (vLLM's test_scheduler.py, PR #53532's seven tests); r
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -18,6 +19,7 @@ import pathlib
 import random
 import re
 import struct
+import sys
 from collections import Counter
 from dataclasses import dataclass, field, fields, is_dataclass
 from types import SimpleNamespace
@@ -95,6 +97,22 @@ def test_free_order_unhashed_front_hashed_back():
     assert free_ids(pool) == [3, 4, 5, 6, 7, 1, 2]
 
 
+def test_free_blocks_evict_first():
+    """free_blocks(evict_first=True) (vLLM 0.34) prepends hashed blocks too, for contents another
+    tier already holds. Blocks 1..4 allocated (queue [5]), 1 and 2 hashed. Freeing [3, 1] plainly:
+    3 (unhashed) to the front, 1 (hashed) to the back -> [3, 5, 1]. Freeing [2, 4] with
+    evict_first: both prepended, in the given order -> [2, 4, 3, 5, 1]."""
+    pool = ko.BlockPool(6, True, 2)
+    req = ko.Request("r", list(range(8)), 2)
+    blocks = pool.get_new_blocks(4)
+    pool.cache_full_blocks(req, blocks, 0, 2, 2, 0)
+    pool.free_blocks([blocks[2], blocks[0]])
+    assert free_ids(pool) == [3, 5, 1]
+    pool.free_blocks([blocks[1], blocks[3]], evict_first=True)
+    assert free_ids(pool) == [2, 4, 3, 5, 1]
+    assert blocks[1].block_hash is not None  # still a cache hit until it is reused
+
+
 def test_lru_eviction_order_and_touch_removes_from_queue():
     """Cached free blocks are evicted front first; a touched block leaves the queue and
     survives; a freed block goes to the back (most recently used)."""
@@ -127,6 +145,49 @@ def test_several_blocks_per_key_and_pop():
     assert m.get_one_block(key) is b1
     assert m.pop(key, 1) is b1 and m.get_one_block(key) is b2
     assert m.pop(key, 7) is None and m.pop(key, 2) is b2 and len(m) == 0
+
+
+def test_block_hash_map_holds_ids_as_vllm_0_34():
+    """vLLM 0.34's layout: `_cache` maps each key to one block *id* (the earliest inserted still
+    cached), `_dup_ids` lists every id of a key cached by several blocks; only bytes and ints,
+    so the cyclic GC does not track `_cache`. clear() empties both; reset_prefix_cache() clears
+    the same map object in place."""
+    pool = ko.BlockPool(5, True, 2)
+    req = ko.Request("r", [5, 6, 7, 8], 2)
+    b1, b2, b3 = pool.get_new_blocks(3)
+    pool.cache_full_blocks(req, [b1, b3], 0, 2, 2, 0)  # b1: key0, b3: key1
+    pool.cache_full_blocks(req, [b2], 0, 1, 2, 0)      # b2: key0 again
+    key0, key1 = b1.block_hash, b3.block_hash
+    m = pool.cached_block_hash_to_block
+    assert m._cache == {key0: 1, key1: 3} and m._dup_ids == {key0: {1: None, 2: None}}
+    assert m.get_one_block(key0) is b1
+    if sys.version_info < (3, 14):  # 3.14 stopped untracking such dicts (vLLM then does it by hand)
+        assert not gc.is_tracked(m._cache)
+    m.pop(key0, 1)
+    assert m._cache == {key0: 2, key1: 3} and m._dup_ids == {} and m.get_one_block(key0) is b2
+    pool.free_blocks([b1, b2, b3])
+    assert pool.reset_prefix_cache() and pool.cached_block_hash_to_block is m
+    assert m._cache == {} and m._dup_ids == {} and len(m) == 0
+
+
+def test_kv_cache_block_fields_follow_vllm_0_34():
+    """block_hash and block_hash_num_tokens are plain slot fields (0.34 dropped the
+    `_block_hash` field and its read-only properties); a block has no __dict__, so a
+    misspelled field raises. Request.skip_reading_prefix_cache became skip_reading_external_kv."""
+    names = [f.name for f in fields(ko.KVCacheBlock)]
+    assert "block_hash" in names and "block_hash_num_tokens" in names and "_block_hash" not in names
+    blk = ko.KVCacheBlock(3)
+    blk.block_hash = b"k"  # writable: what the pre-fix code's stamp does
+    assert blk.block_hash == b"k" and blk.block_hash_num_tokens is None
+    with pytest.raises(AttributeError):
+        blk._block_hash = b"k"
+    with pytest.raises(AssertionError, match="already has a hash"):
+        blk.set_block_hash(b"x", 4)
+    blk.reset_hash()
+    blk.set_block_hash(b"x", 4)
+    assert (blk.block_hash, blk.block_hash_num_tokens) == (b"x", 4)
+    req = ko.Request("r", [1, 2, 3], 2)
+    assert req.skip_reading_external_kv is False and not hasattr(req, "skip_reading_prefix_cache")
 
 
 def test_insert_guard_traps_a_stamped_block():
@@ -205,6 +266,25 @@ def test_free_queue_primitives():
     empty = ko.FreeKVCacheBlockQueue([])
     with pytest.raises(ValueError, match="No free blocks"):
         empty.popleft()
+
+
+def test_free_queue_asserts_on_a_corrupted_sentinel():
+    """As vLLM (its test_free_kv_cache_block_queue_append_n): a sentinel that lost its link is an
+    AssertionError in append_n / prepend_n (RuntimeError in append), raised before anything is
+    linked, so the count and the other sentinel are unchanged."""
+    blocks = [ko.KVCacheBlock(i) for i in range(2)]
+    q = ko.FreeKVCacheBlockQueue([])
+    q.fake_free_list_tail.prev_free_block = None
+    with pytest.raises(AssertionError):
+        q.append_n(blocks[:1])
+    with pytest.raises(RuntimeError):
+        q.append(blocks[0])
+    assert q.num_free_blocks == 0 and q.fake_free_list_head.next_free_block is q.fake_free_list_tail
+    q = ko.FreeKVCacheBlockQueue([])
+    q.fake_free_list_head.next_free_block = None
+    with pytest.raises(AssertionError):
+        q.prepend_n(blocks[1:])
+    assert q.num_free_blocks == 0 and blocks[1].prev_free_block is None
 
 
 # ----------------------------------------------------------------------------- find_longest_cache_hit
@@ -432,6 +512,56 @@ def test_gpu_preemption_recomputes_and_stays_exact():
     for i, p in enumerate(prompts):
         assert torch.equal(st[f"r{i}"].kv, model.expected_kv(p))
     _assert_all_free(eng, conn)
+
+
+def test_engine_lists_new_and_resumed_requests_before_running_ones():
+    """vLLM 0.34 sends new and resumed requests (whole tables) first, then running ones, and
+    MiniEngine lists num_scheduled_tokens that way. Block 16, budget 32. Step 1: A (40 tokens)
+    computes 32 in GPU blocks 1, 2. Step 2: running A is scheduled first (8 tokens, block 3),
+    then B (24 tokens, whole table 4, 5) is admitted with the 24 left, but listed first."""
+    eng, conn, _ = _story_engine(num_gpu_blocks=16, budget=32)
+    seen = []
+    build = conn.build_connector_meta
+
+    def recording_build(so):
+        seen.append(so)
+        return build(so)
+
+    conn.build_connector_meta = recording_build
+    eng.add_request(ko.Request("A", _prompt(40), 16))
+    eng.step()
+    eng.add_request(ko.Request("B", _prompt(24, seed=1), 16))
+    eng.step()
+    so = seen[-1]
+    assert list(so.num_scheduled_tokens.items()) == [("B", 24), ("A", 8)]
+    assert so.new_block_ids == {"A": ([3],), "B": ([4, 5],)} and so.resumed_req_ids == set()
+    assert [(rid, ids) for rid, ids, _ in ko.yield_req_data(so)] == [("B", ([4, 5],)), ("A", ([3],))]
+
+
+def test_engine_lists_resumed_requests_first_under_preemption():
+    """In the preemption run above, each step lists every request that was running when the step
+    began after all the others (new and resumed ones), and resumed ones carry whole tables."""
+    eng, conn, _ = _story_engine(num_gpu_blocks=60, budget=256)
+    checked = Counter()
+    schedule = eng._schedule
+
+    def recording_schedule():
+        running_at_start = [r.request_id for r in eng.running]
+        so = schedule()
+        order = list(so.num_scheduled_tokens)
+        running = [rid for rid in order if rid in running_at_start]
+        assert order[len(order) - len(running):] == running, (order, running_at_start)
+        for rid in so.resumed_req_ids:
+            assert rid not in running and list(so.new_block_ids[rid][0]) == bids(eng.req_blocks[rid])
+        checked["resumed"] += len(so.resumed_req_ids)
+        checked["mixed"] += 0 < len(running) < len(order)
+        return so
+
+    eng._schedule = recording_schedule
+    for i in range(3):
+        eng.add_request(ko.Request(f"r{i}", _prompt(600, seed=i), 16, max_tokens=3))
+    eng.run()
+    assert checked["resumed"] > 0 and checked["mixed"] > 0, checked
 
 
 def test_two_workers_world_size_2():
@@ -743,6 +873,72 @@ def test_touched_blocks_survive_eviction():
     meta, _ = h.prefill((c, 33))
     assert meta.store_cpu_blocks == [3, 4]
     assert (h.in_cpu(a), h.in_cpu(b), h.in_cpu(c)) == ([True] * 2, [False] * 2, [True] * 2)
+
+
+@pytest.mark.parametrize("variant", ["fixed", "no_refresh"])
+def test_gpu_prefix_hit_refreshes_cpu_lru(variant, monkeypatch):
+    """A prefix served from the GPU moves its CPU copies to the MRU end (vLLM 0.34), so a colder
+    prefix is evicted first. `no_refresh` is the manager with the refresh removed (vLLM 0.33).
+
+    _fill_four: CPU 1, 2 = a's blocks, 3, 4 = b's; free queue (front = evicted first) [1, 2, 3, 4].
+    a's twin a2 (33 tokens) hits 32 on the GPU: get_num_new_matched_tokens(a2, 32) finds no hash
+    past 32 -> (0, False), but remembers the 32 local tokens. update_state_after_alloc(a2) looks
+    them up on CPU -> blocks [1, 2]; touch takes them out -> [3, 4]; free_blocks(reversed)
+    appends 2, then 1 -> [3, 4, 2, 1]. c's store takes the front, 3 and 4: b is evicted, a stays,
+    and c's completed blocks rejoin at the back -> [2, 1, 3, 4].
+    Without the refresh the queue stays [1, 2, 3, 4]: c evicts a's 1, 2 -> [3, 4, 1, 2]."""
+    h = Harness(num_cpu_blocks=5)
+    if variant == "no_refresh":
+        monkeypatch.setattr(h.sched, "_refresh_cpu_lru", lambda request, num_local_tokens: None)
+    a, b = _fill_four(h)
+    a2 = h.twin(a)
+    assert h.sched.get_num_new_matched_tokens(a2, 32) == (0, False)
+    assert h.sched._pending_local_hits == {a2.request_id: 32}
+    h.sched.update_state_after_alloc(a2, ([],), 0)  # its GPU hit blocks are the engine's concern
+    assert h.sched._pending_local_hits == {}
+    assert_variant(variant, free_ids(h.cpu), [3, 4, 2, 1], no_refresh=[1, 2, 3, 4])
+    assert [blk.ref_cnt for blk in h.cpu.blocks[1:]] == [0] * 4  # touched and freed: no ref left
+    c = h.request(33)
+    meta, _ = h.prefill((c, 33))
+    assert_variant(variant, meta.store_cpu_blocks, [3, 4], no_refresh=[1, 2])
+    assert_variant(variant, (h.in_cpu(a), h.in_cpu(b)), ([True] * 2, [False] * 2),
+                   no_refresh=([False] * 2, [True] * 2))
+    assert_variant(variant, free_ids(h.cpu), [2, 1, 3, 4], no_refresh=[3, 4, 1, 2])
+
+
+def test_local_hit_refresh_lifecycle():
+    """The remembered local hit lives from get_num_new_matched_tokens() to
+    update_state_after_alloc(). A retry replaces it (0 tokens: none), a misaligned one is kept
+    too (vLLM 0.34 records it before the alignment check), request_finished() and reset() drop
+    it, and a request that may not read external KV records none. A pinned CPU block (here by
+    a pending CPU hit of another request) stays pinned and out of the queue through a refresh."""
+    h = Harness(num_cpu_blocks=5)
+    a, b = _fill_four(h)  # queue [1, 2, 3, 4]
+    pend = h.sched._pending_local_hits
+    r = h.twin(a)
+    h.sched.get_num_new_matched_tokens(r, 16)
+    assert pend == {r.request_id: 16}
+    assert h.sched.get_num_new_matched_tokens(r, 20) == (0, False)  # misaligned: no CPU lookup
+    assert pend == {r.request_id: 20}
+    h.sched.get_num_new_matched_tokens(r, 0)
+    assert pend == {}
+    h.sched.get_num_new_matched_tokens(r, 32)
+    h.sched.request_finished(r, [])
+    assert pend == {}
+    h.sched.get_num_new_matched_tokens(r, 32)
+    assert h.sched.reset() and pend == {}
+    h = Harness(num_cpu_blocks=5)
+    a, b = _fill_four(h)  # queue [1, 2, 3, 4]
+    pend = h.sched._pending_local_hits
+    r = h.twin(a)
+    r.skip_reading_external_kv = True
+    assert h.sched.get_num_new_matched_tokens(r, 32) == (0, False) and pend == {}
+    b2 = h.twin(b)
+    assert h.sched.get_num_new_matched_tokens(b2, 0) == (32, True)  # pins b's 3, 4
+    r2 = h.twin(b)
+    h.sched.get_num_new_matched_tokens(r2, 32)
+    h.sched.update_state_after_alloc(r2, ([],), 0)  # refreshes 3, 4: pinned, so they stay out
+    assert free_ids(h.cpu) == [1, 2] and [blk.ref_cnt for blk in h.cpu.blocks[1:]] == [0, 0, 1, 1]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
