@@ -912,7 +912,7 @@ class SimpleCPUOffloadScheduler:
                 all_cpu.extend(self._allocate_cpu_blocks(gpu_ids))
                 req_ids.append(rid)
                 self._in_flight_store_gpu_blocks.update(gpu_ids)
-                gpu_pool.touch(gpu_pool.blocks[b] for b in gpu_ids)  # pinned until the copy completes
+                gpu_pool.touch([gpu_pool.blocks[b] for b in gpu_ids])  # pinned until the copy completes
             for g in range(n_groups):
                 state.num_stored_blocks[g] += advanced[g]
         return all_gpu, all_cpu, list(dict.fromkeys(req_ids))
@@ -1024,8 +1024,9 @@ class SimpleCPUOffloadScheduler:
         """Drop a transfer's pins on both pools (CPU first, as vLLM). Caches nothing by itself:
         a completed store registers its CPU blocks before calling this."""
         gpu_pool = self._require_gpu_pool()
-        self.cpu_block_pool.free_blocks(self.cpu_block_pool.blocks[b] for b in transfer.cpu_block_ids)
-        gpu_pool.free_blocks(gpu_pool.blocks[b] for b in transfer.gpu_block_ids)
+        cpu_blocks = self.cpu_block_pool.blocks
+        self.cpu_block_pool.free_blocks([cpu_blocks[b] for b in transfer.cpu_block_ids])
+        gpu_pool.free_blocks([gpu_pool.blocks[b] for b in transfer.gpu_block_ids])
 
     def has_pending_stores(self) -> bool:
         """True while a store is queued (finish flush) or in flight, also after a reset()."""
