@@ -535,7 +535,8 @@ def test_engine_lists_new_and_resumed_requests_before_running_ones():
     so = seen[-1]
     assert list(so.num_scheduled_tokens.items()) == [("B", 24), ("A", 8)]
     assert so.new_block_ids == {"A": ([3],), "B": ([4, 5],)} and so.resumed_req_ids == set()
-    assert [(rid, ids) for rid, ids, _ in ko.yield_req_data(so)] == [("B", ([4, 5],)), ("A", ([3],))]
+    yielded = [(rid, ids) for rid, ids, _ in ko.yield_req_data(so)]
+    assert yielded == [("B", ([4, 5],)), ("A", ([3],))]
 
 
 def test_engine_lists_resumed_requests_first_under_preemption():
@@ -552,7 +553,8 @@ def test_engine_lists_resumed_requests_first_under_preemption():
         running = [rid for rid in order if rid in running_at_start]
         assert order[len(order) - len(running):] == running, (order, running_at_start)
         for rid in so.resumed_req_ids:
-            assert rid not in running and list(so.new_block_ids[rid][0]) == bids(eng.req_blocks[rid])
+            assert rid not in running
+            assert list(so.new_block_ids[rid][0]) == bids(eng.req_blocks[rid])
         checked["resumed"] += len(so.resumed_req_ids)
         checked["mixed"] += 0 < len(running) < len(order)
         return so
@@ -1592,8 +1594,10 @@ def rel_map_entries(pool: ko.BlockPool) -> dict[bytes, list[ko.KVCacheBlock]]:
     m = pool.cached_block_hash_to_block
     for key, dup_ids in m._dup_ids.items():
         assert len(dup_ids) > 1 and m._cache.get(key) == next(iter(dup_ids)), (
-            f"map key {key.hex()[:8]}: _cache={m._cache.get(key)} disagrees with _dup_ids={list(dup_ids)}")
-    return {key: [pool.blocks[i] for i in m._dup_ids.get(key, [block_id])] for key, block_id in m._cache.items()}
+            f"map key {key.hex()[:8]}: _cache={m._cache.get(key)} disagrees with "
+            f"_dup_ids={list(dup_ids)}")
+    return {key: [pool.blocks[i] for i in m._dup_ids.get(key, [block_id])]
+            for key, block_id in m._cache.items()}
 
 
 def rel_check_pool(pool: ko.BlockPool, name: str) -> None:
@@ -3461,9 +3465,11 @@ class PoolTrace:
         k = rng.randint(1, len(self.pins))
         rng.shuffle(self.pins)
         ids, self.pins = self.pins[:k], self.pins[k:]
-        kw = {"evict_first": True} if rng.random() < 0.3 else {}  # vLLM 0.34: cached ones to the front
+        # vLLM 0.34's evict_first: cached ones to the front too
+        kw = {"evict_first": True} if rng.random() < 0.3 else {}
         call_both(self.what(f"free_blocks(pins {ids}, {kw})"),
-                  lambda: p.ours.free_blocks(p.ob(ids), **kw), lambda: p.vllm.free_blocks(p.vb(ids), **kw))
+                  lambda: p.ours.free_blocks(p.ob(ids), **kw),
+                  lambda: p.vllm.free_blocks(p.vb(ids), **kw))
 
     def op_get_new_blocks(self):
         rng, p = self.rng, self.pair
@@ -3783,7 +3789,8 @@ class ManagerTrace:
         ours = ko.SchedulerOutput(
             num_scheduled_tokens=dict(ns),
             new_block_ids={**{rid: tuple(list(x) for x in t) for rid, _, t, _ in new_reqs},
-                           **{rid: tuple(list(x) for x in t) for rid, _, t in cached_reqs if t is not None}},
+                           **{rid: tuple(list(x) for x in t) for rid, _, t in cached_reqs
+                              if t is not None}},
             resumed_req_ids=resumed, preempted_req_ids=set(preempted))
         cached = VCachedRequestData.make_empty()
         for rid, _, t in cached_reqs:
@@ -3950,14 +3957,15 @@ class ManagerTrace:
                     self.loading.append(er)
                     continue
                 self.gpu_cache(er, total)
-                new_reqs.append((er.rid, n, [list(x) for x in er.table], er.preempted))  # whole table
+                whole_table = [list(x) for x in er.table]
+                new_reqs.append((er.rid, n, whole_table, er.preempted))
             self.waiting.remove(er)
             er.status = "running"
             self.running.append(er)
             scheduled.append((er, n))
             budget -= n
 
-        # 3. the connector's metadata for this step (new and resumed first, as vLLM 0.34 yields them)
+        # 3. the connector's metadata for this step (new and resumed first, as vLLM 0.34 does)
         so_o, so_v = self.outputs(new_reqs, cached_reqs, preempted)
         for er, _ in scheduled:  # async scheduling: a token in flight is computed but not confirmed
             if er.req.num_computed_tokens > 0 and rng.random() < 0.15:
