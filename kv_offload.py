@@ -268,11 +268,10 @@ class BlockHashToBlockMap:
     Several blocks may carry one key: vLLM does not de-duplicate (a block table must stay
     append-only, so a block that becomes full keeps its id even if an identical one is cached).
     get_one_block() returns the earliest inserted block still cached under the key.
-    NOTE: entries hold block *ids*, not blocks, as in vLLM 0.34: the cyclic GC does not track a
-    dict of only bytes and ints, so a big cache adds nothing to each collection. `_cache` holds
-    one id per key; `_dup_ids` lists, in insertion order, all ids of the rare keys cached by
-    several blocks, kept apart so that `_cache` holds no containers. (vLLM also untracks
-    `_cache` explicitly for Python 3.14+, which stopped doing it by itself; not done here.)
+    NOTE: entries hold block *ids*, as in vLLM 0.34: the cyclic GC does not track a dict of only
+    bytes and ints, so a big cache costs no collection anything (vLLM also untracks it by hand
+    for Python 3.14+). `_cache` holds one id per key; `_dup_ids` all ids, in insertion order, of
+    the rare keys cached by several blocks, kept apart so that `_cache` holds no containers.
     """
 
     def __init__(self, blocks: list[KVCacheBlock]) -> None:
@@ -574,13 +573,12 @@ class TransferMeta:
 
 @dataclass
 class SchedulerOutput:
-    """The parts of vLLM's SchedulerOutput the connector reads, for one step. vLLM 0.34 sends
-    new *and resumed* requests whole (scheduled_new_reqs), then running ones
-    (scheduled_cached_reqs, which lost resumed_req_ids and all_token_ids in 0.34); here one dict
-    in that order carries both, and resumed_req_ids marks the whole tables that replace one."""
-    # req_id -> tokens the forward pass of this step computes. Insertion order = the order
-    # vLLM 0.34 yields requests in: new and resumed ones first, then running ones. When CPU
-    # space runs short, it decides whose blocks are stored.
+    """The parts of vLLM's SchedulerOutput the connector reads, for one step. vLLM 0.34 sends new
+    and resumed requests whole (scheduled_new_reqs), then running ones (scheduled_cached_reqs,
+    which lost resumed_req_ids and all_token_ids in 0.34); here one dict holds both, in order."""
+    # req_id -> tokens the forward pass of this step computes. Insertion order = vLLM 0.34's:
+    # new and resumed requests first, then running ones (when CPU space runs short, it decides
+    # whose blocks are stored)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # req_id -> GPU block ids allocated to it this step, per KV-cache group (new or resumed
     # request: its whole table)
