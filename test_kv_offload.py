@@ -880,7 +880,7 @@ def test_touched_blocks_survive_eviction():
 @pytest.mark.parametrize("variant", ["fixed", "no_refresh"])
 def test_gpu_prefix_hit_refreshes_cpu_lru(variant, monkeypatch):
     """A prefix served from the GPU moves its CPU copies to the MRU end (vLLM 0.34), so a colder
-    prefix is evicted first. `no_refresh` is the manager with the refresh removed (vLLM 0.33).
+    prefix is evicted first. `no_refresh` is the manager with the refresh removed (as before vLLM 0.34).
 
     _fill_four: CPU 1, 2 = a's blocks, 3, 4 = b's; free queue (front = evicted first) [1, 2, 3, 4].
     a's twin a2 (33 tokens) hits 32 on the GPU: get_num_new_matched_tokens(a2, 32) finds no hash
@@ -2786,7 +2786,7 @@ def test_rel_reused_request_id_is_stored():  # RB-2 (fixed)
 
 def test_rel_repeated_report_of_a_finished_store_is_kept_until_reset():  # RB-3: vLLM parity
     """world_size 2: a late repeat of an already completed store event is counted and kept, as
-    vLLM 0.33 keeps it (update_connector_output sums counts per event id, and event ids are never
+    vLLM 0.34 keeps it (update_connector_output sums counts per event id, and event ids are never
     reused, so it can never complete anything); reset() drops it. Nothing is cached twice."""
     gpu, conn = rel_manager(world_size=2)
     req, blocks = rel_start(gpu, conn, "a", list(range(8)) + [99])
@@ -4117,7 +4117,7 @@ def test_manager_traces_cover_the_paths():
 @pytest.mark.parametrize("registration_bug,flush_bug", [(False, False), (True, False), (False, True)])
 def test_prefix_variant_diverges_exactly_by_its_bugs(registration_bug, flush_bug):
     """With both flags off, PreFixCPUOffloadScheduler is the fixed manager and matches vLLM; with
-    either bug on, the lockstep comparison catches it (vLLM 0.33 has both fixes)."""
+    either bug on, the lockstep comparison catches it (vLLM 0.34 has both fixes)."""
     cfg = MANAGER_CONFIGS[2]
     diverged = []
     for seed in range(3):
