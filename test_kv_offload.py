@@ -880,7 +880,7 @@ def test_touched_blocks_survive_eviction():
 @pytest.mark.parametrize("variant", ["fixed", "no_refresh"])
 def test_gpu_prefix_hit_refreshes_cpu_lru(variant, monkeypatch):
     """A prefix served from the GPU moves its CPU copies to the MRU end (vLLM 0.34), so a colder
-    prefix is evicted first. `no_refresh` is the manager with the refresh removed (as before vLLM 0.34).
+    prefix is evicted first. `no_refresh`: the manager with the refresh removed (as before 0.34).
 
     _fill_four: CPU 1, 2 = a's blocks, 3, 4 = b's; free queue (front = evicted first) [1, 2, 3, 4].
     a's twin a2 (33 tokens) hits 32 on the GPU: get_num_new_matched_tokens(a2, 32) finds no hash
