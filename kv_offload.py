@@ -6,7 +6,7 @@ What it is: a runnable, tested reference of the scheduler-side offload manager, 
 block pool it sits on, the GPU<->CPU copy worker, and a toy engine that drives them the way vLLM's
 scheduler does, so the bug of vLLM issue #53498 and its fix (PR #53532) can be *run*.
 
-It follows vLLM 0.33:
+It follows vLLM 0.34:
   vllm/v1/core/kv_cache_utils.py          hashing, KVCacheBlock, FreeKVCacheBlockQueue
   vllm/v1/core/block_pool.py              BlockHashToBlockMap, BlockPool
   vllm/v1/core/single_type_kv_cache_manager.py, kv_cache_coordinator.py   find_longest_cache_hit
@@ -113,7 +113,8 @@ class Request:
         self.num_computed_tokens = 0
         # tokens scheduled but not yet produced (async scheduling); always 0 here
         self.num_output_placeholders = 0
-        self.skip_reading_prefix_cache = False
+        # vLLM: True when the request may not read KV from a connector (e.g. prompt logprobs)
+        self.skip_reading_external_kv = False
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()
 
@@ -154,10 +155,11 @@ class KVCacheBlock:
     # number of holders: running requests, in-flight copies, lookup pins. 0 = in the free queue
     ref_cnt: int = 0
     # primary prefix-cache key (hash + group id), set only by BlockPool through set_block_hash().
-    # The pre-fix offload code wrote this field directly: that is bug 1.
-    _block_hash: bytes | None = None
-    # prefix tokens covered by _block_hash (None when the registrar does not know, e.g. CPU copies)
-    _block_hash_num_tokens: int | None = None
+    # The pre-fix offload code wrote this field directly: that is bug 1. A plain field, as in
+    # vLLM 0.34 (a property here cost a call on every hot-path read).
+    block_hash: bytes | None = None
+    # prefix tokens covered by block_hash (None when the registrar does not know, e.g. CPU copies)
+    block_hash_num_tokens: int | None = None
     # links of the free queue; only FreeKVCacheBlockQueue touches them
     prev_free_block: KVCacheBlock | None = None
     next_free_block: KVCacheBlock | None = None
@@ -166,26 +168,20 @@ class KVCacheBlock:
     # the owning pool (None for the queue's sentinels): lets touch/free reject foreign blocks
     pool: BlockPool | None = field(default=None, repr=False)
 
-    @property
-    def block_hash(self) -> bytes | None:
-        return self._block_hash
-
-    @property
-    def block_hash_num_tokens(self) -> int | None:
-        return self._block_hash_num_tokens
-
     def set_block_hash(self, key: bytes, num_tokens: int | None = None) -> None:
-        assert self._block_hash is None and self._block_hash_num_tokens is None, (
+        assert self.block_hash is None and self.block_hash_num_tokens is None, (
             f"block {self.block_id} already has a hash: a block must be evicted (reset_hash) "
             "before it is registered under a new key")
-        self._block_hash, self._block_hash_num_tokens = key, num_tokens
+        self.block_hash = key
+        self.block_hash_num_tokens = num_tokens
 
     def reset_hash(self) -> None:
-        self._block_hash = self._block_hash_num_tokens = None
+        self.block_hash = None
+        self.block_hash_num_tokens = None
 
     def __repr__(self) -> str:  # ids only: the links would recurse through the whole queue
         return (f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, "
-                f"block_hash={self._block_hash.hex()[:8] if self._block_hash else None})")
+                f"block_hash={self.block_hash.hex()[:8] if self.block_hash else None})")
 
 
 class FreeKVCacheBlockQueue:
@@ -232,19 +228,29 @@ class FreeKVCacheBlockQueue:
         block.prev_free_block = block.next_free_block = None
         self.num_free_blocks -= 1
 
+    # A sentinel that lost its link means the queue is corrupted (a caller wrote the links):
+    # fail before linking anything, with vLLM's exception types and messages.
     def append(self, block: KVCacheBlock) -> None:
+        if self.fake_free_list_tail.prev_free_block is None:
+            raise RuntimeError("prev_free_block of fake_free_list_tail should always exist")
         self.append_n([block])
 
     def append_n(self, blocks: list[KVCacheBlock]) -> None:
-        self._link_after(self.fake_free_list_tail.prev_free_block, blocks)
+        if not blocks:
+            return
+        last_block = self.fake_free_list_tail.prev_free_block
+        assert last_block is not None, "prev_free_block of fake_free_list_tail should always exist"
+        self._link_after(last_block, blocks)
 
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        if not blocks:
+            return
+        first_block = self.fake_free_list_head.next_free_block
+        assert first_block is not None, "next_free_block of fake_free_list_head should always exist"
         self._link_after(self.fake_free_list_head, blocks)
 
     def _link_after(self, prev: KVCacheBlock, blocks: list[KVCacheBlock]) -> None:
-        # splice `blocks`, in order, between `prev` and its current successor
-        if not blocks:
-            return
+        # splice `blocks` (not empty), in order, between `prev` and its current successor
         nxt = prev.next_free_block
         for b in blocks:
             prev.next_free_block, b.prev_free_block = b, prev
@@ -266,49 +272,54 @@ class BlockHashToBlockMap:
 
     Several blocks may carry one key: vLLM does not de-duplicate (a block table must stay
     append-only, so a block that becomes full keeps its id even if an identical one is cached).
-    get_one_block() returns the first inserted.
-    NOTE: the value is a bare block in the common one-block case and a {block_id: block} dict
-    (insertion-ordered) otherwise, as in vLLM: no inner dict per key, less work for the GC.
+    get_one_block() returns the earliest inserted block still cached under the key.
+    NOTE: entries hold block *ids*, as in vLLM 0.34: the cyclic GC does not track a dict of only
+    bytes and ints, so a big cache costs no collection anything (vLLM also untracks it by hand
+    for Python 3.14+). `_cache` holds one id per key; `_dup_ids` all ids, in insertion order, of
+    the rare keys cached by several blocks, kept apart so that `_cache` holds no containers.
     """
 
-    def __init__(self) -> None:
-        self._cache: dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self._blocks = blocks  # the pool's blocks: block id -> block
+        self._cache: dict[bytes, int] = {}
+        self._dup_ids: dict[bytes, dict[int, None]] = {}  # an insertion-ordered set per key
 
     def get_one_block(self, key: bytes) -> KVCacheBlock | None:
-        blocks = self._cache.get(key)
-        return blocks if blocks is None or type(blocks) is KVCacheBlock else next(iter(blocks.values()))
+        block_id = self._cache.get(key)
+        return None if block_id is None else self._blocks[block_id]
 
     def contain(self, key: bytes, block_id: int) -> bool:
-        blocks = self._cache.get(key)
-        if blocks is None:
-            return False
-        return blocks.block_id == block_id if type(blocks) is KVCacheBlock else block_id in blocks
+        dup_ids = self._dup_ids.get(key)
+        if dup_ids is not None:
+            return block_id in dup_ids
+        return self._cache.get(key) == block_id
 
     def insert(self, key: bytes, block: KVCacheBlock) -> None:
-        blocks = self._cache.get(key)
-        if blocks is None:
-            self._cache[key] = block
-        elif type(blocks) is KVCacheBlock:
-            self._cache[key] = {blocks.block_id: blocks, block.block_id: block}
-        else:
-            blocks[block.block_id] = block
+        block_id = self._cache.setdefault(key, block.block_id)
+        if block_id != block.block_id:  # the key already names another block
+            dup_ids = self._dup_ids.setdefault(key, {block_id: None})
+            dup_ids[block.block_id] = None
 
     def pop(self, key: bytes, block_id: int) -> KVCacheBlock | None:
-        blocks = self._cache.get(key)
-        if blocks is None:
-            return None
-        if type(blocks) is KVCacheBlock:
-            if blocks.block_id != block_id:
+        dup_ids = self._dup_ids.get(key)
+        if dup_ids is None:
+            if self._cache.get(key) != block_id:
                 return None
             del self._cache[key]
-            return blocks
-        block = blocks.pop(block_id, None)
-        if not blocks:
-            del self._cache[key]
-        return block
+        else:
+            if dup_ids.pop(block_id, False) is False:  # the values are None: False = absent
+                return None
+            self._cache[key] = next(iter(dup_ids))  # the earliest inserted of the others
+            if len(dup_ids) == 1:
+                del self._dup_ids[key]
+        return self._blocks[block_id]
 
     def __len__(self) -> int:
         return len(self._cache)
+
+    def clear(self) -> None:
+        self._cache.clear()
+        self._dup_ids.clear()
 
 
 class BlockPool:
@@ -331,7 +342,7 @@ class BlockPool:
         self.hash_block_size = hash_block_size
         self.blocks = [KVCacheBlock(i, pool=self) for i in range(num_gpu_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
-        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.cached_block_hash_to_block = BlockHashToBlockMap(self.blocks)
         # secondary keys: fine-grained prefix boundaries inside a block that already has a primary
         self.cached_block_hashes_by_block: dict[int, set[bytes]] = {}
         # block 0 is a placeholder (e.g. skipped sliding-window slots); never handed out
@@ -362,13 +373,14 @@ class BlockPool:
         if num_cached_blocks >= num_full_blocks:
             return
         scale = block_size // self.hash_block_size
+        # the group id's 4 bytes, appended per block: cheaper than packing them each time
+        group_suffix = make_block_hash_with_group_id(b"", kv_cache_group_id)
         for i in range(num_cached_blocks, num_full_blocks):
             blk = blocks[i]
             if blk.is_null:
                 continue
             num_tokens = (i + 1) * block_size
-            key = make_block_hash_with_group_id(request.block_hashes[(i + 1) * scale - 1],
-                                                kv_cache_group_id)
+            key = request.block_hashes[(i + 1) * scale - 1] + group_suffix
             if blk.block_hash is not None:
                 # only valid case: a partial-tail entry (cache_partial_block) being promoted
                 assert blk.block_hash_num_tokens is not None and blk.block_hash_num_tokens < num_tokens, (
@@ -394,9 +406,9 @@ class BlockPool:
 
     def _remove_cached_block_hashes(self, block: KVCacheBlock) -> list[bytes]:
         """Take the primary and every secondary key of `block` out of the map; reset its hash."""
-        if block._block_hash is None and block.block_id not in self.cached_block_hashes_by_block:
-            return []  # the common case on allocation: nothing cached
-        keys = [block._block_hash] if block._block_hash is not None else []
+        if block.block_hash is None:
+            return []  # a block has secondary keys only alongside a primary one
+        keys = [block.block_hash]
         keys.extend(self.cached_block_hashes_by_block.pop(block.block_id, ()))
         removed = [k for k in keys
                    if self.cached_block_hash_to_block.pop(k, block.block_id) is not None]
@@ -404,16 +416,16 @@ class BlockPool:
         return removed
 
     def _insert_block_hash(self, key: bytes, block: KVCacheBlock, num_tokens: int | None) -> None:
-        # Guard 1: the block already carries this key as its primary -> assumed registered.
-        # This is the guard bug 1 walked into: a block *stamped* with the key but never inserted
-        # returns here and the map never learns about it.
-        if block._block_hash == key:
-            return
-        # Guard 2: already registered (as a secondary key) for this very block.
-        if self.cached_block_hash_to_block.contain(key, block.block_id):
-            return
-        if block._block_hash is None:
+        if block.block_hash is None:
+            # the common case, checked first (vLLM 0.34): no hash, so no entry in the map yet
             block.set_block_hash(key, num_tokens)
+        elif (block.block_hash == key
+              or self.cached_block_hash_to_block.contain(key, block.block_id)):
+            # Guard 1: the block carries this key as its primary -> assumed registered. This is
+            # the guard bug 1 walked into: a block *stamped* with the key but never inserted
+            # returns here and the map never learns about it.
+            # Guard 2: already registered (as a secondary key) for this very block.
+            return
         else:
             self.cached_block_hashes_by_block.setdefault(block.block_id, set()).add(key)
         self.cached_block_hash_to_block.insert(key, block)
@@ -427,8 +439,10 @@ class BlockPool:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool "
                              f"({self.get_num_free_blocks()} free)")
         ret = self.free_block_queue.popleft_n(num_blocks)
+        caching = self.enable_caching
         for block in ret:
-            if self.enable_caching:
+            # most blocks were never cached: skip the eviction call when there is nothing to evict
+            if caching and block.block_hash is not None:
                 self._remove_cached_block_hashes(block)
             assert block.ref_cnt == 0, f"block {block.block_id} in the free queue with refs"
             block.ref_cnt = 1
@@ -451,9 +465,12 @@ class BlockPool:
         for block in leaving:  # only once all are valid: a failed touch changes nothing
             self.free_block_queue.remove(block)
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock],
+                    evict_first: bool = False) -> None:
         """Drop one reference each; blocks reaching 0 return to the free queue in the given order
-        (first = evicted first): unhashed ones to the front, hashed ones to the back."""
+        (first = evicted first): unhashed ones to the front, hashed ones to the back.
+        evict_first=True sends hashed ones to the front too, for blocks whose contents another
+        tier already holds (vLLM 0.34 uses it for lazy-mode stores; eager mode never does)."""
         blocks, first, last, caching = list(ordered_blocks), [], [], self.enable_caching
         for i, block in enumerate(blocks):
             if type(block) is not KVCacheBlock or block.pool is not self:
@@ -465,8 +482,12 @@ class BlockPool:
                 self._undo(blocks[:i], -1)
                 raise ValueError(f"free_blocks: block {block.block_id} is free already (a double free)")
             block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                (last if block._block_hash is not None and caching else first).append(block)
+            if block.ref_cnt != 0:
+                continue
+            if block.block_hash is None or not caching or evict_first:
+                first.append(block)
+            else:
+                last.append(block)
         self.free_block_queue.prepend_n(first)  # never a hit: reuse first (LIFO, GPU locality)
         self.free_block_queue.append_n(last)    # cached: keep as long as possible (LRU)
 
@@ -481,7 +502,8 @@ class BlockPool:
         but the null block is in use: a running request could still hit its own blocks."""
         if self.num_gpu_blocks - self.get_num_free_blocks() != 1:
             return False
-        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        # in place, as vLLM 0.34 (a new map made after a gc.freeze() would not be frozen)
+        self.cached_block_hash_to_block.clear()
         self.cached_block_hashes_by_block.clear()
         for block in self.blocks:
             block.reset_hash()
@@ -556,21 +578,28 @@ class TransferMeta:
 
 @dataclass
 class SchedulerOutput:
-    """The parts of vLLM's SchedulerOutput the connector reads, for one step."""
-    # req_id -> tokens the forward pass of this step computes (insertion order = vLLM's order:
-    # newly scheduled requests first, then running and resumed ones)
+    """The parts of vLLM's SchedulerOutput the connector reads, for one step. vLLM 0.34 sends new
+    and resumed requests whole (scheduled_new_reqs), then running ones (scheduled_cached_reqs,
+    which lost resumed_req_ids and all_token_ids in 0.34); here one dict holds both, in order."""
+    # req_id -> tokens the forward pass of this step computes. Insertion order = vLLM 0.34's:
+    # new and resumed requests first, then running ones (when CPU space runs short, it decides
+    # whose blocks are stored)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # req_id -> GPU block ids allocated to it this step, per KV-cache group (new or resumed
     # request: its whole table)
     new_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
-    # requests that come back after a preemption (their table is new)
+    # requests whose new_block_ids is a whole table replacing the one the connector holds: back
+    # after a preemption, or re-sent (vLLM 0.34 treats every NewRequestData this way)
     resumed_req_ids: set[str] = field(default_factory=set)
     # requests preempted this step: their blocks are freed and may be reused at once
     preempted_req_ids: set[str] = field(default_factory=set)
 
 
 def yield_req_data(scheduler_output: SchedulerOutput) -> Iterator[tuple[str, tuple[list[int], ...] | None, bool]]:
-    """(req_id, new block ids or None, resumed) for every request of the step."""
+    """(req_id, new block ids or None, resumed) for every request of the step: in the order of
+    num_scheduled_tokens (new and resumed requests first, then running ones, as vLLM 0.34
+    yields them), then any request given blocks but no tokens. `resumed` is vLLM's
+    is_full_table: the ids are the request's whole table, not this step's additions."""
     for req_id in scheduler_output.num_scheduled_tokens:
         yield (req_id, scheduler_output.new_block_ids.get(req_id),
                req_id in scheduler_output.resumed_req_ids)
@@ -684,6 +713,9 @@ class SimpleCPUOffloadScheduler:
         # req -> (hit blocks per group, hit tokens, num_computed_tokens of the lookup), pinned
         # between get_num_new_matched_tokens() and update_state_after_alloc()
         self._pending_cpu_hits: dict[str, tuple[tuple[list[KVCacheBlock], ...], int, int]] = {}
+        # req -> its local (GPU) hit in tokens, from get_num_new_matched_tokens(); the CPU copies
+        # of that prefix are moved to the MRU end in update_state_after_alloc() (vLLM 0.34)
+        self._pending_local_hits: dict[str, int] = {}
         self._abandoned_reqs_to_load: dict[str, LoadRequestState] = {}
         # stores
         self._reqs_to_store: dict[str, StoreRequestState] = {}
@@ -727,8 +759,15 @@ class SimpleCPUOffloadScheduler:
         # a retry (e.g. after a failed allocation) drops the earlier pin first
         if (stale := self._pending_cpu_hits.pop(request.request_id, None)) is not None:
             self._free_pending_cpu_hit(stale)
+        self._pending_local_hits.pop(request.request_id, None)
+        if request.skip_reading_external_kv:
+            return 0, False
+        if num_computed_tokens:
+            # remembered even when nothing hits on CPU below; a request waiting for GPU blocks
+            # repeats this lookup every step, so the latest local hit is the one refreshed
+            self._pending_local_hits[request.request_id] = num_computed_tokens
         # loads copy whole blocks: the external part must start on a block boundary
-        if request.skip_reading_prefix_cache or num_computed_tokens % self.block_size:
+        if num_computed_tokens % self.block_size:
             return 0, False
         remaining = request.block_hashes[num_computed_tokens // self.hash_block_size:]
         max_hit_len = request.num_tokens - 1 - num_computed_tokens  # the last token is always recomputed
@@ -787,6 +826,8 @@ class SimpleCPUOffloadScheduler:
         if rid not in self._reqs_to_store:  # also with 0 external tokens: it will be stored
             self._reqs_to_store[rid] = StoreRequestState(
                 request, tuple([] for _ in range(n_groups)), [0] * n_groups)
+        if num_local_tokens := self._pending_local_hits.pop(rid, None):
+            self._refresh_cpu_lru(request, num_local_tokens)
         if self._pending_cpu_hits.pop(rid, None) is None:
             return
         # pin the CPU sources for the copy, then drop the lookup pin (never a 0 in between);
@@ -796,6 +837,20 @@ class SimpleCPUOffloadScheduler:
         if num_external_tokens:
             self._reqs_to_load[rid] = LoadRequestState(
                 request, TransferMeta([b.block_id for b in gpu_blocks], [b.block_id for b in cpu_blocks]))
+
+    def _refresh_cpu_lru(self, request: Request, num_local_tokens: int) -> None:
+        """Move the CPU copies of the request's local (GPU) hit to the MRU end (vLLM 0.34).
+
+        The CPU cache is inclusive: a prefix served from the GPU has CPU copies too, but eager
+        stores skip blocks already on CPU, so nothing else would ever touch those copies again.
+        The most reused prefixes (those hitting on the GPU) would age to the LRU front of the CPU
+        pool and be evicted first, right before the GPU may evict them as well."""
+        prefix_hit, _ = self._find_longest_cache_hit(request.block_hashes, num_local_tokens)
+        prefix_blocks = [b for grp in prefix_hit for b in grp if not b.is_null]
+        # touch + free: ref-0 blocks leave the queue and rejoin it at the back (pinned ones stay
+        # out); reversed, so the prefix's tail is evicted before its head, as a request frees
+        self.cpu_block_pool.touch(prefix_blocks)
+        self.cpu_block_pool.free_blocks(reversed(prefix_blocks))
 
     # --- one step: build the worker's metadata -----------------------------------
 
@@ -845,11 +900,11 @@ class SimpleCPUOffloadScheduler:
             if (state := self._reqs_to_store.get(rid)) is not None:
                 state.block_ids, state.num_stored_blocks = tuple([] for _ in range(n_groups)), [0] * n_groups
         all_gpu, all_cpu, req_ids = [], [], []
-        for rid, new_ids, resumed in yield_req_data(so):
+        for rid, new_ids, is_full_table in yield_req_data(so):
             state = self._reqs_to_store.get(rid)
             if state is None or state.finished:
                 continue
-            if resumed:
+            if is_full_table:  # a resumed (or re-sent) request: its new table replaces the old
                 state.block_ids = tuple([] for _ in range(n_groups))
             for g, ids in enumerate((new_ids or ())[:n_groups]):
                 if ids is not None:
@@ -862,7 +917,8 @@ class SimpleCPUOffloadScheduler:
                 all_cpu.extend(self._allocate_cpu_blocks(gpu_ids))
                 req_ids.append(rid)
                 self._in_flight_store_gpu_blocks.update(gpu_ids)
-                gpu_pool.touch(gpu_pool.blocks[b] for b in gpu_ids)  # pinned until the copy completes
+                # pinned until the copy completes
+                gpu_pool.touch([gpu_pool.blocks[b] for b in gpu_ids])
             for g in range(n_groups):
                 state.num_stored_blocks[g] += advanced[g]
         return all_gpu, all_cpu, list(dict.fromkeys(req_ids))
@@ -975,8 +1031,9 @@ class SimpleCPUOffloadScheduler:
         a completed store registers its CPU blocks before calling this. `abandoned` marks a
         store whose copy must not be cached (a hook for the pre-fix variant's stamps)."""
         gpu_pool = self._require_gpu_pool()
-        self.cpu_block_pool.free_blocks(self.cpu_block_pool.blocks[b] for b in transfer.cpu_block_ids)
-        gpu_pool.free_blocks(gpu_pool.blocks[b] for b in transfer.gpu_block_ids)
+        cpu_blocks = self.cpu_block_pool.blocks
+        self.cpu_block_pool.free_blocks([cpu_blocks[b] for b in transfer.cpu_block_ids])
+        gpu_pool.free_blocks([gpu_pool.blocks[b] for b in transfer.gpu_block_ids])
 
     def has_pending_stores(self) -> bool:
         """True while a store is queued (finish flush) or in flight, also after a reset()."""
@@ -995,6 +1052,7 @@ class SimpleCPUOffloadScheduler:
         rid = request.request_id
         if (pending := self._pending_cpu_hits.pop(rid, None)) is not None:
             self._free_pending_cpu_hit(pending)  # aborted between lookup and allocation
+        self._pending_local_hits.pop(rid, None)
         if (load := self._reqs_to_load.get(rid)) is not None:
             if load.load_event is not None:
                 load.finished = True  # the copy may be running: release at completion
@@ -1061,6 +1119,7 @@ class SimpleCPUOffloadScheduler:
         for pending in self._pending_cpu_hits.values():
             self._free_pending_cpu_hit(pending)
         self._pending_cpu_hits.clear()
+        self._pending_local_hits.clear()
         self._abandoned_store_event_to_blocks.update(self._store_event_to_blocks)
         for transfer in self._pending_finished_stores:
             self._release_transfer_refs(transfer, abandoned=True)
@@ -1127,10 +1186,11 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         cpu_ids = super()._allocate_cpu_blocks(gpu_block_ids)
         if self.registration_bug or self.skip_reset_hash:
             # vLLM 0.29, _prepare_eager_store_specs: `cpu_blk._block_hash = bhash` right after
-            # get_new_blocks(), around the pool (the key is on the block, not in the map yet)
+            # get_new_blocks(), around the pool (0.34 made the field plain: block_hash). The
+            # key is on the block, not in the map yet.
             gpu_blocks = self._gpu_block_pool.blocks
             for gpu_id, cpu_id in zip(gpu_block_ids, cpu_ids):
-                self.cpu_block_pool.blocks[cpu_id]._block_hash = gpu_blocks[gpu_id].block_hash
+                self.cpu_block_pool.blocks[cpu_id].block_hash = gpu_blocks[gpu_id].block_hash
         return cpu_ids
 
     def _register_stored_block(self, cpu_block: KVCacheBlock, gpu_block: KVCacheBlock) -> None:
@@ -1605,6 +1665,7 @@ class MiniEngine:
         # requests whose load landed hold GPU blocks: admit them before anything new, or a
         # preempted request queued ahead of them could wait forever for those very blocks
         self.waiting.sort(key=lambda r: r.request_id not in self.req_blocks or r.request_id in self.loading)
+        admitted: dict[str, int] = {}  # new and resumed requests scheduled this step -> tokens
         while self.waiting and budget > 0 and not so.preempted_req_ids:
             req = self.waiting[0]
             rid = req.request_id
@@ -1642,12 +1703,15 @@ class MiniEngine:
             self.waiting.pop(0)
             self.running.append(req)
             self._cache_blocks(req, req.num_computed_tokens + n)
-            so.num_scheduled_tokens[rid] = n
+            admitted[rid] = n
             so.new_block_ids[rid] = ([b.block_id for b in self.req_blocks[rid]],)  # whole table
             if rid in self._resumed:
                 so.resumed_req_ids.add(rid)
                 self._resumed.discard(rid)
             budget -= n
+        # scheduled running-first (they keep their budget), but listed as vLLM 0.34 sends them:
+        # new and resumed requests (whole tables) before running ones
+        so.num_scheduled_tokens = admitted | so.num_scheduled_tokens
         return so
 
     # --- one step -------------------------------------------------------------------
@@ -1736,7 +1800,7 @@ class MiniEngine:
 
 def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: int = 8192, block_size: int = 16,
               max_num_batched_tokens: int = 1024, device: str = "cpu", seed: int = 0,
-              num_cpu_blocks: int | None = None, **scheduler_kwargs: Any) -> dict:
+              num_cpu_blocks: int | None = None, max_tokens: int = 1, **scheduler_kwargs: Any) -> dict:
     """Request A (a long prompt, prefilled in chunks), then the GPU prefix cache is dropped, then
     request B with the same prompt. Returns what happened to B, and whether its KV is exact.
     The CPU pool is as large as the GPU pool unless `num_cpu_blocks` says otherwise."""
@@ -1748,11 +1812,11 @@ def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: in
     connector = scheduler_cls(num_cpu_blocks, block_size, **scheduler_kwargs)
     engine = MiniEngine(num_blocks, block_size, max_num_batched_tokens, model, connector,
                         SimpleCPUOffloadWorker(num_cpu_blocks), capture_kv=True)
-    engine.add_request(Request("A", prompt, block_size))
+    engine.add_request(Request("A", prompt, block_size, max_tokens=max_tokens))
     a = engine.run()["A"]
     stored = len(connector.cpu_block_pool.cached_block_hash_to_block)
     assert engine.reset_gpu_prefix_cache(), "GPU blocks still in use after run()"
-    engine.add_request(Request("B", prompt, block_size))
+    engine.add_request(Request("B", prompt, block_size, max_tokens=max_tokens))
     b = engine.run()["B"]
     return dict(max_hit_blocks=(prompt_tokens - 1) // block_size, cpu_blocks_registered=stored,
                 cpu_hit_tokens=b.cpu_hit_tokens, recomputed_tokens=b.computed_tokens, ttft_a_s=a.ttft_s,
@@ -1894,7 +1958,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     m = bench_manager()
     print(f"manager: {m['store_us_per_block']:.2f} µs per stored block, {m['load_us_per_block']:.2f} µs per CPU-hit "
-          "block (65,536-token prompt, 4096-token chunks, block 16; vLLM 0.33 on the 2-core dev box: 2.0 / 1.1)")
+          "block (65,536-token prompt, 4096-token chunks, block 16;\n"
+          "  vLLM 0.34 on the 2-core dev box, same trace, medians: 1.16 / 1.10)")
     print(f"\n{'device':7}{'layout':24}{'ids':12}{'dir':7}{'KiB/blk':>8}{'worker GB/s':>13}{'plain GB/s':>12}{'ratio':>7}")
     for d in devices:
         for r in bench_copies(d) + bench_copies(d, block_kib=256, num_blocks=256, n_copy=128):

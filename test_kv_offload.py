@@ -2,7 +2,7 @@
 
 Oracles, never the code under test: hand-derived numbers (in each docstring), ToyModel.expected_kv
 for KV bytes, the pre-fix variant (every test about either bug must fail there: see
-assert_variant), vLLM's copy-test oracle for the worker, and vLLM 0.33 itself when importable
+assert_variant), vLLM's copy-test oracle for the worker, and vLLM 0.34 itself when importable
 (the differential tests at the end skip cleanly without it).
 
 Sections: hashing and requests; block pool; find_longest_cache_hit; copy worker; toy model and
@@ -11,6 +11,7 @@ engine; manager scenarios (vLLM's test_scheduler.py, PR #53532's seven tests); r
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -18,6 +19,7 @@ import pathlib
 import random
 import re
 import struct
+import sys
 from collections import Counter
 from dataclasses import dataclass, field, fields, is_dataclass
 from types import SimpleNamespace
@@ -95,6 +97,22 @@ def test_free_order_unhashed_front_hashed_back():
     assert free_ids(pool) == [3, 4, 5, 6, 7, 1, 2]
 
 
+def test_free_blocks_evict_first():
+    """free_blocks(evict_first=True) (vLLM 0.34) prepends hashed blocks too, for contents another
+    tier already holds. Blocks 1..4 allocated (queue [5]), 1 and 2 hashed. Freeing [3, 1] plainly:
+    3 (unhashed) to the front, 1 (hashed) to the back -> [3, 5, 1]. Freeing [2, 4] with
+    evict_first: both prepended, in the given order -> [2, 4, 3, 5, 1]."""
+    pool = ko.BlockPool(6, True, 2)
+    req = ko.Request("r", list(range(8)), 2)
+    blocks = pool.get_new_blocks(4)
+    pool.cache_full_blocks(req, blocks, 0, 2, 2, 0)
+    pool.free_blocks([blocks[2], blocks[0]])
+    assert free_ids(pool) == [3, 5, 1]
+    pool.free_blocks([blocks[1], blocks[3]], evict_first=True)
+    assert free_ids(pool) == [2, 4, 3, 5, 1]
+    assert blocks[1].block_hash is not None  # still a cache hit until it is reused
+
+
 def test_lru_eviction_order_and_touch_removes_from_queue():
     """Cached free blocks are evicted front first; a touched block leaves the queue and
     survives; a freed block goes to the back (most recently used)."""
@@ -129,12 +147,55 @@ def test_several_blocks_per_key_and_pop():
     assert m.pop(key, 7) is None and m.pop(key, 2) is b2 and len(m) == 0
 
 
+def test_block_hash_map_holds_ids_as_vllm_0_34():
+    """vLLM 0.34's layout: `_cache` maps each key to one block *id* (the earliest inserted still
+    cached), `_dup_ids` lists every id of a key cached by several blocks; only bytes and ints,
+    so the cyclic GC does not track `_cache`. clear() empties both; reset_prefix_cache() clears
+    the same map object in place."""
+    pool = ko.BlockPool(5, True, 2)
+    req = ko.Request("r", [5, 6, 7, 8], 2)
+    b1, b2, b3 = pool.get_new_blocks(3)
+    pool.cache_full_blocks(req, [b1, b3], 0, 2, 2, 0)  # b1: key0, b3: key1
+    pool.cache_full_blocks(req, [b2], 0, 1, 2, 0)      # b2: key0 again
+    key0, key1 = b1.block_hash, b3.block_hash
+    m = pool.cached_block_hash_to_block
+    assert m._cache == {key0: 1, key1: 3} and m._dup_ids == {key0: {1: None, 2: None}}
+    assert m.get_one_block(key0) is b1
+    if sys.version_info < (3, 14):  # 3.14 stopped untracking such dicts (vLLM then does it by hand)
+        assert not gc.is_tracked(m._cache)
+    m.pop(key0, 1)
+    assert m._cache == {key0: 2, key1: 3} and m._dup_ids == {} and m.get_one_block(key0) is b2
+    pool.free_blocks([b1, b2, b3])
+    assert pool.reset_prefix_cache() and pool.cached_block_hash_to_block is m
+    assert m._cache == {} and m._dup_ids == {} and len(m) == 0
+
+
+def test_kv_cache_block_fields_follow_vllm_0_34():
+    """block_hash and block_hash_num_tokens are plain slot fields (0.34 dropped the
+    `_block_hash` field and its read-only properties); a block has no __dict__, so a
+    misspelled field raises. Request.skip_reading_prefix_cache became skip_reading_external_kv."""
+    names = [f.name for f in fields(ko.KVCacheBlock)]
+    assert "block_hash" in names and "block_hash_num_tokens" in names and "_block_hash" not in names
+    blk = ko.KVCacheBlock(3)
+    blk.block_hash = b"k"  # writable: what the pre-fix code's stamp does
+    assert blk.block_hash == b"k" and blk.block_hash_num_tokens is None
+    with pytest.raises(AttributeError):
+        blk._block_hash = b"k"
+    with pytest.raises(AssertionError, match="already has a hash"):
+        blk.set_block_hash(b"x", 4)
+    blk.reset_hash()
+    blk.set_block_hash(b"x", 4)
+    assert (blk.block_hash, blk.block_hash_num_tokens) == (b"x", 4)
+    req = ko.Request("r", [1, 2, 3], 2)
+    assert req.skip_reading_external_kv is False and not hasattr(req, "skip_reading_prefix_cache")
+
+
 def test_insert_guard_traps_a_stamped_block():
     """Bug 1 in five lines: a block stamped with its key returns at guard 1; the map stays empty."""
     pool = ko.BlockPool(3, True, 4)
     blk = pool.get_new_blocks(1)[0]
     key = ko.make_block_hash_with_group_id(b"k" * 32, 0)
-    blk._block_hash = key                              # what the pre-fix manager did
+    blk.block_hash = key                               # what the pre-fix manager did
     pool._insert_block_hash(key, blk, None)
     assert pool.cached_block_hash_to_block.get_one_block(key) is None
     blk.reset_hash()                                   # the fix: reset first
@@ -205,6 +266,25 @@ def test_free_queue_primitives():
     empty = ko.FreeKVCacheBlockQueue([])
     with pytest.raises(ValueError, match="No free blocks"):
         empty.popleft()
+
+
+def test_free_queue_asserts_on_a_corrupted_sentinel():
+    """As vLLM (its test_free_kv_cache_block_queue_append_n): a sentinel that lost its link is an
+    AssertionError in append_n / prepend_n (RuntimeError in append), raised before anything is
+    linked, so the count and the other sentinel are unchanged."""
+    blocks = [ko.KVCacheBlock(i) for i in range(2)]
+    q = ko.FreeKVCacheBlockQueue([])
+    q.fake_free_list_tail.prev_free_block = None
+    with pytest.raises(AssertionError):
+        q.append_n(blocks[:1])
+    with pytest.raises(RuntimeError):
+        q.append(blocks[0])
+    assert q.num_free_blocks == 0 and q.fake_free_list_head.next_free_block is q.fake_free_list_tail
+    q = ko.FreeKVCacheBlockQueue([])
+    q.fake_free_list_head.next_free_block = None
+    with pytest.raises(AssertionError):
+        q.prepend_n(blocks[1:])
+    assert q.num_free_blocks == 0 and blocks[1].prev_free_block is None
 
 
 # ----------------------------------------------------------------------------- find_longest_cache_hit
@@ -435,6 +515,58 @@ def test_gpu_preemption_recomputes_and_stays_exact():
     for i, p in enumerate(prompts):
         assert torch.equal(st[f"r{i}"].kv, model.expected_kv(p))
     _assert_all_free(eng, conn)
+
+
+def test_engine_lists_new_and_resumed_requests_before_running_ones():
+    """vLLM 0.34 sends new and resumed requests (whole tables) first, then running ones, and
+    MiniEngine lists num_scheduled_tokens that way. Block 16, budget 32. Step 1: A (40 tokens)
+    computes 32 in GPU blocks 1, 2. Step 2: running A is scheduled first (8 tokens, block 3),
+    then B (24 tokens, whole table 4, 5) is admitted with the 24 left, but listed first."""
+    eng, conn, _ = _story_engine(num_gpu_blocks=16, budget=32)
+    seen = []
+    build = conn.build_connector_meta
+
+    def recording_build(so):
+        seen.append(so)
+        return build(so)
+
+    conn.build_connector_meta = recording_build
+    eng.add_request(ko.Request("A", _prompt(40), 16))
+    eng.step()
+    eng.add_request(ko.Request("B", _prompt(24, seed=1), 16))
+    eng.step()
+    so = seen[-1]
+    assert list(so.num_scheduled_tokens.items()) == [("B", 24), ("A", 8)]
+    assert so.new_block_ids == {"A": ([3],), "B": ([4, 5],)} and so.resumed_req_ids == set()
+    yielded = [(rid, ids) for rid, ids, _ in ko.yield_req_data(so)]
+    assert yielded == [("B", ([4, 5],)), ("A", ([3],))]
+
+
+def test_engine_lists_resumed_requests_first_under_preemption():
+    """In the preemption run above, each step lists every request that was running when the step
+    began after all the others (new and resumed ones), and resumed ones carry whole tables."""
+    eng, conn, _ = _story_engine(num_gpu_blocks=60, budget=256)
+    checked = Counter()
+    schedule = eng._schedule
+
+    def recording_schedule():
+        running_at_start = [r.request_id for r in eng.running]
+        so = schedule()
+        order = list(so.num_scheduled_tokens)
+        running = [rid for rid in order if rid in running_at_start]
+        assert order[len(order) - len(running):] == running, (order, running_at_start)
+        for rid in so.resumed_req_ids:
+            assert rid not in running
+            assert list(so.new_block_ids[rid][0]) == bids(eng.req_blocks[rid])
+        checked["resumed"] += len(so.resumed_req_ids)
+        checked["mixed"] += 0 < len(running) < len(order)
+        return so
+
+    eng._schedule = recording_schedule
+    for i in range(3):
+        eng.add_request(ko.Request(f"r{i}", _prompt(600, seed=i), 16, max_tokens=3))
+    eng.run()
+    assert checked["resumed"] > 0 and checked["mixed"] > 0, checked
 
 
 def test_two_workers_world_size_2():
@@ -750,6 +882,72 @@ def test_touched_blocks_survive_eviction():
     meta, _ = h.prefill((c, 33))
     assert meta.store_cpu_blocks == [3, 4]
     assert (h.in_cpu(a), h.in_cpu(b), h.in_cpu(c)) == ([True] * 2, [False] * 2, [True] * 2)
+
+
+@pytest.mark.parametrize("variant", ["fixed", "no_refresh"])
+def test_gpu_prefix_hit_refreshes_cpu_lru(variant, monkeypatch):
+    """A prefix served from the GPU moves its CPU copies to the MRU end (vLLM 0.34), so a colder
+    prefix is evicted first. `no_refresh`: the manager with the refresh removed (as before 0.34).
+
+    _fill_four: CPU 1, 2 = a's blocks, 3, 4 = b's; free queue (front = evicted first) [1, 2, 3, 4].
+    a's twin a2 (33 tokens) hits 32 on the GPU: get_num_new_matched_tokens(a2, 32) finds no hash
+    past 32 -> (0, False), but remembers the 32 local tokens. update_state_after_alloc(a2) looks
+    them up on CPU -> blocks [1, 2]; touch takes them out -> [3, 4]; free_blocks(reversed)
+    appends 2, then 1 -> [3, 4, 2, 1]. c's store takes the front, 3 and 4: b is evicted, a stays,
+    and c's completed blocks rejoin at the back -> [2, 1, 3, 4].
+    Without the refresh the queue stays [1, 2, 3, 4]: c evicts a's 1, 2 -> [3, 4, 1, 2]."""
+    h = Harness(num_cpu_blocks=5)
+    if variant == "no_refresh":
+        monkeypatch.setattr(h.sched, "_refresh_cpu_lru", lambda request, num_local_tokens: None)
+    a, b = _fill_four(h)
+    a2 = h.twin(a)
+    assert h.sched.get_num_new_matched_tokens(a2, 32) == (0, False)
+    assert h.sched._pending_local_hits == {a2.request_id: 32}
+    h.sched.update_state_after_alloc(a2, ([],), 0)  # its GPU hit blocks are the engine's concern
+    assert h.sched._pending_local_hits == {}
+    assert_variant(variant, free_ids(h.cpu), [3, 4, 2, 1], no_refresh=[1, 2, 3, 4])
+    assert [blk.ref_cnt for blk in h.cpu.blocks[1:]] == [0] * 4  # touched and freed: no ref left
+    c = h.request(33)
+    meta, _ = h.prefill((c, 33))
+    assert_variant(variant, meta.store_cpu_blocks, [3, 4], no_refresh=[1, 2])
+    assert_variant(variant, (h.in_cpu(a), h.in_cpu(b)), ([True] * 2, [False] * 2),
+                   no_refresh=([False] * 2, [True] * 2))
+    assert_variant(variant, free_ids(h.cpu), [2, 1, 3, 4], no_refresh=[3, 4, 1, 2])
+
+
+def test_local_hit_refresh_lifecycle():
+    """The remembered local hit lives from get_num_new_matched_tokens() to
+    update_state_after_alloc(). A retry replaces it (0 tokens: none), a misaligned one is kept
+    too (vLLM 0.34 records it before the alignment check), request_finished() and reset() drop
+    it, and a request that may not read external KV records none. A pinned CPU block (here by
+    a pending CPU hit of another request) stays pinned and out of the queue through a refresh."""
+    h = Harness(num_cpu_blocks=5)
+    a, b = _fill_four(h)  # queue [1, 2, 3, 4]
+    pend = h.sched._pending_local_hits
+    r = h.twin(a)
+    h.sched.get_num_new_matched_tokens(r, 16)
+    assert pend == {r.request_id: 16}
+    assert h.sched.get_num_new_matched_tokens(r, 20) == (0, False)  # misaligned: no CPU lookup
+    assert pend == {r.request_id: 20}
+    h.sched.get_num_new_matched_tokens(r, 0)
+    assert pend == {}
+    h.sched.get_num_new_matched_tokens(r, 32)
+    h.sched.request_finished(r, [])
+    assert pend == {}
+    h.sched.get_num_new_matched_tokens(r, 32)
+    assert h.sched.reset() and pend == {}
+    h = Harness(num_cpu_blocks=5)
+    a, b = _fill_four(h)  # queue [1, 2, 3, 4]
+    pend = h.sched._pending_local_hits
+    r = h.twin(a)
+    r.skip_reading_external_kv = True
+    assert h.sched.get_num_new_matched_tokens(r, 32) == (0, False) and pend == {}
+    b2 = h.twin(b)
+    assert h.sched.get_num_new_matched_tokens(b2, 0) == (32, True)  # pins b's 3, 4
+    r2 = h.twin(b)
+    h.sched.get_num_new_matched_tokens(r2, 32)
+    h.sched.update_state_after_alloc(r2, ([],), 0)  # refreshes 3, 4: pinned, so they stay out
+    assert free_ids(h.cpu) == [1, 2] and [blk.ref_cnt for blk in h.cpu.blocks[1:]] == [0, 0, 1, 1]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -1153,7 +1351,7 @@ def test_registration_survives_stamped_destination(variant):
     req = h.request(33)
     meta, _ = h.prefill((req, 33), complete=False)
     for g, c in zip(meta.store_gpu_blocks, meta.store_cpu_blocks):  # what pre-fix code did
-        h.cpu.blocks[c]._block_hash = h.gpu.blocks[g].block_hash
+        h.cpu.blocks[c].block_hash = h.gpu.blocks[g].block_hash
     h.complete_store(meta.store_event)
     assert_variant(variant, h.in_cpu(req), [True, True], skip_reset_hash=[False, False])
 
@@ -1403,10 +1601,16 @@ def rel_unwrap(obj):
 
 
 def rel_map_entries(pool: ko.BlockPool) -> dict[bytes, list[ko.KVCacheBlock]]:
-    """key -> blocks of the prefix-cache map. The map stores a bare block for one block and a
-    {block_id: block} dict for several (as vLLM does); both read the same here."""
-    return {key: [v] if isinstance(v, ko.KVCacheBlock) else list(v.values())
-            for key, v in pool.cached_block_hash_to_block._cache.items()}
+    """key -> blocks of the prefix-cache map. The map holds one block id per key in `_cache`
+    and, for a key cached by several blocks, all their ids in `_dup_ids` (as vLLM 0.34 does);
+    the two must agree: every `_dup_ids` key is in `_cache`, naming its first id."""
+    m = pool.cached_block_hash_to_block
+    for key, dup_ids in m._dup_ids.items():
+        assert len(dup_ids) > 1 and m._cache.get(key) == next(iter(dup_ids)), (
+            f"map key {key.hex()[:8]}: _cache={m._cache.get(key)} disagrees with "
+            f"_dup_ids={list(dup_ids)}")
+    return {key: [pool.blocks[i] for i in m._dup_ids.get(key, [block_id])]
+            for key, block_id in m._cache.items()}
 
 
 def rel_check_pool(pool: ko.BlockPool, name: str) -> None:
@@ -2595,7 +2799,7 @@ def test_rel_reused_request_id_is_stored():  # RB-2 (fixed)
 
 def test_rel_repeated_report_of_a_finished_store_is_kept_until_reset():  # RB-3: vLLM parity
     """world_size 2: a late repeat of an already completed store event is counted and kept, as
-    vLLM 0.33 keeps it (update_connector_output sums counts per event id, and event ids are never
+    vLLM 0.34 keeps it (update_connector_output sums counts per event id, and event ids are never
     reused, so it can never complete anything); reset() drops it. Nothing is cached twice."""
     gpu, conn = rel_manager(world_size=2)
     req, blocks = rel_start(gpu, conn, "a", list(range(8)) + [99])
@@ -2892,12 +3096,12 @@ def test_notebook_claim_story_kv_bit_exact():
 
 
 # ===============================================================================================
-# Differential tests against vLLM 0.33 itself (skipped without it). To run them:
-#   pip download --no-deps vllm==0.33.0; unzip its vllm/ folder outside the repo; put it on
+# Differential tests against vLLM 0.34 itself (skipped without it). To run them:
+#   pip download --no-deps vllm==0.34.0; unzip its vllm/ folder outside the repo; put it on
 #   PYTHONPATH; pip install the pure-Python modules its imports ask for (README: Comparing with vLLM).
 
-_vllm_version = ""  # the version of the vLLM sources on PYTHONPATH, if any
-try:  # vLLM 0.33's sources (a wheel unzipped on PYTHONPATH) and their few pure-Python deps
+VLLM_VERSION: str | None = None  # the version of the vLLM that imports here, e.g. "0.34.0"
+try:  # vLLM's sources (a wheel unzipped on PYTHONPATH) and their few pure-Python deps
     from vllm.v1.core.block_pool import BlockPool as VBlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks as VKVCacheBlocks
     from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue as VFreeQueue
@@ -2915,13 +3119,37 @@ try:  # vLLM 0.33's sources (a wheel unzipped on PYTHONPATH) and their few pure-
     from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler as VScheduler
     from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata as VWorkerMeta
     from vllm.utils.hashing import sha256 as v_sha256
-    from vllm._version import __version__ as _vllm_version
-    VLLM_MISSING = None if _vllm_version.startswith("0.33") else f"vLLM {_vllm_version} is not 0.33"
+    from vllm._version import __version__ as VLLM_VERSION
+    VLLM_IMPORT_ERROR = None
 except Exception as exc:  # noqa: BLE001 - any import failure means "no vLLM here"
-    VLLM_MISSING = f"vLLM 0.33 sources not importable ({type(exc).__name__}: {exc})"
-if VLLM_MISSING is None:
+    VLLM_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+# what differs between the vLLM versions the harness can drive (defaults: vLLM 0.34)
+V_RESUMED_IN_NEW_REQS = True    # 0.34 sends a resumed request whole, in scheduled_new_reqs
+V_REMEMBERS_LOCAL_HITS = True   # 0.34's _pending_local_hits (CPU LRU refresh on a GPU hit)
+V_NEW_REQ_EXTRA: dict = {}      # NewRequestData fields a version requires
+if VLLM_VERSION is not None:
     v_init_none_hash(v_sha256)  # vLLM requires it before hashing; our keys are opaque bytes
+    # before 0.34 a resumed request came with the running ones, in CachedRequestData.resumed_req_ids
+    V_RESUMED_IN_NEW_REQS = "resumed_req_ids" not in VCachedRequestData.__dataclass_fields__
+    V_REMEMBERS_LOCAL_HITS = tuple(int(x) for x in VLLM_VERSION.split(".")[:2]) >= (0, 34)
+    if "prefill_token_ids" in VNewRequestData.__dataclass_fields__:
+        V_NEW_REQ_EXTRA = {"prefill_token_ids": []}
+
+
+def vllm_missing(version: str) -> str | None:
+    """Why the differential tests written for vLLM `version` (e.g. "0.34") cannot run, or None."""
+    if VLLM_VERSION is None:
+        return f"vLLM {version} sources not importable ({VLLM_IMPORT_ERROR})"
+    if not VLLM_VERSION.startswith(version + "."):
+        return f"vLLM {VLLM_VERSION} is not {version}"
+    return None
+
+
+VLLM_MISSING = vllm_missing("0.34")  # the module follows vLLM 0.34
+V_IS_029 = vllm_missing("0.29") is None  # the pre-fix release: the harness adapts to its API
 needs_vllm = pytest.mark.skipif(VLLM_MISSING is not None, reason=str(VLLM_MISSING))
+# random traces per configuration of the pool and manager differentials (more: set the variable)
+DIFF_SEEDS = int(os.environ.get("KV_OFFLOAD_DIFF_SEEDS") or 4)
 
 
 def _bid(b):
@@ -2929,11 +3157,13 @@ def _bid(b):
 
 
 def map_contents(m) -> dict:
-    """key -> block ids in insertion order (vLLM stores a bare block or a dict of them)."""
-    out = {}
-    for key, v in m._cache.items():
-        out[key] = [b.block_id for b in v.values()] if isinstance(v, dict) else [v.block_id]
-    return out
+    """key -> block ids in insertion order. vLLM 0.34 (and ours) keep one id per key in `_cache`
+    and every id of a key of several blocks in `_dup_ids`; before 0.34 vLLM kept a bare block
+    or a {block_id: block} dict per key."""
+    if hasattr(m, "_dup_ids"):
+        return {key: list(m._dup_ids.get(key, [block_id])) for key, block_id in m._cache.items()}
+    return {key: [b.block_id for b in v.values()] if isinstance(v, dict) else [v.block_id]
+            for key, v in m._cache.items()}
 
 
 def vpool_state(pool) -> dict:
@@ -3249,8 +3479,11 @@ class PoolTrace:
         k = rng.randint(1, len(self.pins))
         rng.shuffle(self.pins)
         ids, self.pins = self.pins[:k], self.pins[k:]
-        call_both(self.what(f"free_blocks(pins {ids})"),
-                  lambda: p.ours.free_blocks(p.ob(ids)), lambda: p.vllm.free_blocks(p.vb(ids)))
+        # vLLM 0.34's evict_first: cached ones to the front too
+        kw = {"evict_first": True} if rng.random() < 0.3 else {}
+        call_both(self.what(f"free_blocks(pins {ids}, {kw})"),
+                  lambda: p.ours.free_blocks(p.ob(ids), **kw),
+                  lambda: p.vllm.free_blocks(p.vb(ids), **kw))
 
     def op_get_new_blocks(self):
         rng, p = self.rng, self.pair
@@ -3323,7 +3556,7 @@ POOL_CONFIGS = [  # (num blocks, enable_caching, hash_block_size, block_size)
 
 @needs_vllm
 @pytest.mark.parametrize("n,caching,hbs,bs", POOL_CONFIGS)
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(DIFF_SEEDS))
 def test_block_pool_differential(seed, n, caching, hbs, bs):
     trace = PoolTrace(seed * 7919 + n, n, caching, hbs, bs)
     trace.run(400)
@@ -3373,9 +3606,10 @@ def make_vllm_scheduler(num_gpu_blocks, num_cpu_blocks, block_size, hash_block_s
         model_config=SimpleNamespace(max_model_len=1 << 20),
         max_in_flight_tokens=64,
         num_prefill_lookahead_tokens=0,
+        num_hash_lookahead_tokens=0,  # read since vLLM 0.34
         scheduler_config=SimpleNamespace(max_num_batched_tokens=64),
     )
-    if _vllm_version.startswith("0.29"):  # no num_cpu_blocks yet: derived from the byte capacity
+    if V_IS_029:  # no num_cpu_blocks yet: derived from the byte capacity
         return VScheduler(vllm_config, kv_cache_config, cpu_capacity_bytes=num_cpu_blocks * page,
                           scheduler_block_size=block_size, hash_block_size=hash_block_size,
                           lazy_offload=False)
@@ -3385,7 +3619,7 @@ def make_vllm_scheduler(num_gpu_blocks, num_cpu_blocks, block_size, hash_block_s
 
 
 # fields an older vLLM's SchedulerOutput still requires (none of them is read by the manager)
-V_EXTRA_OUTPUT_FIELDS = {"num_common_prefix_blocks": []} if _vllm_version.startswith("0.29") else {}
+V_EXTRA_OUTPUT_FIELDS = {"num_common_prefix_blocks": []} if V_IS_029 else {}
 
 
 def _ids(groups):
@@ -3402,7 +3636,7 @@ def manager_state(m) -> dict:
     def tm(t):
         return (list(t.gpu_block_ids), list(t.cpu_block_ids))
 
-    return {
+    state = {
         "reqs_to_store": [(k, store(v)) for k, v in m._reqs_to_store.items()],
         "reqs_to_load": [(k, load(v)) for k, v in m._reqs_to_load.items()],
         "abandoned_reqs_to_load": [(k, load(v)) for k, v in m._abandoned_reqs_to_load.items()],
@@ -3418,6 +3652,9 @@ def manager_state(m) -> dict:
         "store_event_counter": m._store_event_counter,
         "has_pending_stores": m.has_pending_stores(),
     }
+    if V_REMEMBERS_LOCAL_HITS:
+        state["pending_local_hits"] = list(m._pending_local_hits.items())
+    return state
 
 
 def meta_fields(meta) -> dict:
@@ -3562,27 +3799,36 @@ class ManagerTrace:
         return new
 
     def outputs(self, new_reqs, cached_reqs, preempted):
-        """One step's SchedulerOutput for each library. new_reqs: [(rid, n, full table)];
-        cached_reqs: [(rid, n, new ids or None, resumed)]."""
-        ns = {rid: n for rid, n, *_ in new_reqs}
-        ns.update({rid: n for rid, n, *_ in cached_reqs})
+        """One step's SchedulerOutput for each library. new_reqs: [(rid, n, whole table, resumed)]
+        in scheduling order; cached_reqs, the running ones: [(rid, n, new ids or None)]. vLLM 0.34
+        sends resumed requests whole with the new ones; before, with the running ones after them."""
+        resumed = {rid for rid, _, _, r in new_reqs if r}
+        if not V_RESUMED_IN_NEW_REQS:
+            cached_reqs = cached_reqs + [(rid, n, t) for rid, n, t, r in new_reqs if r]
+            new_reqs = [x for x in new_reqs if not x[3]]
+        ns = {rid: n for rid, n, *_ in new_reqs}  # ours: the order vLLM yields them in
+        ns.update({rid: n for rid, n, _ in cached_reqs})
         ours = ko.SchedulerOutput(
             num_scheduled_tokens=dict(ns),
-            new_block_ids={**{rid: tuple(list(x) for x in t) for rid, _, t in new_reqs},
-                           **{rid: tuple(list(x) for x in t) for rid, _, t, _ in cached_reqs if t is not None}},
-            resumed_req_ids={rid for rid, _, _, resumed in cached_reqs if resumed},
-            preempted_req_ids=set(preempted))
-        cached = VCachedRequestData(
-            req_ids=[c[0] for c in cached_reqs],
-            resumed_req_ids={rid for rid, _, _, resumed in cached_reqs if resumed},
-            new_token_ids=[[] for _ in cached_reqs], all_token_ids={},
-            new_block_ids=[None if t is None else tuple(list(x) for x in t) for _, _, t, _ in cached_reqs],
-            num_computed_tokens=[0] * len(cached_reqs), num_output_tokens=[0] * len(cached_reqs))
+            new_block_ids={**{rid: tuple(list(x) for x in t) for rid, _, t, _ in new_reqs},
+                           **{rid: tuple(list(x) for x in t) for rid, _, t in cached_reqs
+                              if t is not None}},
+            resumed_req_ids=resumed, preempted_req_ids=set(preempted))
+        cached = VCachedRequestData.make_empty()
+        for rid, _, t in cached_reqs:
+            cached.req_ids.append(rid)
+            cached.new_block_ids.append(None if t is None else tuple(list(x) for x in t))
+            cached.new_token_ids.append([])
+            cached.num_computed_tokens.append(0)
+            cached.num_output_tokens.append(0)
+        if not V_RESUMED_IN_NEW_REQS:
+            cached.resumed_req_ids.update(resumed)
         vllm = VSchedulerOutput(
             scheduled_new_reqs=[VNewRequestData(req_id=rid, prompt_token_ids=None, mm_features=[],
                                                 sampling_params=None, pooling_params=None,
                                                 block_ids=tuple(list(x) for x in t), num_computed_tokens=0,
-                                                lora_request=None) for rid, _, t in new_reqs],
+                                                lora_request=None, **V_NEW_REQ_EXTRA)
+                                for rid, _, t, _ in new_reqs],
             scheduled_cached_reqs=cached, num_scheduled_tokens=dict(ns),
             total_num_scheduled_tokens=sum(ns.values()), scheduled_spec_decode_tokens={},
             scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[],
@@ -3601,7 +3847,8 @@ class ManagerTrace:
             prompt = self.tokens.prompt(self.max_prompt)
         self.prompts.append(prompt)
         req = ko.Request(rid, prompt, self.hbs, max_tokens=1)
-        req.skip_reading_prefix_cache = self.rng.random() < 0.05
+        req.skip_reading_external_kv = self.rng.random() < 0.05
+        req.skip_reading_prefix_cache = req.skip_reading_external_kv  # its name before vLLM 0.34
         self.waiting.append(EngineReq(req, self.rng.randint(1, 6), len(self.sizes)))
 
     def finish(self, er, how="finished_all_groups"):
@@ -3675,7 +3922,7 @@ class ManagerTrace:
                 continue
             new = self.grow(er, req.num_computed_tokens + n)
             self.gpu_cache(er, req.num_computed_tokens + n)
-            cached_reqs.append((er.rid, n, new if any(new) else None, False))
+            cached_reqs.append((er.rid, n, new if any(new) else None))
             scheduled.append((er, n))
             budget -= n
             i += 1
@@ -3691,7 +3938,7 @@ class ManagerTrace:
                     continue
                 self.grow(er, req.num_computed_tokens + n)
                 self.gpu_cache(er, req.num_computed_tokens + n)
-                new_reqs.append((er.rid, n, [list(x) for x in er.table]))
+                new_reqs.append((er.rid, n, [list(x) for x in er.table], False))
             else:
                 if rng.random() < 0.04:  # aborted while waiting (maybe with a pin from an earlier lookup)
                     self.waiting.remove(er)
@@ -3732,17 +3979,15 @@ class ManagerTrace:
                     self.loading.append(er)
                     continue
                 self.gpu_cache(er, total)
-                if er.preempted:  # vLLM (MRV1): a resumed request, whole table, in the cached list
-                    cached_reqs.append((er.rid, n, [list(x) for x in er.table], True))
-                else:
-                    new_reqs.append((er.rid, n, [list(x) for x in er.table]))
+                whole_table = [list(x) for x in er.table]
+                new_reqs.append((er.rid, n, whole_table, er.preempted))
             self.waiting.remove(er)
             er.status = "running"
             self.running.append(er)
             scheduled.append((er, n))
             budget -= n
 
-        # 3. the connector's metadata for this step (new requests first, as vLLM yields them)
+        # 3. the connector's metadata for this step (new and resumed first, as vLLM 0.34 does)
         so_o, so_v = self.outputs(new_reqs, cached_reqs, preempted)
         for er, _ in scheduled:  # async scheduling: a token in flight is computed but not confirmed
             if er.req.num_computed_tokens > 0 and rng.random() < 0.15:
@@ -3859,7 +4104,7 @@ MANAGER_CONFIGS = [  # (num_gpu_blocks, num_cpu_blocks, block_size, hash_block_s
 
 @needs_vllm
 @pytest.mark.parametrize("gpu,cpu,bs,hbs,sizes,world", MANAGER_CONFIGS)
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(DIFF_SEEDS))
 def test_manager_differential(seed, gpu, cpu, bs, hbs, sizes, world):
     trace = ManagerTrace(seed * 104729 + gpu + cpu, gpu, cpu, bs, hbs, sizes, world_size=world)
     trace.run(100)
@@ -3880,7 +4125,7 @@ def test_manager_rejects_a_group_finer_than_the_scheduler_block():
 @needs_vllm
 def test_manager_traces_cover_the_paths():
     """The manager traces together hit CPU loads, finish flushes, preemptions and resets."""
-    if len(_COVERAGE) < 4 * len(MANAGER_CONFIGS):
+    if len(_COVERAGE) < DIFF_SEEDS * len(MANAGER_CONFIGS):
         pytest.skip("needs every test_manager_differential trace to have run first")
     totals = {k: sum(c[k] for c in _COVERAGE.values()) for k in next(iter(_COVERAGE.values()))}
     print("manager trace totals:", totals)
@@ -3894,7 +4139,7 @@ def test_manager_traces_cover_the_paths():
 @pytest.mark.parametrize("registration_bug,flush_bug", [(False, False), (True, False), (False, True)])
 def test_prefix_variant_diverges_exactly_by_its_bugs(registration_bug, flush_bug):
     """With both flags off, PreFixCPUOffloadScheduler is the fixed manager and matches vLLM; with
-    either bug on, the lockstep comparison catches it (vLLM 0.33 has both fixes)."""
+    either bug on, the lockstep comparison catches it (vLLM 0.34 has both fixes)."""
     cfg = MANAGER_CONFIGS[2]
     diverged = []
     for seed in range(3):
@@ -3915,7 +4160,7 @@ def test_prefix_variant_diverges_exactly_by_its_bugs(registration_bug, flush_bug
 # d) The pre-fix variant against vLLM 0.29, the last release before PR #53532 (skipped unless
 #    the vLLM on PYTHONPATH is 0.29; README: Comparing with vLLM)
 
-VLLM_029_MISSING = None if _vllm_version.startswith("0.29") else "needs vLLM 0.29's sources on PYTHONPATH"
+VLLM_029_MISSING = vllm_missing("0.29")
 needs_vllm_029 = pytest.mark.skipif(VLLM_029_MISSING is not None, reason=str(VLLM_029_MISSING))
 
 
@@ -3925,27 +4170,51 @@ def neutralise_vllm_029(v) -> None:
     shares), so that the lockstep comparison sees the two bugs and nothing else. Each wrapper
     mirrors what a later vLLM does."""
     lookup = v.get_num_new_matched_tokens
+    after_alloc = v.update_state_after_alloc
+    finished = v.request_finished
     reset = v.reset
+    build = v.build_connector_meta
+    local_hits: dict[str, int] = {}  # vLLM 0.34's _pending_local_hits
 
     def get_num_new_matched_tokens(request, num_computed_tokens):
-        # vLLM 0.30+: a request that skips reading external KV, or whose local prefix is not
-        # scheduler-block aligned, gets no external hit (0.29 looked it up anyway); the stale
-        # pin of an earlier lookup is dropped first, as both versions do
-        if request.skip_reading_prefix_cache or num_computed_tokens % v.block_size:
-            if (stale := v._pending_cpu_hits.pop(request.request_id, None)) is not None:
-                v._free_pending_cpu_hit(stale)
+        # the stale pin of an earlier lookup is dropped first, as both versions do
+        if (stale := v._pending_cpu_hits.pop(request.request_id, None)) is not None:
+            v._free_pending_cpu_hit(stale)
+        local_hits.pop(request.request_id, None)
+        # vLLM 0.30+: a request that skips reading external KV gets no external hit
+        if request.skip_reading_external_kv:
+            return 0, False
+        # vLLM 0.34: remember a positive local hit, to refresh its CPU copies after allocation
+        if num_computed_tokens:
+            local_hits[request.request_id] = num_computed_tokens
+        # vLLM 0.30+: a local prefix that is not scheduler-block aligned gets no external hit
+        if num_computed_tokens % v.block_size:
             return 0, False
         return lookup(request, num_computed_tokens)
 
+    def update_state_after_alloc(request, blocks, num_external_tokens):
+        # vLLM 0.34: the local hit's CPU copies move to the most-recently-used end (touch, then
+        # free in reverse) before the load is set up
+        if num_local_tokens := local_hits.pop(request.request_id, None):
+            prefix_hit, _, _ = v.cpu_coordinator.find_longest_cache_hit(request.block_hashes,
+                                                                        num_local_tokens)
+            prefix_blocks = [b for grp in prefix_hit for b in grp if not b.is_null]
+            v.cpu_block_pool.touch(prefix_blocks)
+            v.cpu_block_pool.free_blocks(list(reversed(prefix_blocks)))
+        return after_alloc(request, blocks, num_external_tokens)
+
+    def request_finished(request, block_ids):
+        local_hits.pop(request.request_id, None)  # vLLM 0.34 forgets the remembered local hit
+        return finished(request, block_ids)
+
     def reset_releasing_lookup_pins():
         # vLLM 0.31+: reset() also drops the pins of lookups not yet followed by an allocation
-        # (0.29 kept them until the request's next lookup or its finish)
+        # (0.29 kept them until the request's next lookup or its finish); 0.34 forgets local hits
         for pending in v._pending_cpu_hits.values():
             v._free_pending_cpu_hit(pending)
         v._pending_cpu_hits.clear()
+        local_hits.clear()
         return reset()
-
-    build = v.build_connector_meta
 
     def build_connector_meta_resetting_preempted(scheduler_output):
         # vLLM 0.33+: a preempted request's store state (table and cursor) is cleared in the
@@ -3957,6 +4226,8 @@ def neutralise_vllm_029(v) -> None:
         return build(scheduler_output)
 
     v.get_num_new_matched_tokens = get_num_new_matched_tokens
+    v.update_state_after_alloc = update_state_after_alloc
+    v.request_finished = request_finished
     v.reset = reset_releasing_lookup_pins
     v.build_connector_meta = build_connector_meta_resetting_preempted
     v._pending_finished_stores = []  # 0.29 has no finish flush queue: always empty, as ours with flush_bug
@@ -4008,3 +4279,121 @@ def test_vllm_029_differential_sees_each_fix(kwargs):
         except AssertionError:
             diverged += 1
     assert diverged == 3
+
+
+# =============================================================================
+# e) Where "every lookup misses" comes from: vLLM's own Scheduler, before and after PR #53532
+#    (runs with whichever vLLM imports: 0.29 must show the pre-fix numbers, 0.30+ the fixed ones)
+
+@pytest.mark.parametrize("prompt_len,budget,max_tokens,cpu_blocks,pre,post", [
+    (512, 128, 1, None, (24, 384), (32, 496)),
+    (100, 128, 1, None, (0, 0), (6, 96)),
+    (512, 128, 2, 32, (31, 0), (31, 0)),
+])
+def test_story_reproduces_vllm_scheduler_cpu_hits(prompt_len, budget, max_tokens, cpu_blocks, pre, post):
+    """The module's engine gives the numbers vLLM's own Scheduler gives (next test, measured
+    with vLLM 0.29 and 0.30/0.33/0.34): the pre-fix class (both bugs) what 0.29 gives, the
+    fixed class what 0.30+ gives. Hand derivation in the next test's docstring; in short: the
+    flush bug loses the last step's blocks (all of them for a one-step prompt), and a CPU pool
+    smaller than the prompt evicts block 0 first, so the lookup misses from the start in both."""
+    for cls, expected in ((ko.PreFixCPUOffloadScheduler, pre), (ko.SimpleCPUOffloadScheduler, post)):
+        r = ko.run_story(cls, prompt_tokens=prompt_len, max_num_batched_tokens=budget,
+                         num_cpu_blocks=cpu_blocks, max_tokens=max_tokens)
+        assert (r["cpu_blocks_registered"], r["cpu_hit_tokens"]) == expected, (cls.__name__, r)
+        assert r["kv_exact"] and r["same_output"] and r["all_free"], (cls.__name__, r)
+
+
+VLLM_CPU_HIT_CASES = [  # prompt, budget, max_tokens, CPU blocks, (registered, B hit) pre-fix, post-fix
+    (512, 128, 1, None, (24, 384), (32, 496)),
+    (100, 128, 1, None, (0, 0), (6, 96)),
+    (512, 128, 2, 32, (31, 0), (31, 0)),
+]
+
+
+@pytest.mark.parametrize("prompt_len,budget,max_tokens,cpu_blocks,pre,post", VLLM_CPU_HIT_CASES)
+def test_real_vllm_scheduler_cpu_hits(tmp_path, prompt_len, budget, max_tokens, cpu_blocks, pre, post):
+    """vLLM's own engine Scheduler + SimpleCPUOffloadConnector (eager, full attention, block 16):
+    A runs to completion, every store completes, the GPU prefix cache is reset, B (same prompt)
+    arrives; we check how many keys the CPU map holds and what B's CPU lookup returns.
+    0.29 (pre-fix) stores, in step k, only blocks confirmed by steps < k (build_connector_meta runs
+    before num_computed_tokens advances) and has no final flush, but registers what it stores:
+      512 / 128 / 1 token: 4 steps; the 8 blocks completed in the last step are never stored:
+        24 keys, B hits 24*16 = 384 (post-fix: 32 keys, B hits 31 blocks = 496, as the last
+        prompt token is always recomputed);
+      100 / 128 / 1 token: one step, so nothing is ever stored: 0 keys, B hits 0 -- the only way
+        to get 0 pre-fix hits here (post-fix: 6 full blocks, 96);
+      512 / 128 / 2 tokens, CPU pool 32 blocks (31 usable besides the null block): all 32 blocks
+        are stored, the 32nd evicts the LRU one, block 0, so the chain breaks at its head: 31 keys,
+        0 hits in BOTH versions (CPU capacity < prompt, not PR #53532)."""
+    vllm = pytest.importorskip("vllm")
+    try:
+        import torch
+        from vllm import SamplingParams
+        from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
+                                 VllmConfig)
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.request import Request
+        from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata as WorkerMeta
+        from vllm.v1.structured_output import StructuredOutputManager
+    except Exception as exc:  # noqa: BLE001 - a partial vLLM install: skip, as the module does
+        pytest.skip(f"vLLM scheduler not importable: {exc!r}")
+    major_minor = tuple(int(x) for x in vllm.__version__.split(".")[:2])
+    if major_minor < (0, 29):
+        pytest.skip(f"vLLM {vllm.__version__} predates the SimpleCPUOffloadConnector studied here")
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        architectures=["OPTForCausalLM"], model_type="opt", hidden_size=64, num_attention_heads=2,
+        num_hidden_layers=2, ffn_dim=128, vocab_size=50272, max_position_embeddings=4096,
+        word_embed_proj_dim=64)))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    bs, nb = 16, 96
+    spec = FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=8, dtype=torch.float16)
+    page = spec.page_size_bytes
+    vc = VllmConfig(
+        model_config=ModelConfig(model=str(tmp_path), dtype="float16", skip_tokenizer_init=True,
+                                 max_model_len=4096),
+        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=4096,
+                                         enable_chunked_prefill=True, is_encoder_decoder=False,
+                                         async_scheduling=False),
+        cache_config=CacheConfig(block_size=bs, enable_prefix_caching=True), device_config=DeviceConfig("cpu"),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
+            kv_connector_extra_config={"cpu_bytes_to_use": page * (cpu_blocks or 2 * nb)}))
+    kcc = KVCacheConfig(num_blocks=nb, kv_cache_groups=[KVCacheGroupSpec(["attn"], spec)],
+                        kv_cache_tensors=[KVCacheTensor(page * nb, ["attn"], page * nb, page)])
+    vc.cache_config.num_gpu_blocks = nb
+    register_all_kvcache_specs(vc)
+    init_none_hash(sha256)
+    s = Scheduler(vllm_config=vc, kv_cache_config=kcc, block_size=bs, hash_block_size=bs, log_stats=False,
+                  structured_output_manager=StructuredOutputManager(vc))
+    lookups, lookup = {}, s.connector.get_num_new_matched_tokens
+    s.connector.get_num_new_matched_tokens = (  # record B's first CPU lookup
+        lambda r, n, *a: lookups.setdefault(r.request_id, lookup(r, n, *a)))
+
+    def step():  # the worker finishes this step's store and load within the step
+        out = s.schedule()
+        meta, rids = out.kv_connector_metadata, list(out.num_scheduled_tokens)
+        kv = KVConnectorOutput(
+            finished_recving=set(meta.load_event_to_reqs.get(meta.load_event, [])) or None,
+            kv_connector_worker_meta=WorkerMeta({meta.store_event: 1}) if meta.store_event >= 0 else None)
+        kw = dict(req_ids=rids, sampled_token_ids=[[] if s.requests[r].is_prefill_chunk else [7] for r in rids],
+                  kv_connector_output=kv)
+        if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__:  # removed in 0.34
+            kw["req_id_to_index"] = {r: i for i, r in enumerate(rids)}
+        s.update_from_output(out, ModelRunnerOutput(**kw))
+
+    prompt = [(i * 31) % 50000 + 3 for i in range(prompt_len)]
+    for rid in ("A", "B"):
+        s.add_request(Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
+                              block_hasher=get_request_block_hasher(bs, sha256)))
+        for _ in range(prompt_len // budget + max_tokens + 4):  # run to completion, then drain stores
+            step()
+        if rid == "A":
+            registered = len(s.connector.scheduler_manager.cpu_block_pool.cached_block_hash_to_block)
+            assert s.reset_prefix_cache()  # GPU only: the CPU cache stays
+    measured = (registered, lookups["B"][0])
+    assert measured == (pre if major_minor < (0, 30) else post), (vllm.__version__, measured)
