@@ -1813,8 +1813,13 @@ def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: in
     engine = MiniEngine(num_blocks, block_size, max_num_batched_tokens, model, connector,
                         SimpleCPUOffloadWorker(num_cpu_blocks), capture_kv=True)
     engine.add_request(Request("A", prompt, block_size, max_tokens=max_tokens))
-    a = engine.run()["A"]
-    stored = len(connector.cpu_block_pool.cached_block_hash_to_block)
+    # step by step (what run() does) to record the CPU cache's size after each of A's steps
+    stored_per_step = [0]
+    while engine.has_unfinished_work():
+        engine.step()
+        stored_per_step.append(len(connector.cpu_block_pool.cached_block_hash_to_block))
+    a = engine.stats["A"]
+    stored = stored_per_step[-1]
     assert engine.reset_gpu_prefix_cache(), "GPU blocks still in use after run()"
     engine.add_request(Request("B", prompt, block_size, max_tokens=max_tokens))
     b = engine.run()["B"]
@@ -1823,7 +1828,8 @@ def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: in
                 ttft_b_s=b.ttft_s, same_output=a.output_token_ids == b.output_token_ids,
                 kv_exact=bool(torch.equal(b.kv, model.expected_kv(prompt))),
                 all_free=engine.gpu_block_pool.get_num_free_blocks() == num_blocks - 1
-                and connector.cpu_block_pool.get_num_free_blocks() == num_cpu_blocks - 1)
+                and connector.cpu_block_pool.get_num_free_blocks() == num_cpu_blocks - 1,
+                stored_per_step=stored_per_step)
 
 
 # The demo's columns: vLLM 0.29 as released, each of its bugs alone, the fix without its
@@ -1838,8 +1844,30 @@ STORY_VARIANTS: dict[str, tuple[type, dict[str, bool]]] = {
 }
 
 
+def offload_prompt(scheduler: SimpleCPUOffloadScheduler, prompt: list[int], block_size: int,
+                   partial_at: int | None = None) -> SimpleCPUOffloadMetadata:
+    """Store one prompt's full blocks to CPU through `scheduler`, in vLLM's call order, with no
+    model and no worker: a GPU pool whose blocks get the prompt's hashes (and, with
+    `partial_at`, a fine-grained secondary key inside a block), update_state_after_alloc, one
+    step's build_connector_meta, and the worker's report that the copy completed."""
+    gpu = BlockPool(len(prompt) // block_size + 2, True, scheduler.hash_block_size)
+    scheduler.bind_gpu_block_pool(gpu)
+    req = Request("A", prompt, scheduler.hash_block_size)
+    blocks = gpu.get_new_blocks(len(prompt) // block_size)
+    gpu.cache_full_blocks(req, blocks, 0, len(blocks), block_size, 0)
+    if partial_at:
+        gpu.cache_partial_block(req, blocks[partial_at // block_size], partial_at, 0)
+    scheduler.update_state_after_alloc(req, (blocks,), 0)
+    req.num_computed_tokens = len(prompt)  # the prefill ran: every full block is confirmed
+    new_block_ids = {"A": ([b.block_id for b in blocks],)}
+    meta = scheduler.build_connector_meta(SchedulerOutput({"A": 1}, new_block_ids))
+    done = SimpleCPUOffloadWorkerMetadata({meta.store_event: 1})
+    scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=done))
+    return meta
+
+
 def _print_table(rows: dict[str, dict], fmt: dict[str, str]) -> None:
-    keys = list(next(iter(rows.values())))
+    keys = [k for k, v in next(iter(rows.values())).items() if not isinstance(v, list)]
     print(f"{'':24}" + "".join(f"{name:>15}" for name in rows))
     for k in keys:
         print(f"{k:24}" + "".join(f"{fmt.get(k, '{}').format(r[k]):>15}" for r in rows.values()))

@@ -3002,24 +3002,33 @@ def test_notebook_executes_without_errors(executed_notebook):
 
 
 def test_notebook_claims_in_its_outputs(executed_notebook):
-    """The numbers the prose relies on, read from the freshly executed notebook."""
+    """The numbers the prose relies on, read from the freshly executed notebook (each derived in
+    the module's tests: 97 tokens = 6 blocks of 16 + 1, cap 96; blocks of 8 hashed every 4;
+    a 64-block prompt against CPU pools around 64 blocks; 217 blocks at 7 per step)."""
     nb = executed_notebook
-    assert re.search(r"pre-fix lookup for the same prompt: 0 hit tokens", _nb_tagged(nb, "claim-bug1"))
-    assert re.search(r"cached_block_hash_to_block\) = 0\b", _nb_tagged(nb, "claim-bug1"))
-    fix = _nb_tagged(nb, "claim-fix")
-    assert re.search(r"cached_block_hash_to_block\) = 6\b", fix)
-    assert re.search(r"fixed lookup for the same prompt: 96 hit tokens", fix)
+    v029 = _nb_tagged(nb, "claim-029")
+    assert re.search(r"0.29: len\(cached_block_hash_to_block\) = 6; cached_block_hashes_by_block = \{\}", v029)
+    assert re.search(r"0.29 lookup for the same prompt: 96 hit tokens", v029)
     fine = _nb_tagged(nb, "claim-fine")
-    assert re.search(r"pre-fix .*fine-grained hit: 0 hit tokens", fine)
-    assert re.search(r"fixed .*fine-grained hit: 12 hit tokens", fine)
+    assert re.search(r"0.29 +CPU secondary keys: 0; fine-grained hit: 8 hit tokens", fine)
+    assert re.search(r"fixed +CPU secondary keys: 1; fine-grained hit: 12 hit tokens", fine)
+    cliff = _nb_tagged(nb, "claim-capacity")
+    assert re.search(r"0.29 .*56: 0, 57: 896,.* 72: 896\}", cliff)
+    assert re.search(r"fixed .*64: 0, 65: 1008,.* 72: 1008\}", cliff)
+    trap = _nb_tagged(nb, "claim-trap")
+    assert re.search(r"0.29 +map entries: 6; lookup for the same prompt: 96 hit tokens", trap)
+    assert re.search(r"no reset_hash +map entries: 0; lookup for the same prompt: 0 hit tokens", trap)
+    assert re.search(r"fixed +map entries: 6; lookup for the same prompt: 96 hit tokens", trap)
     bug2 = _nb_tagged(nb, "claim-bug2")
-    assert re.search(r"pre-fix \(flush bug\)\s+31 steps, 210 of 217", bug2)
-    assert re.search(r"fixed\s+32 steps, 217 of 217", bug2)
+    assert re.search(r"flush bug +31 steps, 210 of 217", bug2)
+    assert re.search(r"fixed +32 steps, 217 of 217", bug2)
     story = _nb_tagged(nb, "claim-story").splitlines()
-    pre, fixed = (next(l for l in story if l.startswith(p)) for p in ("pre-fix", "fixed"))
-    assert "4096 tokens computed, 0 loaded" in pre and "16 tokens computed, 4080 loaded" in fixed
-    for line in (pre, fixed):
-        assert "same output token as A: True" in line and "torch.equal(B's KV, expected_kv): True" in line
+    expected = {"0.29": "1024 tokens computed, 3072 loaded", "no reset_hash": "4096 tokens computed,    0 loaded",
+                "fixed": "  16 tokens computed, 4080 loaded"}
+    for name, counts in expected.items():
+        line = next(line for line in story if line.startswith(name + " "))
+        assert counts in line, line
+        assert "same output token as A: True" in line and "KV equals expected_kv: True" in line
 
 
 def test_notebook_is_committed_with_outputs():
@@ -3035,64 +3044,6 @@ def test_notebook_is_committed_with_outputs():
     too_long = [len(c.source.splitlines()) for c in code if len(c.source.splitlines()) > 15]
     assert not too_long, f"code cells of {too_long} lines: keep notebook cells to 15 lines or fewer"
     assert "import kv_offload as ko" in code[0].source
-
-
-def _store_through(sched, prompt, block_size, partial_at=None):
-    """The notebook's `offload` helper: one request's store, driven in vLLM's call order."""
-    gpu = ko.BlockPool(32, True, sched.hash_block_size)
-    sched.bind_gpu_block_pool(gpu)
-    req = ko.Request("A", prompt, sched.hash_block_size)
-    blocks = gpu.get_new_blocks(len(prompt) // block_size)
-    gpu.cache_full_blocks(req, blocks, 0, len(blocks), block_size, 0)
-    if partial_at:
-        gpu.cache_partial_block(req, blocks[partial_at // block_size], partial_at, 0)
-    sched.update_state_after_alloc(req, (blocks,), 0)
-    req.num_computed_tokens = len(prompt)
-    meta = sched.build_connector_meta(ko.SchedulerOutput({"A": 1}, {"A": ([b.block_id for b in blocks],)}))
-    sched.update_connector_output(ko.KVConnectorOutput(
-        kv_connector_worker_meta=ko.SimpleCPUOffloadWorkerMetadata({meta.store_event: 1})))
-    return meta
-
-
-def test_notebook_claim_prefix_lookup_misses_fixed_hits():
-    """Steps 5-6, independently of the notebook: 97 tokens = 6 full blocks of 16 + 1; the lookup is
-    capped at num_tokens - 1 = 96 = 6 whole blocks. Pre-fix: 6 CPU blocks stamped, map empty, 0 hit."""
-    prompt = torch.randint(0, 32000, (97,), generator=torch.Generator().manual_seed(0)).tolist()
-    pre = ko.PreFixCPUOffloadScheduler(7, 16, registration_bug=True, flush_bug=False)
-    fixed = ko.SimpleCPUOffloadScheduler(7, 16)
-    for sched in (pre, fixed):
-        meta = _store_through(sched, prompt, 16)
-        assert len(meta.store_gpu_blocks) == 6
-    assert sum(b.block_hash is not None for b in pre.cpu_block_pool.blocks) == 6
-    assert len(pre.cpu_block_pool.cached_block_hash_to_block) == 0
-    assert pre.get_num_new_matched_tokens(ko.Request("B", prompt, 16), 0) == (0, False)
-    assert len(fixed.cpu_block_pool.cached_block_hash_to_block) == 6
-    assert fixed.get_num_new_matched_tokens(ko.Request("B", prompt, 16), 0) == (96, True)
-
-
-def test_notebook_claim_fine_grained_hit_needs_secondary_key():
-    """Step 6: blocks of 8, hashes every 4; the GPU block 8..15 has a secondary key at 12. A probe
-    sharing 12 tokens: whole-block phase hits block 0 (8 tokens), the fine phase hits 12 only through
-    the secondary key copied to CPU; pre-fix copies nothing findable (0)."""
-    prompt = list(range(16))
-    probe = ko.Request("C", prompt[:12] + [999, 998, 997, 996], 4)
-    hits = {}
-    for cls, kw in [(ko.PreFixCPUOffloadScheduler, dict(flush_bug=False)), (ko.SimpleCPUOffloadScheduler, {})]:
-        sched = cls(5, 8, hash_block_size=4, **kw)
-        _store_through(sched, prompt, 8, partial_at=12)
-        _, hits[cls] = ko.find_longest_cache_hit(probe.block_hashes, 16, [0], sched.cpu_block_pool, 8)
-    assert hits == {ko.PreFixCPUOffloadScheduler: 0, ko.SimpleCPUOffloadScheduler: 12}
-
-
-def test_notebook_claim_story_kv_bit_exact():
-    """Step 8 at a smaller size: B loads every whole block but the last token's from CPU, computes
-    one block, and its KV equals the oracle; pre-fix recomputes everything."""
-    fixed = ko.run_story(ko.SimpleCPUOffloadScheduler, prompt_tokens=512, max_num_batched_tokens=128)
-    pre = ko.run_story(ko.PreFixCPUOffloadScheduler, prompt_tokens=512, max_num_batched_tokens=128)
-    assert (fixed["cpu_hit_tokens"], fixed["recomputed_tokens"]) == (496, 16)
-    assert (pre["cpu_hit_tokens"], pre["recomputed_tokens"]) == (0, 512)
-    for r in (fixed, pre):
-        assert r["kv_exact"] and r["same_output"] and r["all_free"], json.dumps(r, default=str)
 
 
 # ===============================================================================================
