@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import random
 import struct
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -1137,6 +1138,126 @@ def _coalesce_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple
     return [tuple(r) for r in runs]
 
 
+class _SimStream:
+    """A DeferredCopyEngine stream: a FIFO of copies (callables) and barriers ((stream, n): wait
+    until that stream ran n ops)."""
+
+    def __init__(self) -> None:
+        self.ops: list[Any] = []
+        self.num_done = 0
+
+    def mark(self) -> tuple[_SimStream, int]:
+        return self, self.num_done + len(self.ops)  # "everything queued so far"
+
+    def ready(self) -> bool:
+        if not self.ops:
+            return False
+        op = self.ops[0]
+        return callable(op) or op[0].num_done >= op[1]  # a copy, or a barrier already passed
+
+    def run_next(self) -> None:
+        op = self.ops.pop(0)
+        if callable(op):
+            op()
+        self.num_done += 1
+
+    def wait_event(self, event: _SimEvent) -> None:
+        if event.mark is not None:  # as CUDA: an event never recorded waits for nothing
+            self.ops.append(event.mark)
+
+    def wait_stream(self, stream: _SimStream) -> None:
+        self.ops.append(stream.mark())
+
+
+class _SimEvent:
+    """A DeferredCopyEngine event: done once the stream of its last record() ran to that mark."""
+
+    def __init__(self, engine: DeferredCopyEngine) -> None:
+        self.engine, self.mark = engine, None
+
+    def record(self, stream: _SimStream) -> None:
+        self.mark = stream.mark()
+
+    def done(self) -> bool:
+        return self.mark is None or self.mark[0].num_done >= self.mark[1]
+
+    def query(self) -> bool:
+        done = self.done()
+        # time passes after the look, so only a later poll sees what runs now
+        for _ in range(self.engine.rng.randint(0, self.engine.max_ops_per_call)):
+            self.engine.step()
+        return done
+
+    def synchronize(self) -> None:
+        while not self.done():
+            if not self.engine.step():
+                raise RuntimeError("DeferredCopyEngine: this event can never complete")
+
+
+class _QueueCopies(torch.overrides.TorchFunctionMode):
+    """Inside DeferredCopyEngine.stream(s): Tensor.copy_ is queued on s, all else runs as usual."""
+
+    def __init__(self, stream: _SimStream) -> None:
+        super().__init__()
+        self.stream = stream
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is not torch.Tensor.copy_:
+            return func(*args, **(kwargs or {}))
+        dst, src = args[0], args[1]
+        self.stream.ops.append(lambda: dst.copy_(src))  # reads src when it runs, as DMA does
+        return dst
+
+
+class DeferredCopyEngine:
+    """A simulated asynchronous copy engine for CPU caches. It stands in for `torch.cuda` in the
+    worker (`SimpleCPUOffloadWorker(n, copy_engine=DeferredCopyEngine())`), so that the CUDA
+    branch and its ordering run in CI, where CPU copies would finish inside the step. As a DMA
+    engine: inside `with engine.stream(s):` each Tensor.copy_ is queued on s (a FIFO) and reads
+    its source when it *runs*; `event.record(s)`, `s.wait_event(e)` and `s.wait_stream(t)` take
+    a mark of what is queued at that call, as CUDA does. Ops run only while the host polls: each
+    `event.query()` answers, then runs 0..max_ops_per_call ready ops of random (seeded)
+    streams, so a copy is seen done only by a later poll and streams run out of step (0: nothing
+    runs by itself). `run(*streams)` runs all it can, those streams first: a test's adversarial
+    order. `compute` is the current stream: MiniEngine's forward runs on the host (already done
+    when a copy is issued); a test queues a forward of its own there.
+    """
+
+    def __init__(self, seed: int = 0, max_ops_per_call: int = 2):
+        self.rng, self.max_ops_per_call = random.Random(seed), max_ops_per_call
+        self.streams: list[_SimStream] = []
+        self.compute = self.Stream()
+
+    # torch.cuda's names, so that the worker's CUDA branch runs unchanged
+    def Stream(self, device: Any = None, priority: int = 0) -> _SimStream:  # noqa: N802
+        self.streams.append(_SimStream())
+        return self.streams[-1]
+
+    def Event(self) -> _SimEvent:  # noqa: N802
+        return _SimEvent(self)
+
+    def current_stream(self, device: Any = None) -> _SimStream:
+        return self.compute
+
+    def stream(self, stream: _SimStream) -> _QueueCopies:
+        return _QueueCopies(stream)
+
+    def step(self) -> bool:
+        """Run the next op of a random stream that can run; False if none can."""
+        ready = [s for s in self.streams if s.ready()]
+        if ready:
+            self.rng.choice(ready).run_next()
+        return bool(ready)
+
+    def run(self, *first: _SimStream) -> None:
+        while True:
+            stream = next((s for s in first if s.ready()), None)
+            if stream is not None:
+                stream.run_next()
+            elif not self.step():
+                return
+
+
 class SimpleCPUOffloadWorker:
     """Worker side: owns the CPU mirrors and runs the copies the metadata asks for.
 
@@ -1146,10 +1267,11 @@ class SimpleCPUOffloadWorker:
     for the compute stream's earlier work: its GPU destination may be a block a finished request
     was still being read from. Completion is polled (event.query(), never a sync) in FIFO order,
     one high-water mark per direction: event i done => every event <= i of that stream done.
-    CPU: the same calls, copies done synchronously (events are None = already complete).
+    CPU: the same calls, copies done synchronously (events are None = already complete); with
+    `copy_engine=DeferredCopyEngine(...)`, the CUDA branch itself, on a simulated device.
     """
 
-    def __init__(self, num_cpu_blocks: int):
+    def __init__(self, num_cpu_blocks: int, copy_engine: DeferredCopyEngine | None = None):
         if not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 2:
             raise ValueError(f"num_cpu_blocks must be >= 2, got {num_cpu_blocks!r}")
         self.num_cpu_blocks = num_cpu_blocks
@@ -1157,6 +1279,7 @@ class SimpleCPUOffloadWorker:
         self.gpu_caches: dict[str, torch.Tensor] = {}  # region -> [num_gpu_blocks, ...] view
         self.cpu_caches: dict[str, torch.Tensor] = {}  # region -> [num_cpu_blocks, ...] mirror
         self.device = torch.device("cpu")
+        self.copy_engine = copy_engine  # None: torch.cuda on CUDA, synchronous copies on CPU
         self.load_stream = self.store_stream = None
         self._load_events: list[tuple[int, Any]] = []   # (event index, torch.cuda.Event | None), FIFO
         self._store_events: list[tuple[int, Any]] = []
@@ -1199,14 +1322,18 @@ class SimpleCPUOffloadWorker:
                 if ident not in seen:  # layers sharing storage are copied once
                     seen.add(ident)
                     regions[key] = region
+        pin = tensors[0].device.type == "cuda"  # pinned host memory: async DMA, no staging copy
+        if pin and self.copy_engine is not None:
+            raise ValueError("kv_caches are on CUDA: copy_engine simulates a device for CPU caches")
         self.device, self.num_gpu_blocks, self.gpu_caches = tensors[0].device, num_gpu_blocks, regions
-        pin = self.device.type == "cuda"  # pinned host memory: async DMA, no staging copy
         self.cpu_caches = {k: torch.zeros((self.num_cpu_blocks, *r.shape[1:]), dtype=r.dtype, pin_memory=pin)
                            for k, r in regions.items()}
-        if pin:
-            low_priority = torch.cuda.Stream.priority_range()[0]  # (least, greatest): 0 is lowest
-            self.load_stream = torch.cuda.Stream(self.device, priority=low_priority)
-            self.store_stream = torch.cuda.Stream(self.device, priority=low_priority)
+        if pin or self.copy_engine is not None:
+            dev = self.copy_engine or torch.cuda
+            # (least, greatest): 0 is the lowest, copies yield to compute
+            low_priority = torch.cuda.Stream.priority_range()[0] if pin else 0
+            self.load_stream = dev.Stream(self.device, priority=low_priority)
+            self.store_stream = dev.Stream(self.device, priority=low_priority)
 
     # --- per step ---------------------------------------------------------------
 
@@ -1274,23 +1401,24 @@ class SimpleCPUOffloadWorker:
         src, dst = (self.gpu_caches, self.cpu_caches) if is_store else (self.cpu_caches, self.gpu_caches)
         runs = _coalesce_runs(src_ids, dst_ids)
         event = None
-        if self.device.type == "cuda":
+        if self.load_stream is not None:  # CUDA, or a DeferredCopyEngine standing in for torch.cuda
+            dev = self.copy_engine or torch.cuda
             stream = self.store_stream if is_store else self.load_stream
-            compute = torch.cuda.current_stream(self.device)
+            compute = dev.current_stream(self.device)
             if is_store:
                 if self._store_compute_done is None:
-                    self._store_compute_done = torch.cuda.Event()
+                    self._store_compute_done = dev.Event()
                 self._store_compute_done.record(compute)
                 stream.wait_event(self._store_compute_done)
             else:
                 stream.wait_stream(compute)
-            with torch.cuda.stream(stream):
+            with dev.stream(stream):
                 for name, s in src.items():
                     d = dst[name]
                     for s0, d0, n in runs:
                         d[d0:d0 + n].copy_(s[s0:s0 + n], non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
+            event = dev.Event()
+            event.record(stream)
         else:
             # CPU: numpy slice assignment is a plain memcpy; a torch copy_ per run costs several
             # microseconds of dispatch, which dominates for scattered ids (see --bench)

@@ -11,6 +11,7 @@ engine; manager scenarios (vLLM's test_scheduler.py, PR #53532's seven tests); r
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -257,7 +258,24 @@ def test_multi_group_lookup_requires_every_group():
 
 # ----------------------------------------------------------------------------- copy worker
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))]
+# "deferred": CPU caches, the worker's CUDA branch on ko.DeferredCopyEngine (copies run later,
+# out of step); "cuda" skips without a GPU
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))
+DEVICES = ["cpu", "deferred", CUDA]
+
+
+def make_worker(num_cpu_blocks, device, seed=0):
+    """A worker for `device`: on "deferred" with its own simulated copy engine."""
+    engine = ko.DeferredCopyEngine(seed) if device == "deferred" else None
+    return ko.SimpleCPUOffloadWorker(num_cpu_blocks, copy_engine=engine)
+
+
+def finish_copies(worker):
+    """Wait for every queued copy, as a test reading the bytes must (sync / run the device)."""
+    if worker.device.type == "cuda":
+        torch.cuda.synchronize()
+    elif worker.copy_engine is not None:
+        worker.copy_engine.run()
 
 
 def _make_caches(layout, device, num_blocks=12):
@@ -266,6 +284,7 @@ def _make_caches(layout, device, num_blocks=12):
         shape = {f"l{i}": (2, num_blocks, 4, 2, 8) for i in range(2)}
     else:                   # block dimension first, all layers in one tensor
         shape = {"all": (num_blocks, 2, 2, 4, 2, 8)}
+    device = "cpu" if device == "deferred" else device
     return {k: torch.randn(s, generator=g).to(torch.float16).to(device) for k, s in shape.items()}
 
 
@@ -276,7 +295,7 @@ def test_worker_copies_exact_blocks_both_directions(device, layout, ids):
     """vLLM's copy-test oracle: clone both sides first; after the copy the source is unchanged,
     every mapped destination block equals its source block, every unmapped one is untouched."""
     caches = _make_caches(layout, device)
-    w = ko.SimpleCPUOffloadWorker(10)
+    w = make_worker(10, device)
     w.register_kv_caches(caches, 12)
     for r in w.cpu_caches.values():
         r.copy_(torch.randn(r.shape, generator=torch.Generator().manual_seed(2)).to(r.dtype))
@@ -292,8 +311,7 @@ def test_worker_copies_exact_blocks_both_directions(device, layout, ids):
                else {"load_event": 0, "load_gpu_blocks": gpu_ids, "load_cpu_blocks": cpu_ids,
                      "load_event_to_reqs": {0: ["r"]}})))
         (w.wait_for_save if direction == "store" else w.start_load_kv)()
-        if device == "cuda":
-            torch.cuda.synchronize()
+        finish_copies(w)
         for k in src:
             assert torch.equal(src[k], before_src[k])
             for s, d in zip(s_ids, d_ids):
@@ -351,9 +369,9 @@ def test_worker_rejects_bad_cache_shapes():
 
 def _story_engine(connector_cls=ko.SimpleCPUOffloadScheduler, num_gpu_blocks=300, num_cpu_blocks=300,
                   block_size=16, budget=512, device="cpu", workers=1, **kw):
-    model = ko.ToyModel(2, 2, 16, device=device)
+    model = ko.ToyModel(2, 2, 16, device="cpu" if device == "deferred" else device)
     conn = connector_cls(num_cpu_blocks, block_size, **kw)
-    ws = [ko.SimpleCPUOffloadWorker(num_cpu_blocks) for _ in range(workers)]
+    ws = [make_worker(num_cpu_blocks, device, seed=i) for i in range(workers)]
     eng = ko.MiniEngine(num_gpu_blocks, block_size, budget, model, conn, ws if workers > 1 else ws[0], capture_kv=True)
     return eng, conn, model
 
@@ -420,10 +438,11 @@ def test_shared_prefix_decode_and_gpu_hits():
     _assert_all_free(eng, conn)
 
 
-def test_gpu_preemption_recomputes_and_stays_exact():
+@pytest.mark.parametrize("device", ["cpu", "deferred"])
+def test_gpu_preemption_recomputes_and_stays_exact(device):
     """A GPU pool too small for three 600-token prompts at once forces preemption; every request
     still ends with KV equal to expected_kv and the pools drain."""
-    eng, conn, model = _story_engine(num_gpu_blocks=60, budget=256)
+    eng, conn, model = _story_engine(num_gpu_blocks=60, budget=256, device=device)
     prompts = [_prompt(600, seed=s) for s in range(3)]
     for i, p in enumerate(prompts):
         eng.add_request(ko.Request(f"r{i}", p, 16, max_tokens=3))
@@ -434,15 +453,53 @@ def test_gpu_preemption_recomputes_and_stays_exact():
     _assert_all_free(eng, conn)
 
 
-def test_two_workers_world_size_2():
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_workers_world_size_2(device):
     """Two TP workers: a store completes only once both reported it; the story still holds."""
-    eng, conn, model = _story_engine(workers=2, world_size=2)
+    eng, conn, model = _story_engine(workers=2, world_size=2, device=device)
     prompt = _prompt(1000)
     eng.add_request(ko.Request("A", prompt, 16)); eng.run()
     assert eng.reset_gpu_prefix_cache()
     eng.add_request(ko.Request("B", prompt, 16)); st = eng.run()
     assert st["B"].cpu_hit_tokens == 992 and torch.equal(st["B"].kv, model.expected_kv(prompt))
     _assert_all_free(eng, conn)
+
+
+# ----------------------------------------------------------------------------- copy worker on an asynchronous device
+# ko.DeferredCopyEngine stands in for torch.cuda: copies are queued and run later, out of step
+# with the compute stream, reading their source when they run. These races cannot happen with
+# CPU copies that finish inside the step. Each scenario runs once on the real worker and once
+# with a planted ordering bug, and must tell the two apart.
+
+def test_deferred_engine_models_a_dma_engine():
+    """The simulator itself, against hand-derived outcomes: a queued copy changes nothing until
+    it runs, then copies the source as it is *then*; an event is seen done only by a poll after
+    its copies ran; a barrier holds a stream until the mark it was given (a later record of the
+    same event does not move it); run(s) runs s first whenever s may."""
+    dev = ko.DeferredCopyEngine(max_ops_per_call=0)
+    a, b, c = torch.zeros(3), torch.ones(3), torch.zeros(3)
+    copies, other = dev.Stream(), dev.Stream()
+    with dev.stream(copies):
+        a.copy_(b)
+    done = dev.Event()
+    done.record(copies)
+    b.fill_(5.0)  # after the issue, before the copy runs
+    assert a.tolist() == [0, 0, 0] and done.query() is False
+    dev.run()
+    assert a.tolist() == [5, 5, 5] and done.query() is True
+    with dev.stream(dev.compute):
+        c.fill_(1.0)    # not a copy_: runs at once
+        c.copy_(a)      # queued on compute
+    mark = dev.Event()
+    mark.record(dev.compute)
+    other.wait_event(mark)
+    mark.record(copies)  # re-recorded: the barrier already queued keeps compute's mark
+    with dev.stream(other):
+        b.copy_(c)
+    dev.run(other)  # other first: it must still wait for compute's copy
+    assert c.tolist() == [5, 5, 5] and b.tolist() == [5, 5, 5]
+    e = dev.Event()
+    assert e.query() is True  # never recorded: done, as in CUDA
 
 
 # ===============================================================================================
@@ -1364,7 +1421,8 @@ def test_pool_refuses_more_blocks_than_free(pool):
 
 # ===============================================================================================
 # Reliability: invariants after every step, random schedules with injected faults, the bad-input catalogue
-# Quick profile in CI (300 derandomized schedules); long: KV_OFFLOAD_FUZZ_EXAMPLES=10000 python -m pytest -k fuzz.
+# Quick profile in CI (300 derandomized schedules per device: cpu, deferred); long:
+# KV_OFFLOAD_FUZZ_EXAMPLES=10000 python -m pytest -k fuzz.
 # Module bugs these tests found, all fixed, each kept as a regression test tagged `RB-n`:
 #   RB-1 MiniEngine stalled when a preempted request was queued ahead of a loaded request holding blocks
 #   RB-2 a reused request id was merged into the old store state (and never offloaded)
@@ -1825,7 +1883,9 @@ class RelPlan:
     hash_block_size: int = REL_BS
     world_size: int = 1
     faults: RelFaults = RelFaults()
-    device: str = "cpu"  # "cuda": the worker's copies are truly asynchronous on top of the injected faults
+    # "cuda" or "deferred" (ko.DeferredCopyEngine): the worker's copies are asynchronous on top
+    # of the injected faults, and complete out of step with the engine
+    device: str = "cpu"
 
 
 @dataclass
@@ -1871,12 +1931,13 @@ def rel_build(plan: RelPlan):
     """Engine, connector, workers and proxies for a plan."""
     log = RelLog()
     rng = random.Random(plan.faults.seed)
-    model = ko.ToyModel(**REL_MODEL, device=plan.device)
+    model = ko.ToyModel(**REL_MODEL, device="cpu" if plan.device == "deferred" else plan.device)
     conn = ko.SimpleCPUOffloadScheduler(plan.num_cpu_blocks, REL_BS, hash_block_size=plan.hash_block_size,
                                         world_size=plan.world_size)
     proxy = RelFaultyConnector(conn, plan.faults, rng, log)
-    workers = [RelFaultyWorker(ko.SimpleCPUOffloadWorker(plan.num_cpu_blocks), plan.faults, rng, log, plan.world_size)
-               for _ in range(plan.world_size)]
+    workers = [RelFaultyWorker(make_worker(plan.num_cpu_blocks, plan.device, seed=plan.faults.seed + i),
+                               plan.faults, rng, log, plan.world_size)
+               for i in range(plan.world_size)]
     engine = ko.MiniEngine(plan.num_gpu_blocks, REL_BS, plan.budget, model, proxy,
                            workers if plan.world_size > 1 else workers[0], capture_kv=True)
     for w in workers:
@@ -2102,10 +2163,13 @@ rel_fuzz_settings = settings(
     print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @rel_fuzz_settings
 @given(plan=rel_plans())
-def test_rel_fuzz_random_schedules(plan):
-    run = rel_run_plan(plan)
+def test_rel_fuzz_random_schedules(device, plan):
+    """On "deferred" and "cuda" every copy is asynchronous: loads land and stores complete steps
+    later, per worker (world size 1 and 2), on top of the injected report faults."""
+    run = rel_run_plan(dataclasses.replace(plan, device=device))
     log = run.log
     event(f"steps: {min(log.steps // 25 * 25, 200)}+")
     for name in ("preemptions", "preempted_while_storing", "resumed_with_load", "cpu_hit_tokens", "cpu_evictions",
@@ -2119,8 +2183,7 @@ def test_rel_fuzz_random_schedules(plan):
 # -----------------------------------------------------------------------------
 # Scripted interleavings: each one is reached on every CI run (the log says so), not by chance
 
-REL_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                    reason="needs a GPU"))]
+REL_DEVICES = DEVICES
 REL_BASE_A = tuple(range(1, 21))        # 20 tokens: 5 blocks, 4 of them a CPU hit (cap: num_tokens - 1)
 REL_BASE_B = tuple(range(100, 116))     # 16 tokens, shares nothing with A
 REL_FULL_A, REL_FULL_B = ("add", 0, 20, (), 1), ("add", 1, 16, (), 1)
