@@ -1267,8 +1267,13 @@ class SimpleCPUOffloadWorker:
     for the compute stream's earlier work: its GPU destination may be a block a finished request
     was still being read from. Completion is polled (event.query(), never a sync) in FIFO order,
     one high-water mark per direction: event i done => every event <= i of that stream done.
+    So event indices must grow per direction (a lower one is a ValueError); an event with
+    nothing to copy is complete at once.
     CPU: the same calls, copies done synchronously (events are None = already complete); with
     `copy_engine=DeferredCopyEngine(...)`, the CUDA branch itself, on a simulated device.
+    NOTE: register_kv_caches() is once per worker, a second call is a ValueError: new mirrors
+    would hold zeros under hashes the manager keeps serving (and, on CUDA, free pinned memory
+    that queued copies still use). A new engine gets new workers.
     """
 
     def __init__(self, num_cpu_blocks: int, copy_engine: DeferredCopyEngine | None = None):
@@ -1284,8 +1289,10 @@ class SimpleCPUOffloadWorker:
         self._load_events: list[tuple[int, Any]] = []   # (event index, torch.cuda.Event | None), FIFO
         self._store_events: list[tuple[int, Any]] = []
         self._load_hwm = self._store_hwm = -1           # highest completed event per direction
+        self._last_load_event = self._last_store_event = -1  # highest event bound per direction
         self._pending_load_event_indices: set[int] = set()
         self._pending_store_event_indices: set[int] = set()
+        self._finished_recving: set[str] = set()  # loads done, not yet reported by get_finished()
         self._completed_store_events: dict[int, int] = {}
         self._connector_metadata: SimpleCPUOffloadMetadata | None = None
         self._store_compute_done = None  # reused: copies are FIFO per stream
@@ -1325,6 +1332,9 @@ class SimpleCPUOffloadWorker:
         pin = tensors[0].device.type == "cuda"  # pinned host memory: async DMA, no staging copy
         if pin and self.copy_engine is not None:
             raise ValueError("kv_caches are on CUDA: copy_engine simulates a device for CPU caches")
+        if self.cpu_caches:
+            raise ValueError("register_kv_caches: this worker's KV caches are already registered "
+                             "(once per worker: see the class docstring)")
         self.device, self.num_gpu_blocks, self.gpu_caches = tensors[0].device, num_gpu_blocks, regions
         self.cpu_caches = {k: torch.zeros((self.num_cpu_blocks, *r.shape[1:]), dtype=r.dtype, pin_memory=pin)
                            for k, r in regions.items()}
@@ -1343,11 +1353,24 @@ class SimpleCPUOffloadWorker:
                         self.num_cpu_blocks, "store")
         self._check_ids(metadata.load_cpu_blocks, metadata.load_gpu_blocks, self.num_cpu_blocks,
                         self.num_gpu_blocks, "load")
+        for what, event, last in (("load_event", metadata.load_event, self._last_load_event),
+                                  ("store_event", metadata.store_event, self._last_store_event)):
+            if 0 <= event <= last:  # the high-water mark would report it once a later event is done
+                raise ValueError(f"{what}={event} after {what}={last}: event indices must grow")
         self._connector_metadata = metadata
         if metadata.load_event >= 0:
-            self._pending_load_event_indices.add(metadata.load_event)
+            self._last_load_event = metadata.load_event
+            if metadata.load_cpu_blocks:
+                self._pending_load_event_indices.add(metadata.load_event)
+            else:  # nothing to copy: done now (no copy event would ever report it)
+                reqs = metadata.load_event_to_reqs.get(metadata.load_event, ())
+                self._finished_recving.update(reqs)
         if metadata.store_event >= 0:
-            self._pending_store_event_indices.add(metadata.store_event)
+            self._last_store_event = metadata.store_event
+            if metadata.store_gpu_blocks:
+                self._pending_store_event_indices.add(metadata.store_event)
+            else:
+                self._completed_store_events[metadata.store_event] = 1
 
     def clear_connector_metadata(self) -> None:
         self._connector_metadata = None
@@ -1376,7 +1399,8 @@ class SimpleCPUOffloadWorker:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[None, set[str] | None]:
         """Non-blocking. (None, requests whose loads completed); store completions are reported
         through build_connector_worker_meta() instead (stores have no request)."""
-        m, finished_recving = self._connector_metadata, set()
+        m, finished_recving = self._connector_metadata, self._finished_recving
+        self._finished_recving = set()
         if self._pending_load_event_indices:
             hwm = self._poll(is_store=False)
             for j in [j for j in self._pending_load_event_indices if j <= hwm]:
@@ -1444,10 +1468,11 @@ class SimpleCPUOffloadWorker:
         return self._store_hwm if is_store else self._load_hwm
 
     def _set_hwm(self, is_store: bool, idx: int) -> None:
+        # max(): never back, or an event above it but already done would never be reported
         if is_store:
-            self._store_hwm = idx
+            self._store_hwm = max(self._store_hwm, idx)
         else:
-            self._load_hwm = idx
+            self._load_hwm = max(self._load_hwm, idx)
 
 
 def _byte_rows(t: torch.Tensor):
@@ -1544,6 +1569,11 @@ class MiniEngine:
             raise ValueError("a worker needs a connector: the connector's metadata tells it what to copy")
         if connector is not None and any(w.num_cpu_blocks != connector.num_cpu_blocks for w in self.workers):
             raise ValueError("worker and connector disagree on num_cpu_blocks")
+        if connector is not None and len(self.workers) != connector.world_size:
+            # a store completes on world_size reports: fewer workers never complete it, more
+            # complete it while another worker's copy may still be queued
+            raise ValueError(f"{len(self.workers)} workers but the connector's world_size is "
+                             f"{connector.world_size}: one worker per rank")
         self.hash_block_size = connector.hash_block_size if connector is not None else block_size
         self.block_size, self.max_num_batched_tokens = block_size, max_num_batched_tokens
         self.model, self.connector, self.capture_kv = model, connector, capture_kv
@@ -1552,10 +1582,10 @@ class MiniEngine:
         self.kv_caches = {f"layers.{i}": torch.zeros(2, num_gpu_blocks, block_size, model.num_kv_heads,
                                                      model.head_dim, dtype=model.dtype, device=model.device)
                           for i in range(model.num_layers)}
+        for w in self.workers:  # first: a worker that serves another engine raises here
+            w.register_kv_caches(self.kv_caches, num_gpu_blocks)
         if connector is not None:
             connector.bind_gpu_block_pool(self.gpu_block_pool)
-        for w in self.workers:
-            w.register_kv_caches(self.kv_caches, num_gpu_blocks)
         self.waiting: list[Request] = []   # FIFO; preempted requests go to the front
         self.running: list[Request] = []
         self.loading: dict[str, int] = {}  # req -> tokens computed once its load lands
@@ -1812,7 +1842,7 @@ def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: in
     return dict(max_hit_blocks=(prompt_tokens - 1) // block_size, cpu_blocks_registered=stored,
                 cpu_hit_tokens=b.cpu_hit_tokens, recomputed_tokens=b.computed_tokens, ttft_a_s=a.ttft_s,
                 ttft_b_s=b.ttft_s, same_output=a.output_token_ids == b.output_token_ids,
-                kv_exact=bool(torch.equal(b.kv, model.expected_kv(prompt))),
+                kv_exact=bool(torch.equal(b.kv, model.expected_kv(prompt).cpu())),  # b.kv is on CPU
                 all_free=engine.gpu_block_pool.get_num_free_blocks() == num_blocks - 1
                 and connector.cpu_block_pool.get_num_free_blocks() == num_blocks - 1)
 
@@ -1888,9 +1918,10 @@ def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_cop
                 src, dst = (dev_buf, host_buf) if direction == "store" else (host_buf, dev_buf)
                 plain = ((lambda: dst.copy_(src, non_blocking=True)) if device == "cuda" else
                          (lambda: _byte_rows(dst[None]).__setitem__(slice(None), _byte_rows(src[None]))))
+                event = len(rows)  # event indices must grow per direction
                 w.bind_connector_metadata(SimpleCPUOffloadMetadata(
-                    store_event=0, store_gpu_blocks=gpu_ids, store_cpu_blocks=cpu_ids) if direction == "store" else
-                    SimpleCPUOffloadMetadata(load_event=0, load_gpu_blocks=gpu_ids, load_cpu_blocks=cpu_ids))
+                    store_event=event, store_gpu_blocks=gpu_ids, store_cpu_blocks=cpu_ids) if direction == "store" else
+                    SimpleCPUOffloadMetadata(load_event=event, load_gpu_blocks=gpu_ids, load_cpu_blocks=cpu_ids))
                 t_worker = _time_it(w.wait_for_save if direction == "store" else w.start_load_kv, device, reps)
                 t_plain = _time_it(plain, device, reps)
                 w._store_events.clear(), w._load_events.clear()

@@ -365,6 +365,51 @@ def test_worker_rejects_bad_cache_shapes():
         ko.SimpleCPUOffloadWorker(1)
 
 
+@pytest.mark.parametrize("device", ["cpu", "deferred"])
+def test_worker_reports_an_event_with_nothing_to_copy_at_once(device):
+    """Review defect: a load event with no blocks was never reported (its request hung); a store
+    event with none likewise. Load 0 has a block, load 1 and store 0 none, and the device runs
+    nothing yet: r1 and store 0 are reported by the very next poll, r0 once its copy ran (at
+    once on CPU, where copies finish inside the call)."""
+    w = make_worker(10, device)
+    w.register_kv_caches(_make_caches("flash", device), 12)
+    if w.copy_engine is not None:
+        w.copy_engine.max_ops_per_call = 0
+    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(load_event=0, load_gpu_blocks=[3], load_cpu_blocks=[1],
+                                                          load_event_to_reqs={0: ["r0"]}))
+    w.start_load_kv()
+    w.clear_connector_metadata()
+    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(load_event=1, load_event_to_reqs={0: ["r0"], 1: ["r1"]},
+                                                          store_event=0))
+    w.start_load_kv()
+    w.wait_for_save()
+    recv = w.get_finished(set())[1]
+    assert recv == ({"r1"} if device == "deferred" else {"r0", "r1"})
+    assert w.build_connector_worker_meta().completed_store_events == {0: 1}
+    finish_copies(w)
+    assert w.get_finished(set())[1] == (None if device == "cpu" else {"r0"})
+
+
+def test_worker_rejects_an_event_index_that_does_not_grow():
+    """Review defect: an out-of-order event lowered the completion high-water mark, so a later
+    event was never reported. Store events 5 then 3: 3 is rejected before anything is recorded
+    (the high-water mark reports every index below a finished one, so 3 would read as done while
+    still queued); event 5 is still reported, and so is a later 6."""
+    w = ko.SimpleCPUOffloadWorker(10)
+    w.register_kv_caches(_make_caches("flash", "cpu"), 12)
+    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(store_event=5, store_gpu_blocks=[1], store_cpu_blocks=[1]))
+    w.wait_for_save()
+    with pytest.raises(ValueError, match="store_event=3 after store_event=5"):
+        w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(store_event=3, store_gpu_blocks=[2],
+                                                              store_cpu_blocks=[2]))
+    w.get_finished(set())
+    assert w.build_connector_worker_meta().completed_store_events == {5: 1}
+    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(store_event=6, store_gpu_blocks=[2], store_cpu_blocks=[2]))
+    w.wait_for_save()
+    w.get_finished(set())
+    assert w.build_connector_worker_meta().completed_store_events == {6: 1} and w._store_hwm == 6
+
+
 # ----------------------------------------------------------------------------- toy model and engine
 
 def _story_engine(connector_cls=ko.SimpleCPUOffloadScheduler, num_gpu_blocks=300, num_cpu_blocks=300,
@@ -418,7 +463,8 @@ def test_repeated_prompt_end_to_end(device, variant):
     expected_hit = {"fixed": 2992, "registration_bug": 0, "flush_bug": 2560}[variant]
     assert b.cpu_hit_tokens == expected_hit and b.computed_tokens == 3000 - expected_hit
     assert a.output_token_ids == b.output_token_ids and len(b.output_token_ids) == 1
-    assert torch.equal(b.kv, model.expected_kv(prompt)) and torch.equal(a.kv, b.kv)
+    # captured KV is on CPU: compare on one device
+    assert torch.equal(b.kv, model.expected_kv(prompt).cpu()) and torch.equal(a.kv, b.kv)
     _assert_all_free(eng, conn)
 
 
@@ -461,8 +507,41 @@ def test_two_workers_world_size_2(device):
     eng.add_request(ko.Request("A", prompt, 16)); eng.run()
     assert eng.reset_gpu_prefix_cache()
     eng.add_request(ko.Request("B", prompt, 16)); st = eng.run()
-    assert st["B"].cpu_hit_tokens == 992 and torch.equal(st["B"].kv, model.expected_kv(prompt))
+    assert st["B"].cpu_hit_tokens == 992 and torch.equal(st["B"].kv, model.expected_kv(prompt).cpu())
     _assert_all_free(eng, conn)
+
+
+@pytest.mark.parametrize("workers, world_size", [(1, 2), (2, 1)])
+def test_engine_rejects_a_worker_count_other_than_world_size(workers, world_size):
+    """Review defect: one worker with world_size 2 never completed a store (run() never ended,
+    pins held); two workers with world_size 1 completed each store on the first report, while
+    the other worker's copy could still be queued (a cached block with wrong bytes). Now a
+    ValueError naming both numbers, before the connector is bound to anything."""
+    conn = ko.SimpleCPUOffloadScheduler(8, 16, world_size=world_size)
+    with pytest.raises(ValueError, match=f"{workers} workers but the connector's world_size is {world_size}"):
+        ko.MiniEngine(20, 16, 32, ko.ToyModel(1, 1, 8), conn, [ko.SimpleCPUOffloadWorker(8) for _ in range(workers)])
+    assert conn._gpu_block_pool is None
+
+
+@pytest.mark.parametrize("device", ["cpu", "deferred"])
+def test_worker_refuses_a_second_register_kv_caches(device):
+    """Review defect: a second register_kv_caches() reallocated the CPU mirrors as zeros while the
+    manager kept serving their hashes: the next request loaded zeros (wrong KV, wrong token).
+    Decision: once per worker, a second call is a ValueError and changes nothing. A (1000
+    tokens) is stored, the call is refused, and B (the same prompt) still loads 62 exact blocks."""
+    eng, conn, model = _story_engine(device=device)
+    prompt = _prompt(1000)
+    eng.add_request(ko.Request("A", prompt, 16))
+    eng.run()
+    w = eng.workers[0]
+    mirrors = {k: (v, v.clone()) for k, v in w.cpu_caches.items()}
+    with pytest.raises(ValueError, match="already registered"):
+        w.register_kv_caches(eng.kv_caches, eng.gpu_block_pool.num_gpu_blocks)
+    assert all(w.cpu_caches[k] is v and torch.equal(v, before) for k, (v, before) in mirrors.items())
+    assert eng.reset_gpu_prefix_cache()
+    eng.add_request(ko.Request("B", prompt, 16))
+    b = eng.run()["B"]
+    assert b.cpu_hit_tokens == 992 and torch.equal(b.kv, model.expected_kv(prompt))
 
 
 # ----------------------------------------------------------------------------- copy worker on an asynchronous device
@@ -2544,6 +2623,11 @@ REL_BAD_CALLS = [
     ("worker.bind + wait_for_save(unequal id counts)",
      _bind_and(_meta(store_event=99, store_gpu_blocks=[1, 2], store_cpu_blocks=[1]), "wait_for_save"),
      r"2 source ids but 1 destination ids", None),
+    ("worker.bind + wait_for_save(store event index that does not grow)",
+     _bind_and(_meta(store_event=0, store_gpu_blocks=[1], store_cpu_blocks=[1]), "wait_for_save"),
+     r"store_event=0 after store_event=\d+: event indices must grow", None),
+    ("worker.register_kv_caches(a second time)",
+     lambda w: rel_unwrap(w.worker).register_kv_caches(w.engine.kv_caches, 14), r"already registered", None),
     ("worker.register_kv_caches(wrong block count)",
      lambda w: rel_unwrap(w.worker).register_kv_caches({"x": torch.zeros(5, 4)}, 14), r"has shape \(5, 4\)", None),
     ("worker.register_kv_caches(nothing)",
@@ -2576,6 +2660,11 @@ REL_BAD_CALLS = [
      lambda w: ko.MiniEngine(14, 8, 8, w.model, w.conn, rel_unwrap(w.worker)), r"do not match", None),
     ("MiniEngine(worker/connector CPU sizes disagree)",
      lambda w: ko.MiniEngine(14, REL_BS, 8, w.model, w.conn, ko.SimpleCPUOffloadWorker(6)), r"disagree", None),
+    ("MiniEngine(2 workers, world_size 1)",
+     lambda w: ko.MiniEngine(14, REL_BS, 8, w.model, w.conn, [ko.SimpleCPUOffloadWorker(8) for _ in range(2)]),
+     r"2 workers but the connector's world_size is 1", None),
+    ("MiniEngine(a worker that serves another engine)",
+     lambda w: ko.MiniEngine(14, REL_BS, 8, w.model, w.conn, rel_unwrap(w.worker)), r"already registered", None),
     ("MiniEngine(0 GPU blocks) with the live connector and worker",
      lambda w: ko.MiniEngine(0, REL_BS, 8, w.model, w.conn, rel_unwrap(w.worker)),
      r"num_gpu_blocks must be an int >= 1", None),
