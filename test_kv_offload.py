@@ -581,6 +581,182 @@ def test_deferred_engine_models_a_dma_engine():
     assert e.query() is True  # never recorded: done, as in CUDA
 
 
+def _frozen_worker(num_gpu_blocks=6):
+    """A worker on a DeferredCopyEngine that runs nothing until the test calls run(); one layer
+    (2, num_gpu_blocks, 4, 8) of zeros, 4 CPU blocks."""
+    dev = ko.DeferredCopyEngine(max_ops_per_call=0)
+    w = ko.SimpleCPUOffloadWorker(4, copy_engine=dev)
+    cache = torch.zeros(2, num_gpu_blocks, 4, 8, dtype=torch.float16)
+    w.register_kv_caches({"l0": cache}, num_gpu_blocks)
+    return dev, w, cache
+
+
+def _store_right_after_a_forward(plant_bug: bool) -> torch.Tensor:
+    dev, w, cache = _frozen_worker()
+    if plant_bug:  # the store stream does not wait on the compute-done event
+        w.store_stream.wait_event = lambda event: None
+    with dev.stream(dev.compute):  # the forward writes block 3 (queued: it has not run yet)
+        cache[:, 3].copy_(torch.full((2, 4, 8), 7.0, dtype=torch.float16))
+    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(store_event=0, store_gpu_blocks=[3],
+                                                          store_cpu_blocks=[1]))
+    w.wait_for_save()
+    assert w.get_finished(set()) == (None, None) and w.build_connector_worker_meta() is None
+    dev.run(w.store_stream)  # the copy engine first, whenever it may
+    w.get_finished(set())
+    assert w.build_connector_worker_meta().completed_store_events == {0: 1}
+    return torch.stack([w.cpu_caches["l0.k"][1], w.cpu_caches["l0.v"][1]])
+
+
+def test_async_store_right_after_a_forward_copies_the_written_bytes():
+    """A forward writes 7.0 into GPU block 3; the step's store copies block 3 to CPU block 1;
+    the store stream runs first whenever it may. The store waits on the compute-done event, so
+    CPU block 1 holds 7.0. Planted bug: the store stream skips that wait -> the copy runs before
+    the forward and CPU block 1 keeps block 3's old bytes (0.0), which the manager would then
+    register as that prefix's KV."""
+    assert bool((_store_right_after_a_forward(plant_bug=False) == 7.0).all())
+    assert bool((_store_right_after_a_forward(plant_bug=True) == 0.0).all())
+
+
+def _load_into_a_block_a_forward_reads(plant_bug: bool) -> torch.Tensor:
+    dev, w, cache = _frozen_worker()
+    cache[:, 2] = 1.0                      # block 2's KV, which a forward still reads
+    w.cpu_caches["l0.k"][1] = 9.0          # CPU block 1: the KV of another request's prefix
+    w.cpu_caches["l0.v"][1] = 9.0
+    if plant_bug:  # the load stream does not wait for the compute stream's earlier work
+        w.load_stream.wait_stream = lambda stream: None
+    read = torch.zeros(2, 4, 8, dtype=torch.float16)
+    with dev.stream(dev.compute):  # the running forward's read of block 2 (queued)
+        read.copy_(cache[:, 2])
+    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(load_event=0, load_cpu_blocks=[1], load_gpu_blocks=[2],
+                                                          load_event_to_reqs={0: ["r"]}))
+    w.start_load_kv()
+    dev.run(w.load_stream)
+    assert w.get_finished(set()) == (None, {"r"}) and bool((cache[:, 2] == 9.0).all())
+    return read
+
+
+def test_async_load_does_not_land_in_a_block_a_running_forward_reads():
+    """GPU block 2 (KV 1.0) was freed and handed to a new request, whose load brings CPU block 1
+    (KV 9.0) into it, while a forward queued earlier still reads block 2. The load waits for the
+    compute stream's earlier work: the forward reads 1.0. Planted bug: the load stream skips
+    that wait -> it lands first and the forward reads 9.0, another request's KV."""
+    assert bool((_load_into_a_block_a_forward_reads(plant_bug=False) == 1.0).all())
+    assert bool((_load_into_a_block_a_forward_reads(plant_bug=True) == 9.0).all())
+
+
+def _one_of_two_workers_reports(plant_bug: bool) -> str | None:
+    """A 64-token prompt (4 blocks of 16), budget 32, two workers (world_size 2). Worker 0's
+    copies run after every step; worker 1's stay queued. Returns the first failure of the
+    cached-KV check (every worker's CPU copy of every cached block == expected_kv), or None."""
+    eng, conn, model = _story_engine(workers=2, world_size=2, device="deferred", budget=32)
+    if plant_bug:  # the manager completes a store on the first worker's report
+        conn.world_size = 1
+    lagging = eng.workers[1].copy_engine
+    lagging.max_ops_per_call = 0
+    req = ko.Request("A", _prompt(64), 16)
+    eng.add_request(req)
+    try:
+        for _ in range(5):
+            eng.step()
+            eng.workers[0].copy_engine.run()
+            rel_check_cached_kv(eng, [req])
+    except AssertionError as e:
+        return str(e)
+    # reached: worker 0 reported every store, worker 1 none, and nothing is cached yet
+    assert conn._store_event_pending_counts and not len(conn.cpu_block_pool.cached_block_hash_to_block)
+    lagging.max_ops_per_call = 2
+    eng.run()
+    rel_check_cached_kv(eng, [req])
+    assert len(conn.cpu_block_pool.cached_block_hash_to_block) == 4  # 64 // 16 full blocks
+    return None
+
+
+def test_async_store_reported_by_one_of_two_workers_registers_nothing():
+    """World size 2: a store event completes only once both workers reported it. Worker 1's
+    copies are still queued while worker 0 reports: nothing may be cached, and once worker 1
+    catches up all 4 blocks are cached, exact on both. Planted bug: the manager completes the
+    event on the first report (world_size 1 with two workers, which MiniEngine now rejects) ->
+    a block is cached while worker 1's CPU copy of it still holds zeros."""
+    assert _one_of_two_workers_reports(plant_bug=False) is None
+    assert "(worker 1): KV differs" in _one_of_two_workers_reports(plant_bug=True)
+
+
+class _ResetDropsQueuedLoads(ko.SimpleCPUOffloadScheduler):
+    """Planted bug: reset() takes a load the worker already has (maybe still queued) for one
+    never sent, and releases its pins at once."""
+
+    def reset(self) -> bool:
+        for state in self._reqs_to_load.values():
+            state.load_event = None
+        return super().reset()
+
+
+def _reset_while_a_load_is_queued(connector_cls) -> tuple[bool, bool]:
+    """6 usable GPU blocks of 16 tokens, 5 CPU blocks. A (80 tokens) is stored, the GPU cache
+    dropped. B (A's prompt) hits 64 tokens on CPU: it takes 4 GPU blocks and its load is queued
+    on a device that runs nothing yet. reset(), then B is aborted. C (80 other tokens, 3 output
+    tokens) arrives and needs 5 blocks; after one step the device runs everything queued, then
+    the engine runs to the end. Returns (reset's result, C's KV == expected_kv)."""
+    eng, conn, model = _story_engine(connector_cls, num_gpu_blocks=7, num_cpu_blocks=6, device="deferred")
+    dev = eng.workers[0].copy_engine
+    prompt_a, prompt_c = _prompt(80), _prompt(80, seed=1)
+    eng.add_request(ko.Request("A", prompt_a, 16))
+    eng.run()
+    assert len(conn.cpu_block_pool.cached_block_hash_to_block) == 5 and eng.reset_gpu_prefix_cache()
+    dev.max_ops_per_call = 0
+    eng.add_request(ko.Request("B", prompt_a, 16))
+    eng.step()
+    assert eng.loading == {"B": 64} and eng.workers[0].load_stream.ops, "B's load should be queued"
+    reset_done = conn.reset()
+    eng.abort_request("B")
+    eng.add_request(ko.Request("C", prompt_c, 16, max_tokens=3))
+    eng.step()  # C starts only if B's 4 blocks are free again: 2 others are
+    dev.run()   # B's load lands now
+    dev.max_ops_per_call = 2
+    st = eng.run()
+    return reset_done, torch.equal(st["C"].kv, model.expected_kv(prompt_c))
+
+
+def test_async_reset_while_a_load_is_queued():
+    """reset() while B's load is queued, then B is aborted: the load is abandoned, not dropped,
+    so its GPU destinations (and CPU sources) stay pinned until it ran (reset returns False);
+    C waits for them and its KV is exact. Planted bug (_ResetDropsQueuedLoads): the pins go at
+    once (reset returns True), C takes B's 4 blocks and computes, then B's queued load lands on
+    top of C's KV: C's KV (and next tokens) are wrong."""
+    assert _reset_while_a_load_is_queued(ko.SimpleCPUOffloadScheduler) == (False, True)
+    assert _reset_while_a_load_is_queued(_ResetDropsQueuedLoads) == (True, False)
+
+
+class _ReportsAtIssue(ko.SimpleCPUOffloadWorker):
+    """Planted bug: the worker takes every copy it issued as complete (no event query)."""
+
+    def _poll(self, is_store: bool) -> int:
+        for idx, _ in (self._store_events if is_store else self._load_events):
+            self._set_hwm(is_store, idx)
+        (self._store_events if is_store else self._load_events).clear()
+        return self._store_hwm if is_store else self._load_hwm
+
+
+@pytest.mark.parametrize("worker_cls", [ko.SimpleCPUOffloadWorker, _ReportsAtIssue])
+def test_async_copies_are_reported_only_after_they_ran(worker_cls):
+    """The story (3000 tokens, block 16) on the deferred engine: B loads 187 blocks and its KV
+    is exact. Planted bug (_ReportsAtIssue): completions are reported when the copies are
+    issued -> A's blocks are cached before their bytes are on CPU and B's load is taken as
+    landed before it ran: B computes on zeros and its KV differs."""
+    model = ko.ToyModel(2, 2, 16)
+    conn = ko.SimpleCPUOffloadScheduler(300, 16)
+    eng = ko.MiniEngine(300, 16, 512, model, conn, worker_cls(300, copy_engine=ko.DeferredCopyEngine()),
+                        capture_kv=True)
+    prompt = _prompt(3000)
+    eng.add_request(ko.Request("A", prompt, 16))
+    eng.run()
+    assert eng.reset_gpu_prefix_cache()
+    eng.add_request(ko.Request("B", prompt, 16))
+    b = eng.run()["B"]
+    assert b.cpu_hit_tokens == 2992
+    assert torch.equal(b.kv, model.expected_kv(prompt)) == (worker_cls is ko.SimpleCPUOffloadWorker)
+
+
 # ===============================================================================================
 # Manager scenarios: vLLM's tests/v1/simple_kv_offload/test_scheduler.py in spirit, and the seven tests of PR #53532
 BS = 16  # tokens per block unless a test says otherwise
