@@ -41,6 +41,8 @@ Sections, bottom-up (every name is defined before it is used):
 """
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import hashlib
 import math
 import random
@@ -1127,6 +1129,21 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
 # -----------------------------------------------------------------------------
 # 6. Copy worker (vLLM's worker.py + copy_backend.py)
 
+# CPU runs of at least this many bytes are copied by two threads (see _launch), unless torch
+# is held to one (torch.set_num_threads(1): then the worker's copies stay on one core as well)
+_SPLIT_COPY_MIN_BYTES = 1 << 20
+
+
+@functools.cache
+def _copy_helper() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv_offload-copy")
+
+
+def _copy_pairs(pairs: list[tuple[Any, Any]]) -> None:
+    for d, s in pairs:
+        d[...] = s
+
+
 def _coalesce_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """(src_start, dst_start, length) for runs consecutive on *both* sides: one slice copy each."""
     runs: list[list[int]] = []
@@ -1444,12 +1461,23 @@ class SimpleCPUOffloadWorker:
             event = dev.Event()
             event.record(stream)
         else:
-            # CPU: numpy slice assignment is a plain memcpy; a torch copy_ per run costs several
-            # microseconds of dispatch, which dominates for scattered ids (see --bench)
+            # CPU: numpy slice assignment is a plain memcpy, without torch's per-call dispatch
+            # (several µs, which dominates for scattered ids: see --bench). It copies on one core:
+            # the second half of each large run goes to a helper thread meanwhile (numpy releases
+            # the GIL while it copies), as torch's own copy_ of a large tensor uses every core.
+            mine, helper = [], []  # (dst rows, src rows) pairs
+            split_bytes = _SPLIT_COPY_MIN_BYTES if torch.get_num_threads() > 1 else math.inf
             for name, s in src.items():
                 s_np, d_np = _byte_rows(s), _byte_rows(dst[name])
                 for s0, d0, n in runs:
-                    d_np[d0:d0 + n] = s_np[s0:s0 + n]
+                    h = n // 2 if n * s_np.shape[1] >= split_bytes else n
+                    mine.append((d_np[d0:d0 + h], s_np[s0:s0 + h]))
+                    if h < n:
+                        helper.append((d_np[d0 + h:d0 + n], s_np[s0 + h:s0 + n]))
+            job = _copy_helper().submit(_copy_pairs, helper) if helper else None
+            _copy_pairs(mine)
+            if job is not None:
+                job.result()
         (self._store_events if is_store else self._load_events).append((event_idx, event))
 
     @staticmethod
@@ -1896,15 +1924,18 @@ def bench_manager(prompt_tokens: int = 65536, chunk: int = 4096, block_size: int
     return {"store_us_per_block": spent[0] / stored * 1e6, "load_us_per_block": spent[1] / (n - 1) * 1e6}
 
 
-def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_copy: int = 512, reps: int = 5) -> list[dict]:
-    """Worker copy bandwidth vs one plain copy of the same number of bytes, same run. The plain
-    copy is the ceiling: on CUDA one device<->pinned-host copy_, on CPU one memcpy (numpy, single
-    thread like the worker; torch's threaded copy_ collapses when the 2 cores are busy)."""
+def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_copy: int = 512,
+                 reps: int = 5, num_layers: int = 8) -> list[dict]:
+    """Worker copy bandwidth vs one plain copy of the same number of bytes: on CUDA one
+    device<->pinned-host copy_, on CPU torch's own copy_ (which uses every core for a large
+    tensor). Interleaved: each rep times the worker, then the plain copy, so a neighbour's load
+    on a shared machine hits both alike; ratio = t_plain / t_worker, median and min over reps."""
     rows, g = [], torch.Generator().manual_seed(0)
     elems = block_kib * 1024 // 2  # float16 elements per block (per layer: K and V together)
-    layouts = {"per-layer (2,N,..) x4": {f"l{i}": torch.zeros(2, num_blocks, elems // 2, dtype=torch.float16, device=device)
-                                          for i in range(4)},
-               "cross-layer [N,...]": {"all": torch.zeros(num_blocks, 4, elems, dtype=torch.float16, device=device)}}
+    f16 = dict(dtype=torch.float16, device=device)
+    per_layer = {f"l{i}": torch.zeros(2, num_blocks, elems // 2, **f16) for i in range(num_layers)}
+    cross_layer = {"all": torch.zeros(num_blocks, num_layers, elems, **f16)}
+    layouts = {f"per-layer (2,N,..) x{num_layers}": per_layer, "cross-layer [N,...]": cross_layer}
     for layout, caches in layouts.items():
         w = SimpleCPUOffloadWorker(num_blocks)
         w.register_kv_caches(caches, num_blocks)
@@ -1913,34 +1944,55 @@ def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_cop
         host_buf = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
         for ids_kind in ("contiguous", "scattered"):
             gpu_ids, cpu_ids = ([list(range(1, n_copy + 1))] * 2 if ids_kind == "contiguous" else
-                                [(torch.randperm(num_blocks - 1, generator=g)[:n_copy] + 1).tolist() for _ in range(2)])
+                                [(torch.randperm(num_blocks - 1, generator=g)[:n_copy] + 1).tolist()
+                                 for _ in range(2)])
             for direction in ("store", "load"):
                 src, dst = (dev_buf, host_buf) if direction == "store" else (host_buf, dev_buf)
-                plain = ((lambda: dst.copy_(src, non_blocking=True)) if device == "cuda" else
-                         (lambda: _byte_rows(dst[None]).__setitem__(slice(None), _byte_rows(src[None]))))
                 event = len(rows)  # event indices must grow per direction
-                w.bind_connector_metadata(SimpleCPUOffloadMetadata(
-                    store_event=event, store_gpu_blocks=gpu_ids, store_cpu_blocks=cpu_ids) if direction == "store" else
-                    SimpleCPUOffloadMetadata(load_event=event, load_gpu_blocks=gpu_ids, load_cpu_blocks=cpu_ids))
-                t_worker = _time_it(w.wait_for_save if direction == "store" else w.start_load_kv, device, reps)
-                t_plain = _time_it(plain, device, reps)
+                if direction == "store":
+                    meta = SimpleCPUOffloadMetadata(store_event=event, store_gpu_blocks=gpu_ids,
+                                                    store_cpu_blocks=cpu_ids)
+                else:
+                    meta = SimpleCPUOffloadMetadata(load_event=event, load_gpu_blocks=gpu_ids,
+                                                    load_cpu_blocks=cpu_ids)
+                w.bind_connector_metadata(meta)
+                copy = w.wait_for_save if direction == "store" else w.start_load_kv
+                plain = functools.partial(dst.copy_, src, non_blocking=True)
+                t_worker, t_plain = _time_pairs(copy, plain, device, reps)
                 w._store_events.clear(), w._load_events.clear()
-                rows.append(dict(device=device, layout=layout, ids=ids_kind, direction=direction, block_kib=block_kib,
-                                 worker_gbps=nbytes / t_worker / 1e9, plain_gbps=nbytes / t_plain / 1e9,
-                                 ratio=t_plain / t_worker))
+                ratios = sorted(p / t for t, p in zip(t_worker, t_plain))
+                median = reps // 2
+                rows.append(dict(device=device, layout=layout, ids=ids_kind, direction=direction,
+                                 block_kib=block_kib,
+                                 worker_gbps=nbytes / sorted(t_worker)[median] / 1e9,
+                                 plain_gbps=nbytes / sorted(t_plain)[median] / 1e9,
+                                 ratio=ratios[median], ratio_min=ratios[0]))
     return rows
 
 
-def _time_it(fn, device: str, reps: int) -> float:
-    fn()  # warm-up
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t) / reps
+def _time_pairs(worker_fn, plain_fn, device: str, reps: int) -> tuple[list[float], list[float]]:
+    """Seconds per call of each, rep by rep, back to back; a first pair warms up (page faults)."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(reps + 1):
+        for fn, out in zip((worker_fn, plain_fn), times):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()  # the copies are asynchronous: time them to the end
+            out.append(time.perf_counter() - t)
+    return times[0][1:], times[1][1:]
+
+
+def _print_copy_rows(devices: list[str]) -> None:
+    print(f"{'device':7}{'layout':24}{'ids':12}{'dir':7}{'KiB/blk':>8}{'worker GB/s':>13}"
+          f"{'plain GB/s':>12}{'ratio (min)':>14}")
+    for d in devices:
+        for r in bench_copies(d) + bench_copies(d, block_kib=256, num_blocks=256, n_copy=128):
+            print(f"{r['device']:7}{r['layout']:24}{r['ids']:12}{r['direction']:7}"
+                  f"{r['block_kib']:>8}{r['worker_gbps']:>13.2f}{r['plain_gbps']:>12.2f}"
+                  f"{r['ratio']:>8.2f} ({r['ratio_min']:.2f})")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -1962,11 +2014,10 @@ def main(argv: list[str] | None = None) -> None:
     m = bench_manager()
     print(f"manager: {m['store_us_per_block']:.2f} µs per stored block, {m['load_us_per_block']:.2f} µs per CPU-hit "
           "block (65,536-token prompt, 4096-token chunks, block 16; vLLM 0.33 on the 2-core dev box: 2.0 / 1.1)")
-    print(f"\n{'device':7}{'layout':24}{'ids':12}{'dir':7}{'KiB/blk':>8}{'worker GB/s':>13}{'plain GB/s':>12}{'ratio':>7}")
-    for d in devices:
-        for r in bench_copies(d) + bench_copies(d, block_kib=256, num_blocks=256, n_copy=128):
-            print(f"{r['device']:7}{r['layout']:24}{r['ids']:12}{r['direction']:7}{r['block_kib']:>8}"
-                  f"{r['worker_gbps']:>13.2f}{r['plain_gbps']:>12.2f}{r['ratio']:>7.2f}")
+    print(f"\ncopies, {torch.get_num_threads()} torch threads. plain = one copy_ of the same bytes "
+          "(CPU: torch's; CUDA: to or from pinned memory).\nratio = plain time / worker time, "
+          "median (min) of 5 interleaved reps: 1.0 = as fast as the plain copy")
+    _print_copy_rows(devices)
     print("\nTTFT of the repeated prompt (request B), pre-fix vs fixed:")
     for d in devices:
         pre, fix = (run_story(c, args.prompt_tokens, device=d) for c in (PreFixCPUOffloadScheduler, SimpleCPUOffloadScheduler))
