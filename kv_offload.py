@@ -1995,12 +1995,38 @@ def _print_copy_rows(devices: list[str]) -> None:
                   f"{r['ratio']:>8.2f} ({r['ratio_min']:.2f})")
 
 
+def gpu_check(fuzz_examples: int = 200) -> int:
+    """`python kv_offload.py --gpu-check`, for whoever has a GPU: every CUDA test case (worker
+    copies, end to end, the reliability scenarios, the worker's step under
+    torch.cuda.set_sync_debug_mode("error")), `fuzz_examples` random schedules with
+    device="cuda", then --bench's CUDA copy rows. Returns the exit status: non-zero on any
+    failure, and without a GPU (a skipped check must not read as a passed one)."""
+    import os
+    import subprocess
+    import sys
+    if not torch.cuda.is_available():
+        print("--gpu-check: torch sees no CUDA device; nothing was checked")
+        return 2
+    tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_kv_offload.py")
+    # KV_OFFLOAD_REQUIRE_CUDA: a CUDA case fails instead of skipping
+    env = dict(os.environ, KV_OFFLOAD_REQUIRE_CUDA="1", KV_OFFLOAD_FUZZ_EXAMPLES=str(fuzz_examples))
+    pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    rc = subprocess.call([*pytest, "-k", "cuda", tests], env=env)
+    print()
+    _print_copy_rows(["cuda"])
+    return rc
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bench", action="store_true", help="manager and copy benchmarks instead of the story")
+    p.add_argument("--gpu-check", action="store_true",
+                   help="the CUDA test cases, a CUDA fuzz, then the CUDA copy bench")
     p.add_argument("--prompt-tokens", type=int, default=8192)
     args = p.parse_args(argv)
+    if args.gpu_check:
+        raise SystemExit(gpu_check())
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     if not args.bench:
         print(f"Request A: {args.prompt_tokens}-token prompt, chunked prefill (1024 tokens/step), 1 output token.\n"

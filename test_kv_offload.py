@@ -259,8 +259,9 @@ def test_multi_group_lookup_requires_every_group():
 # ----------------------------------------------------------------------------- copy worker
 
 # "deferred": CPU caches, the worker's CUDA branch on ko.DeferredCopyEngine (copies run later,
-# out of step); "cuda" skips without a GPU
-CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))
+# out of step); "cuda" skips without a GPU, except under KV_OFFLOAD_REQUIRE_CUDA (--gpu-check)
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() and not os.environ.get("KV_OFFLOAD_REQUIRE_CUDA"), reason="needs a GPU"))
 DEVICES = ["cpu", "deferred", CUDA]
 
 
@@ -755,6 +756,132 @@ def test_async_copies_are_reported_only_after_they_ran(worker_cls):
     b = eng.run()["B"]
     assert b.cpu_hit_tokens == 2992
     assert torch.equal(b.kv, model.expected_kv(prompt)) == (worker_cls is ko.SimpleCPUOffloadWorker)
+
+
+# ----------------------------------------------------------------------------- the GPU check (--gpu-check)
+# What a GPU is needed for runs there; here, every piece that can run on CPU does.
+
+STEP_CALLS = ("bind_connector_metadata", "start_load_kv", "wait_for_save", "get_finished",
+              "build_connector_worker_meta", "clear_connector_metadata")
+
+
+def sync_checked(worker, set_mode=None):
+    """Run the worker's per-step calls under torch.cuda.set_sync_debug_mode("error"), so that a
+    hidden CPU-GPU sync in any of them raises. handle_preemptions is left out: a need_flush
+    waits for every copy by design."""
+    set_mode = set_mode or torch.cuda.set_sync_debug_mode
+
+    def checked(call):
+        def run(*args):
+            set_mode("error")
+            try:
+                return call(*args)
+            finally:
+                set_mode("default")
+        return run
+
+    for name in STEP_CALLS:
+        setattr(worker, name, checked(getattr(worker, name)))
+    return worker
+
+
+def _story_with_sync_check(device, set_mode=None, plant_sync=False):
+    eng, conn, model = _story_engine(device=device)
+    w = eng.workers[0]
+    if plant_sync:  # planted: the worker reads KV on the host, a sync, before each store
+        store = w.wait_for_save
+
+        def wait_for_save():
+            next(iter(w.gpu_caches.values()))[0].sum().item()
+            store()
+        w.wait_for_save = wait_for_save
+    sync_checked(w, set_mode)
+    prompt = _prompt(1000)
+    eng.add_request(ko.Request("A", prompt, 16))
+    eng.run()
+    assert eng.reset_gpu_prefix_cache()
+    eng.add_request(ko.Request("B", prompt, 16))
+    b = eng.run()["B"]
+    assert b.cpu_hit_tokens == 992 and torch.equal(b.kv, model.expected_kv(prompt).cpu())
+
+
+@pytest.mark.parametrize("device", [CUDA])
+def test_worker_step_has_no_hidden_sync(device):
+    """The story (1000 tokens: 62 blocks stored, then loaded) with every per-step worker call
+    under set_sync_debug_mode("error"): stores, loads and polls never make the CPU wait for the
+    GPU. The check is live: a planted `.item()` before each store raises."""
+    _story_with_sync_check(device)
+    with pytest.raises(RuntimeError, match="synchronizing"):
+        _story_with_sync_check(device, plant_sync=True)
+
+
+def test_sync_check_covers_every_copy_and_poll():
+    """The CPU half of test_worker_step_has_no_hidden_sync, on the deferred engine with a stand-in
+    for set_sync_debug_mode: every copy the worker issues and every event it polls happens while
+    the mode is "error", and the mode is back to "default" between calls."""
+    mode, seen = ["default"], Counter()
+    launch, poll = ko.SimpleCPUOffloadWorker._launch, ko.SimpleCPUOffloadWorker._poll
+
+    def spy_launch(self, *args, **kwargs):
+        seen["copy", mode[0]] += 1
+        return launch(self, *args, **kwargs)
+
+    def spy_poll(self, is_store):
+        seen["poll", mode[0]] += 1
+        return poll(self, is_store)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ko.SimpleCPUOffloadWorker, "_launch", spy_launch)
+        mp.setattr(ko.SimpleCPUOffloadWorker, "_poll", spy_poll)
+        _story_with_sync_check("deferred", set_mode=lambda m: mode.__setitem__(0, m))
+    assert set(seen) == {("copy", "error"), ("poll", "error")} and mode == ["default"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU answer")
+def test_gpu_check_fails_without_a_gpu(capsys):
+    """No GPU: --gpu-check must not pass by skipping everything."""
+    with pytest.raises(SystemExit) as exit_:
+        ko.main(["--gpu-check"])
+    assert exit_.value.code == 2 and "no CUDA device" in capsys.readouterr().out
+
+
+def test_gpu_check_runs_the_gpu_cases_then_the_gpu_bench(monkeypatch):
+    """With a stand-in GPU: the check runs pytest -k cuda on this file with 200 fuzz examples and
+    skips turned into failures, prints the CUDA bench rows, and exits with pytest's status."""
+    import subprocess
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(subprocess, "call", lambda argv, env: calls.append((argv, env)) or 1)
+    monkeypatch.setattr(ko, "_print_copy_rows", lambda devices: calls.append(devices))
+    with pytest.raises(SystemExit) as exit_:
+        ko.main(["--gpu-check"])
+    (argv, env), devices = calls
+    assert exit_.value.code == 1 and devices == ["cuda"]
+    assert argv[argv.index("-k") + 1] == "cuda" and argv[-1].endswith("test_kv_offload.py")
+    assert env["KV_OFFLOAD_REQUIRE_CUDA"] == "1" and env["KV_OFFLOAD_FUZZ_EXAMPLES"] == "200"
+
+
+def test_gpu_check_selects_every_gpu_case():
+    """What `-k cuda` collects under KV_OFFLOAD_REQUIRE_CUDA: the CUDA parameter of every device-
+    parametrized test (worker copies, end to end, two workers, reliability scenarios, the fuzz,
+    the sync check) and nothing else; and a selected case fails, not skips, without a GPU."""
+    import subprocess
+    import sys
+    env = dict(os.environ, KV_OFFLOAD_REQUIRE_CUDA="1")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
+                          "-k", "cuda", __file__], env=env, capture_output=True, text=True).stdout
+    ids = [line for line in out.splitlines() if "::" in line]
+    names = {i.split("::")[1].split("[")[0] for i in ids}
+    assert {"test_worker_copies_exact_blocks_both_directions", "test_repeated_prompt_end_to_end",
+            "test_two_workers_world_size_2", "test_rel_fuzz_random_schedules", "test_worker_step_has_no_hidden_sync",
+            "test_rel_abort_while_its_load_is_in_flight", "test_rel_reset_while_a_store_and_a_load_are_in_flight",
+            "test_rel_world_size_2_one_worker_lags"} <= names
+    assert all("cuda" in i.split("[")[1] for i in ids), ids
+    if not torch.cuda.is_available():
+        one = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                              "-k", "cuda and worker_copies and flash and contiguous", __file__],
+                             env=env, capture_output=True, text=True).stdout
+        assert "1 failed" in one and "skipped" not in one, one
 
 
 # ===============================================================================================
