@@ -41,7 +41,6 @@ Sections, bottom-up (every name is defined before it is used):
 """
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import hashlib
 import math
@@ -1129,19 +1128,8 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
 # -----------------------------------------------------------------------------
 # 6. Copy worker (vLLM's worker.py + copy_backend.py)
 
-# CPU runs of at least this many bytes are copied by two threads (see _launch), unless torch
-# is held to one (torch.set_num_threads(1): then the worker's copies stay on one core as well)
-_SPLIT_COPY_MIN_BYTES = 1 << 20
-
-
-@functools.cache
-def _copy_helper() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv_offload-copy")
-
-
-def _copy_pairs(pairs: list[tuple[Any, Any]]) -> None:
-    for d, s in pairs:
-        d[...] = s
+# CPU runs of at least this many bytes go through torch's threaded copy_ (see _launch)
+_TORCH_COPY_MIN_BYTES = 1 << 20
 
 
 def _coalesce_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -1462,22 +1450,19 @@ class SimpleCPUOffloadWorker:
             event.record(stream)
         else:
             # CPU: numpy slice assignment is a plain memcpy, without torch's per-call dispatch
-            # (several µs, which dominates for scattered ids: see --bench). It copies on one core:
-            # the second half of each large run goes to a helper thread meanwhile (numpy releases
-            # the GIL while it copies), as torch's own copy_ of a large tensor uses every core.
-            mine, helper = [], []  # (dst rows, src rows) pairs
-            split_bytes = _SPLIT_COPY_MIN_BYTES if torch.get_num_threads() > 1 else math.inf
+            # (several µs, which dominates for scattered ids: see --bench). But it uses one core:
+            # a large run goes through torch's copy_, which splits it over torch's threads.
+            # (On a machine whose other cores are busy, threaded torch calls stall: there
+            # torch.set_num_threads(1) brings back numpy's speed, for this and for everything.)
+            min_bytes = _TORCH_COPY_MIN_BYTES if torch.get_num_threads() > 1 else math.inf
             for name, s in src.items():
-                s_np, d_np = _byte_rows(s), _byte_rows(dst[name])
+                d = dst[name]
+                s_np, d_np = _byte_rows(s), _byte_rows(d)
                 for s0, d0, n in runs:
-                    h = n // 2 if n * s_np.shape[1] >= split_bytes else n
-                    mine.append((d_np[d0:d0 + h], s_np[s0:s0 + h]))
-                    if h < n:
-                        helper.append((d_np[d0 + h:d0 + n], s_np[s0 + h:s0 + n]))
-            job = _copy_helper().submit(_copy_pairs, helper) if helper else None
-            _copy_pairs(mine)
-            if job is not None:
-                job.result()
+                    if n * s_np.shape[1] >= min_bytes:
+                        d[d0:d0 + n].copy_(s[s0:s0 + n])
+                    else:
+                        d_np[d0:d0 + n] = s_np[s0:s0 + n]
         (self._store_events if is_store else self._load_events).append((event_idx, event))
 
     @staticmethod

@@ -326,6 +326,15 @@ def test_worker_copies_exact_blocks_both_directions(device, layout, ids):
         w.clear_connector_metadata()
 
 
+@pytest.mark.parametrize("layout", ["flash", "blocks_first"])
+@pytest.mark.parametrize("ids", ["contiguous", "scattered"])
+def test_worker_cpu_copies_through_torch_for_large_runs(layout, ids, monkeypatch):
+    """The same oracle when every CPU run takes the large-run path (torch's threaded copy_)."""
+    monkeypatch.setattr(ko, "_TORCH_COPY_MIN_BYTES", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    test_worker_copies_exact_blocks_both_directions("cpu", layout, ids)
+
+
 def test_worker_splits_flash_layout_and_dedups_shared_storage():
     t = torch.zeros(2, 6, 4, 8)
     w = ko.SimpleCPUOffloadWorker(4)
