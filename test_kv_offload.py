@@ -2,11 +2,12 @@
 
 Oracles, never the code under test: hand-derived numbers (in each docstring), ToyModel.expected_kv
 for KV bytes, the pre-fix variant (every test about either bug must fail there: see
-assert_variant), vLLM's copy-test oracle for the worker, and vLLM 0.33 itself when importable
-(the differential tests at the end skip cleanly without it).
+assert_variant), vLLM's copy-test oracle for the worker, planted ordering bugs for the copy
+worker on a simulated asynchronous device (each scenario must catch its own), and vLLM 0.33
+itself when importable (the differential tests at the end skip cleanly without it).
 
 Sections: hashing and requests; block pool; find_longest_cache_hit; copy worker; toy model and
-engine; manager scenarios (vLLM's test_scheduler.py, PR #53532's seven tests); reliability
+engine; copy worker on an asynchronous device; the GPU check (--gpu-check); manager scenarios (vLLM's test_scheduler.py, PR #53532's seven tests); reliability
 (random schedules, injected faults, bad input); the notebook; differential tests against vLLM.
 """
 from __future__ import annotations
