@@ -46,8 +46,10 @@ Sections, bottom-up (every name is defined before it is used):
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
+import random
 import struct
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -1256,6 +1258,10 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
 # -----------------------------------------------------------------------------
 # 6. Copy worker (vLLM's worker.py + copy_backend.py)
 
+# CPU runs of at least this many bytes go through torch's threaded copy_ (see _launch)
+_TORCH_COPY_MIN_BYTES = 1 << 20
+
+
 def _coalesce_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """(src_start, dst_start, length) for runs consecutive on *both* sides: one slice copy each."""
     runs: list[list[int]] = []
@@ -1267,6 +1273,126 @@ def _coalesce_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple
     return [tuple(r) for r in runs]
 
 
+class _SimStream:
+    """A DeferredCopyEngine stream: a FIFO of copies (callables) and barriers ((stream, n): wait
+    until that stream ran n ops)."""
+
+    def __init__(self) -> None:
+        self.ops: list[Any] = []
+        self.num_done = 0
+
+    def mark(self) -> tuple[_SimStream, int]:
+        return self, self.num_done + len(self.ops)  # "everything queued so far"
+
+    def ready(self) -> bool:
+        if not self.ops:
+            return False
+        op = self.ops[0]
+        return callable(op) or op[0].num_done >= op[1]  # a copy, or a barrier already passed
+
+    def run_next(self) -> None:
+        op = self.ops.pop(0)
+        if callable(op):
+            op()
+        self.num_done += 1
+
+    def wait_event(self, event: _SimEvent) -> None:
+        if event.mark is not None:  # as CUDA: an event never recorded waits for nothing
+            self.ops.append(event.mark)
+
+    def wait_stream(self, stream: _SimStream) -> None:
+        self.ops.append(stream.mark())
+
+
+class _SimEvent:
+    """A DeferredCopyEngine event: done once the stream of its last record() ran to that mark."""
+
+    def __init__(self, engine: DeferredCopyEngine) -> None:
+        self.engine, self.mark = engine, None
+
+    def record(self, stream: _SimStream) -> None:
+        self.mark = stream.mark()
+
+    def done(self) -> bool:
+        return self.mark is None or self.mark[0].num_done >= self.mark[1]
+
+    def query(self) -> bool:
+        done = self.done()
+        # time passes after the look, so only a later poll sees what runs now
+        for _ in range(self.engine.rng.randint(0, self.engine.max_ops_per_call)):
+            self.engine.step()
+        return done
+
+    def synchronize(self) -> None:
+        while not self.done():
+            if not self.engine.step():
+                raise RuntimeError("DeferredCopyEngine: this event can never complete")
+
+
+class _QueueCopies(torch.overrides.TorchFunctionMode):
+    """Inside DeferredCopyEngine.stream(s): Tensor.copy_ is queued on s, all else runs as usual."""
+
+    def __init__(self, stream: _SimStream) -> None:
+        super().__init__()
+        self.stream = stream
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is not torch.Tensor.copy_:
+            return func(*args, **(kwargs or {}))
+        dst, src = args[0], args[1]
+        self.stream.ops.append(lambda: dst.copy_(src))  # reads src when it runs, as DMA does
+        return dst
+
+
+class DeferredCopyEngine:
+    """A simulated asynchronous copy engine for CPU caches. It stands in for `torch.cuda` in the
+    worker (`SimpleCPUOffloadWorker(n, copy_engine=DeferredCopyEngine())`), so that the CUDA
+    branch and its ordering run in CI, where CPU copies would finish inside the step. As a DMA
+    engine: inside `with engine.stream(s):` each Tensor.copy_ is queued on s (a FIFO) and reads
+    its source when it *runs*; `event.record(s)`, `s.wait_event(e)` and `s.wait_stream(t)` take
+    a mark of what is queued at that call, as CUDA does. Ops run only while the host polls: each
+    `event.query()` answers, then runs 0..max_ops_per_call ready ops of random (seeded)
+    streams, so a copy is seen done only by a later poll and streams run out of step (0: nothing
+    runs by itself). `run(*streams)` runs all it can, those streams first: a test's adversarial
+    order. `compute` is the current stream: MiniEngine's forward runs on the host (already done
+    when a copy is issued); a test queues a forward of its own there.
+    """
+
+    def __init__(self, seed: int = 0, max_ops_per_call: int = 2):
+        self.rng, self.max_ops_per_call = random.Random(seed), max_ops_per_call
+        self.streams: list[_SimStream] = []
+        self.compute = self.Stream()
+
+    # torch.cuda's names, so that the worker's CUDA branch runs unchanged
+    def Stream(self, device: Any = None, priority: int = 0) -> _SimStream:  # noqa: N802
+        self.streams.append(_SimStream())
+        return self.streams[-1]
+
+    def Event(self) -> _SimEvent:  # noqa: N802
+        return _SimEvent(self)
+
+    def current_stream(self, device: Any = None) -> _SimStream:
+        return self.compute
+
+    def stream(self, stream: _SimStream) -> _QueueCopies:
+        return _QueueCopies(stream)
+
+    def step(self) -> bool:
+        """Run the next op of a random stream that can run; False if none can."""
+        ready = [s for s in self.streams if s.ready()]
+        if ready:
+            self.rng.choice(ready).run_next()
+        return bool(ready)
+
+    def run(self, *first: _SimStream) -> None:
+        while True:
+            stream = next((s for s in first if s.ready()), None)
+            if stream is not None:
+                stream.run_next()
+            elif not self.step():
+                return
+
+
 class SimpleCPUOffloadWorker:
     """Worker side: owns the CPU mirrors and runs the copies the metadata asks for.
 
@@ -1276,10 +1402,16 @@ class SimpleCPUOffloadWorker:
     for the compute stream's earlier work: its GPU destination may be a block a finished request
     was still being read from. Completion is polled (event.query(), never a sync) in FIFO order,
     one high-water mark per direction: event i done => every event <= i of that stream done.
-    CPU: the same calls, copies done synchronously (events are None = already complete).
+    So event indices must grow per direction (a lower one is a ValueError); an event with
+    nothing to copy is complete at once.
+    CPU: the same calls, copies done synchronously (events are None = already complete); with
+    `copy_engine=DeferredCopyEngine(...)`, the CUDA branch itself, on a simulated device.
+    NOTE: register_kv_caches() is once per worker, a second call is a ValueError: new mirrors
+    would hold zeros under hashes the manager keeps serving (and, on CUDA, free pinned memory
+    that queued copies still use). A new engine gets new workers.
     """
 
-    def __init__(self, num_cpu_blocks: int):
+    def __init__(self, num_cpu_blocks: int, copy_engine: DeferredCopyEngine | None = None):
         if not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 2:
             raise ValueError(f"num_cpu_blocks must be >= 2, got {num_cpu_blocks!r}")
         self.num_cpu_blocks = num_cpu_blocks
@@ -1287,12 +1419,15 @@ class SimpleCPUOffloadWorker:
         self.gpu_caches: dict[str, torch.Tensor] = {}  # region -> [num_gpu_blocks, ...] view
         self.cpu_caches: dict[str, torch.Tensor] = {}  # region -> [num_cpu_blocks, ...] mirror
         self.device = torch.device("cpu")
+        self.copy_engine = copy_engine  # None: torch.cuda on CUDA, synchronous copies on CPU
         self.load_stream = self.store_stream = None
         self._load_events: list[tuple[int, Any]] = []   # (event index, torch.cuda.Event | None), FIFO
         self._store_events: list[tuple[int, Any]] = []
         self._load_hwm = self._store_hwm = -1           # highest completed event per direction
+        self._last_load_event = self._last_store_event = -1  # highest event bound per direction
         self._pending_load_event_indices: set[int] = set()
         self._pending_store_event_indices: set[int] = set()
+        self._finished_recving: set[str] = set()  # loads done, not yet reported by get_finished()
         self._completed_store_events: dict[int, int] = {}
         self._connector_metadata: SimpleCPUOffloadMetadata | None = None
         self._store_compute_done = None  # reused: copies are FIFO per stream
@@ -1329,14 +1464,21 @@ class SimpleCPUOffloadWorker:
                 if ident not in seen:  # layers sharing storage are copied once
                     seen.add(ident)
                     regions[key] = region
+        pin = tensors[0].device.type == "cuda"  # pinned host memory: async DMA, no staging copy
+        if pin and self.copy_engine is not None:
+            raise ValueError("kv_caches are on CUDA: copy_engine simulates a device for CPU caches")
+        if self.cpu_caches:
+            raise ValueError("register_kv_caches: this worker's KV caches are already registered "
+                             "(once per worker: see the class docstring)")
         self.device, self.num_gpu_blocks, self.gpu_caches = tensors[0].device, num_gpu_blocks, regions
-        pin = self.device.type == "cuda"  # pinned host memory: async DMA, no staging copy
         self.cpu_caches = {k: torch.zeros((self.num_cpu_blocks, *r.shape[1:]), dtype=r.dtype, pin_memory=pin)
                            for k, r in regions.items()}
-        if pin:
-            low_priority = torch.cuda.Stream.priority_range()[0]  # (least, greatest): 0 is lowest
-            self.load_stream = torch.cuda.Stream(self.device, priority=low_priority)
-            self.store_stream = torch.cuda.Stream(self.device, priority=low_priority)
+        if pin or self.copy_engine is not None:
+            dev = self.copy_engine or torch.cuda
+            # (least, greatest): 0 is the lowest, copies yield to compute
+            low_priority = torch.cuda.Stream.priority_range()[0] if pin else 0
+            self.load_stream = dev.Stream(self.device, priority=low_priority)
+            self.store_stream = dev.Stream(self.device, priority=low_priority)
 
     # --- per step ---------------------------------------------------------------
 
@@ -1346,11 +1488,24 @@ class SimpleCPUOffloadWorker:
                         self.num_cpu_blocks, "store")
         self._check_ids(metadata.load_cpu_blocks, metadata.load_gpu_blocks, self.num_cpu_blocks,
                         self.num_gpu_blocks, "load")
+        for what, event, last in (("load_event", metadata.load_event, self._last_load_event),
+                                  ("store_event", metadata.store_event, self._last_store_event)):
+            if 0 <= event <= last:  # the high-water mark would report it once a later event is done
+                raise ValueError(f"{what}={event} after {what}={last}: event indices must grow")
         self._connector_metadata = metadata
         if metadata.load_event >= 0:
-            self._pending_load_event_indices.add(metadata.load_event)
+            self._last_load_event = metadata.load_event
+            if metadata.load_cpu_blocks:
+                self._pending_load_event_indices.add(metadata.load_event)
+            else:  # nothing to copy: done now (no copy event would ever report it)
+                reqs = metadata.load_event_to_reqs.get(metadata.load_event, ())
+                self._finished_recving.update(reqs)
         if metadata.store_event >= 0:
-            self._pending_store_event_indices.add(metadata.store_event)
+            self._last_store_event = metadata.store_event
+            if metadata.store_gpu_blocks:
+                self._pending_store_event_indices.add(metadata.store_event)
+            else:
+                self._completed_store_events[metadata.store_event] = 1
 
     def clear_connector_metadata(self) -> None:
         self._connector_metadata = None
@@ -1379,7 +1534,8 @@ class SimpleCPUOffloadWorker:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[None, set[str] | None]:
         """Non-blocking. (None, requests whose loads completed); store completions are reported
         through build_connector_worker_meta() instead (stores have no request)."""
-        m, finished_recving = self._connector_metadata, set()
+        m, finished_recving = self._connector_metadata, self._finished_recving
+        self._finished_recving = set()
         if self._pending_load_event_indices:
             hwm = self._poll(is_store=False)
             for j in [j for j in self._pending_load_event_indices if j <= hwm]:
@@ -1404,30 +1560,39 @@ class SimpleCPUOffloadWorker:
         src, dst = (self.gpu_caches, self.cpu_caches) if is_store else (self.cpu_caches, self.gpu_caches)
         runs = _coalesce_runs(src_ids, dst_ids)
         event = None
-        if self.device.type == "cuda":
+        if self.load_stream is not None:  # CUDA, or a DeferredCopyEngine standing in for torch.cuda
+            dev = self.copy_engine or torch.cuda
             stream = self.store_stream if is_store else self.load_stream
-            compute = torch.cuda.current_stream(self.device)
+            compute = dev.current_stream(self.device)
             if is_store:
                 if self._store_compute_done is None:
-                    self._store_compute_done = torch.cuda.Event()
+                    self._store_compute_done = dev.Event()
                 self._store_compute_done.record(compute)
                 stream.wait_event(self._store_compute_done)
             else:
                 stream.wait_stream(compute)
-            with torch.cuda.stream(stream):
+            with dev.stream(stream):
                 for name, s in src.items():
                     d = dst[name]
                     for s0, d0, n in runs:
                         d[d0:d0 + n].copy_(s[s0:s0 + n], non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
+            event = dev.Event()
+            event.record(stream)
         else:
-            # CPU: numpy slice assignment is a plain memcpy; a torch copy_ per run costs several
-            # microseconds of dispatch, which dominates for scattered ids (see --bench)
+            # CPU: numpy slice assignment is a plain memcpy, without torch's per-call dispatch
+            # (several µs, which dominates for scattered ids: see --bench). But it uses one core:
+            # a large run goes through torch's copy_, which splits it over torch's threads.
+            # (On a machine whose other cores are busy, threaded torch calls stall: there
+            # torch.set_num_threads(1) brings back numpy's speed, for this and for everything.)
+            min_bytes = _TORCH_COPY_MIN_BYTES if torch.get_num_threads() > 1 else math.inf
             for name, s in src.items():
-                s_np, d_np = _byte_rows(s), _byte_rows(dst[name])
+                d = dst[name]
+                s_np, d_np = _byte_rows(s), _byte_rows(d)
                 for s0, d0, n in runs:
-                    d_np[d0:d0 + n] = s_np[s0:s0 + n]
+                    if n * s_np.shape[1] >= min_bytes:
+                        d[d0:d0 + n].copy_(s[s0:s0 + n])
+                    else:
+                        d_np[d0:d0 + n] = s_np[s0:s0 + n]
         (self._store_events if is_store else self._load_events).append((event_idx, event))
 
     @staticmethod
@@ -1446,10 +1611,11 @@ class SimpleCPUOffloadWorker:
         return self._store_hwm if is_store else self._load_hwm
 
     def _set_hwm(self, is_store: bool, idx: int) -> None:
+        # max(): never back, or an event above it but already done would never be reported
         if is_store:
-            self._store_hwm = idx
+            self._store_hwm = max(self._store_hwm, idx)
         else:
-            self._load_hwm = idx
+            self._load_hwm = max(self._load_hwm, idx)
 
 
 def _byte_rows(t: torch.Tensor):
@@ -1546,6 +1712,11 @@ class MiniEngine:
             raise ValueError("a worker needs a connector: the connector's metadata tells it what to copy")
         if connector is not None and any(w.num_cpu_blocks != connector.num_cpu_blocks for w in self.workers):
             raise ValueError("worker and connector disagree on num_cpu_blocks")
+        if connector is not None and len(self.workers) != connector.world_size:
+            # a store completes on world_size reports: fewer workers never complete it, more
+            # complete it while another worker's copy may still be queued
+            raise ValueError(f"{len(self.workers)} workers but the connector's world_size is "
+                             f"{connector.world_size}: one worker per rank")
         self.hash_block_size = connector.hash_block_size if connector is not None else block_size
         self.block_size, self.max_num_batched_tokens = block_size, max_num_batched_tokens
         self.model, self.connector, self.capture_kv = model, connector, capture_kv
@@ -1554,10 +1725,10 @@ class MiniEngine:
         self.kv_caches = {f"layers.{i}": torch.zeros(2, num_gpu_blocks, block_size, model.num_kv_heads,
                                                      model.head_dim, dtype=model.dtype, device=model.device)
                           for i in range(model.num_layers)}
+        for w in self.workers:  # first: a worker that serves another engine raises here
+            w.register_kv_caches(self.kv_caches, num_gpu_blocks)
         if connector is not None:
             connector.bind_gpu_block_pool(self.gpu_block_pool)
-        for w in self.workers:
-            w.register_kv_caches(self.kv_caches, num_gpu_blocks)
         self.waiting: list[Request] = []   # FIFO; preempted requests go to the front
         self.running: list[Request] = []
         self.loading: dict[str, int] = {}  # req -> tokens computed once its load lands
@@ -1826,7 +1997,7 @@ def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: in
     return dict(max_hit_blocks=(prompt_tokens - 1) // block_size, cpu_blocks_registered=stored,
                 cpu_hit_tokens=b.cpu_hit_tokens, recomputed_tokens=b.computed_tokens, ttft_a_s=a.ttft_s,
                 ttft_b_s=b.ttft_s, same_output=a.output_token_ids == b.output_token_ids,
-                kv_exact=bool(torch.equal(b.kv, model.expected_kv(prompt))),
+                kv_exact=bool(torch.equal(b.kv, model.expected_kv(prompt).cpu())),  # b.kv is on CPU
                 all_free=engine.gpu_block_pool.get_num_free_blocks() == num_blocks - 1
                 and connector.cpu_block_pool.get_num_free_blocks() == num_cpu_blocks - 1,
                 stored_per_step=stored_per_step)
@@ -1915,15 +2086,18 @@ def bench_manager(prompt_tokens: int = 65536, chunk: int = 4096, block_size: int
     return {"store_us_per_block": spent[0] / stored * 1e6, "load_us_per_block": spent[1] / (n - 1) * 1e6}
 
 
-def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_copy: int = 512, reps: int = 5) -> list[dict]:
-    """Worker copy bandwidth vs one plain copy of the same number of bytes, same run. The plain
-    copy is the ceiling: on CUDA one device<->pinned-host copy_, on CPU one memcpy (numpy, single
-    thread like the worker; torch's threaded copy_ collapses when the 2 cores are busy)."""
+def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_copy: int = 512,
+                 reps: int = 5, num_layers: int = 8) -> list[dict]:
+    """Worker copy bandwidth vs one plain copy of the same number of bytes: on CUDA one
+    device<->pinned-host copy_, on CPU torch's own copy_ (which uses every core for a large
+    tensor). Interleaved: each rep times the worker, then the plain copy, so a neighbour's load
+    on a shared machine hits both alike; ratio = t_plain / t_worker, median and min over reps."""
     rows, g = [], torch.Generator().manual_seed(0)
     elems = block_kib * 1024 // 2  # float16 elements per block (per layer: K and V together)
-    layouts = {"per-layer (2,N,..) x4": {f"l{i}": torch.zeros(2, num_blocks, elems // 2, dtype=torch.float16, device=device)
-                                          for i in range(4)},
-               "cross-layer [N,...]": {"all": torch.zeros(num_blocks, 4, elems, dtype=torch.float16, device=device)}}
+    f16 = dict(dtype=torch.float16, device=device)
+    per_layer = {f"l{i}": torch.zeros(2, num_blocks, elems // 2, **f16) for i in range(num_layers)}
+    cross_layer = {"all": torch.zeros(num_blocks, num_layers, elems, **f16)}
+    layouts = {f"per-layer (2,N,..) x{num_layers}": per_layer, "cross-layer [N,...]": cross_layer}
     for layout, caches in layouts.items():
         w = SimpleCPUOffloadWorker(num_blocks)
         w.register_kv_caches(caches, num_blocks)
@@ -1932,41 +2106,89 @@ def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_cop
         host_buf = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
         for ids_kind in ("contiguous", "scattered"):
             gpu_ids, cpu_ids = ([list(range(1, n_copy + 1))] * 2 if ids_kind == "contiguous" else
-                                [(torch.randperm(num_blocks - 1, generator=g)[:n_copy] + 1).tolist() for _ in range(2)])
+                                [(torch.randperm(num_blocks - 1, generator=g)[:n_copy] + 1).tolist()
+                                 for _ in range(2)])
             for direction in ("store", "load"):
                 src, dst = (dev_buf, host_buf) if direction == "store" else (host_buf, dev_buf)
-                plain = ((lambda: dst.copy_(src, non_blocking=True)) if device == "cuda" else
-                         (lambda: _byte_rows(dst[None]).__setitem__(slice(None), _byte_rows(src[None]))))
-                w.bind_connector_metadata(SimpleCPUOffloadMetadata(
-                    store_event=0, store_gpu_blocks=gpu_ids, store_cpu_blocks=cpu_ids) if direction == "store" else
-                    SimpleCPUOffloadMetadata(load_event=0, load_gpu_blocks=gpu_ids, load_cpu_blocks=cpu_ids))
-                t_worker = _time_it(w.wait_for_save if direction == "store" else w.start_load_kv, device, reps)
-                t_plain = _time_it(plain, device, reps)
+                event = len(rows)  # event indices must grow per direction
+                if direction == "store":
+                    meta = SimpleCPUOffloadMetadata(store_event=event, store_gpu_blocks=gpu_ids,
+                                                    store_cpu_blocks=cpu_ids)
+                else:
+                    meta = SimpleCPUOffloadMetadata(load_event=event, load_gpu_blocks=gpu_ids,
+                                                    load_cpu_blocks=cpu_ids)
+                w.bind_connector_metadata(meta)
+                copy = w.wait_for_save if direction == "store" else w.start_load_kv
+                plain = functools.partial(dst.copy_, src, non_blocking=True)
+                t_worker, t_plain = _time_pairs(copy, plain, device, reps)
                 w._store_events.clear(), w._load_events.clear()
-                rows.append(dict(device=device, layout=layout, ids=ids_kind, direction=direction, block_kib=block_kib,
-                                 worker_gbps=nbytes / t_worker / 1e9, plain_gbps=nbytes / t_plain / 1e9,
-                                 ratio=t_plain / t_worker))
+                ratios = sorted(p / t for t, p in zip(t_worker, t_plain))
+                median = reps // 2
+                rows.append(dict(device=device, layout=layout, ids=ids_kind, direction=direction,
+                                 block_kib=block_kib,
+                                 worker_gbps=nbytes / sorted(t_worker)[median] / 1e9,
+                                 plain_gbps=nbytes / sorted(t_plain)[median] / 1e9,
+                                 ratio=ratios[median], ratio_min=ratios[0]))
     return rows
 
 
-def _time_it(fn, device: str, reps: int) -> float:
-    fn()  # warm-up
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t) / reps
+def _time_pairs(worker_fn, plain_fn, device: str, reps: int) -> tuple[list[float], list[float]]:
+    """Seconds per call of each, rep by rep, back to back; a first pair warms up (page faults)."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(reps + 1):
+        for fn, out in zip((worker_fn, plain_fn), times):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()  # the copies are asynchronous: time them to the end
+            out.append(time.perf_counter() - t)
+    return times[0][1:], times[1][1:]
+
+
+def _print_copy_rows(devices: list[str]) -> None:
+    print(f"{'device':7}{'layout':24}{'ids':12}{'dir':7}{'KiB/blk':>8}{'worker GB/s':>13}"
+          f"{'plain GB/s':>12}{'ratio (min)':>14}")
+    for d in devices:
+        for r in bench_copies(d) + bench_copies(d, block_kib=256, num_blocks=256, n_copy=128):
+            print(f"{r['device']:7}{r['layout']:24}{r['ids']:12}{r['direction']:7}"
+                  f"{r['block_kib']:>8}{r['worker_gbps']:>13.2f}{r['plain_gbps']:>12.2f}"
+                  f"{r['ratio']:>8.2f} ({r['ratio_min']:.2f})")
+
+
+def gpu_check(fuzz_examples: int = 200) -> int:
+    """`python kv_offload.py --gpu-check`, for whoever has a GPU: every CUDA test case (worker
+    copies, end to end, the reliability scenarios, the worker's step under
+    torch.cuda.set_sync_debug_mode("error")), `fuzz_examples` random schedules with
+    device="cuda", then --bench's CUDA copy rows. Returns the exit status: non-zero on any
+    failure, and without a GPU (a skipped check must not read as a passed one)."""
+    import os
+    import subprocess
+    import sys
+    if not torch.cuda.is_available():
+        print("--gpu-check: torch sees no CUDA device; nothing was checked")
+        return 2
+    tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_kv_offload.py")
+    # KV_OFFLOAD_REQUIRE_CUDA: a CUDA case fails instead of skipping
+    env = dict(os.environ, KV_OFFLOAD_REQUIRE_CUDA="1", KV_OFFLOAD_FUZZ_EXAMPLES=str(fuzz_examples))
+    pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    rc = subprocess.call([*pytest, "-k", "cuda", tests], env=env)
+    print()
+    _print_copy_rows(["cuda"])
+    return rc
 
 
 def main(argv: list[str] | None = None) -> None:
     import argparse
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bench", action="store_true", help="manager and copy benchmarks instead of the story")
+    p.add_argument("--gpu-check", action="store_true",
+                   help="the CUDA test cases, a CUDA fuzz, then the CUDA copy bench")
     p.add_argument("--prompt-tokens", type=int, default=8192)
     args = p.parse_args(argv)
+    if args.gpu_check:
+        raise SystemExit(gpu_check())
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     if not args.bench:
         # one thread: torch's default (one per core) slows the toy model 10-50x on a busy box
@@ -1998,13 +2220,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     m = bench_manager()
     print(f"manager: {m['store_us_per_block']:.2f} µs per stored block, {m['load_us_per_block']:.2f} µs per CPU-hit "
-          "block (65,536-token prompt, 4096-token chunks, block 16;\n"
-          "  vLLM 0.34 on the 2-core dev box, same trace, medians: 1.16 / 1.10)")
-    print(f"\n{'device':7}{'layout':24}{'ids':12}{'dir':7}{'KiB/blk':>8}{'worker GB/s':>13}{'plain GB/s':>12}{'ratio':>7}")
-    for d in devices:
-        for r in bench_copies(d) + bench_copies(d, block_kib=256, num_blocks=256, n_copy=128):
-            print(f"{r['device']:7}{r['layout']:24}{r['ids']:12}{r['direction']:7}{r['block_kib']:>8}"
-                  f"{r['worker_gbps']:>13.2f}{r['plain_gbps']:>12.2f}{r['ratio']:>7.2f}")
+          "block (65,536-token prompt, 4096-token chunks, block 16; vLLM's own figures on\n"
+          "  the same trace: README, Speed, measured with vLLM's classes in one interleaved run)")
+    print(f"\ncopies, {torch.get_num_threads()} torch threads. plain = one copy_ of the same bytes "
+          "(CPU: torch's; CUDA: to or from pinned memory).\nratio = plain time / worker time, "
+          "median (min) of 5 interleaved reps: 1.0 = as fast as the plain copy")
+    _print_copy_rows(devices)
     print("\nTTFT of the repeated prompt (request B), pre-fix vs fixed:")
     for d in devices:
         pre, fix = (run_story(c, args.prompt_tokens, device=d) for c in (PreFixCPUOffloadScheduler, SimpleCPUOffloadScheduler))

@@ -2,15 +2,18 @@
 
 Oracles, never the code under test: hand-derived numbers (in each docstring), ToyModel.expected_kv
 for KV bytes, the pre-fix variant (every test about either bug must fail there: see
-assert_variant), vLLM's copy-test oracle for the worker, and vLLM 0.34 itself when importable
-(the differential tests at the end skip cleanly without it).
+assert_variant), vLLM's copy-test oracle for the worker, planted ordering bugs for the copy
+worker on a simulated asynchronous device (each scenario must catch its own), and vLLM itself
+when importable: 0.34 for the fixed code, 0.29 for the pre-fix variant (the differential tests
+at the end skip cleanly without it).
 
 Sections: hashing and requests; block pool; find_longest_cache_hit; copy worker; toy model and
-engine; manager scenarios (vLLM's test_scheduler.py, PR #53532's seven tests); reliability
+engine; copy worker on an asynchronous device; the GPU check (--gpu-check); manager scenarios (vLLM's test_scheduler.py, PR #53532's seven tests); reliability
 (random schedules, injected faults, bad input); the notebook; differential tests against vLLM.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import json
@@ -337,7 +340,25 @@ def test_multi_group_lookup_requires_every_group():
 
 # ----------------------------------------------------------------------------- copy worker
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))]
+# "deferred": CPU caches, the worker's CUDA branch on ko.DeferredCopyEngine (copies run later,
+# out of step); "cuda" skips without a GPU, except under KV_OFFLOAD_REQUIRE_CUDA (--gpu-check)
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() and not os.environ.get("KV_OFFLOAD_REQUIRE_CUDA"), reason="needs a GPU"))
+DEVICES = ["cpu", "deferred", CUDA]
+
+
+def make_worker(num_cpu_blocks, device, seed=0):
+    """A worker for `device`: on "deferred" with its own simulated copy engine."""
+    engine = ko.DeferredCopyEngine(seed) if device == "deferred" else None
+    return ko.SimpleCPUOffloadWorker(num_cpu_blocks, copy_engine=engine)
+
+
+def finish_copies(worker):
+    """Wait for every queued copy, as a test reading the bytes must (sync / run the device)."""
+    if worker.device.type == "cuda":
+        torch.cuda.synchronize()
+    elif worker.copy_engine is not None:
+        worker.copy_engine.run()
 
 
 def _make_caches(layout, device, num_blocks=12):
@@ -346,6 +367,7 @@ def _make_caches(layout, device, num_blocks=12):
         shape = {f"l{i}": (2, num_blocks, 4, 2, 8) for i in range(2)}
     else:                   # block dimension first, all layers in one tensor
         shape = {"all": (num_blocks, 2, 2, 4, 2, 8)}
+    device = "cpu" if device == "deferred" else device
     return {k: torch.randn(s, generator=g).to(torch.float16).to(device) for k, s in shape.items()}
 
 
@@ -356,7 +378,7 @@ def test_worker_copies_exact_blocks_both_directions(device, layout, ids):
     """vLLM's copy-test oracle: clone both sides first; after the copy the source is unchanged,
     every mapped destination block equals its source block, every unmapped one is untouched."""
     caches = _make_caches(layout, device)
-    w = ko.SimpleCPUOffloadWorker(10)
+    w = make_worker(10, device)
     w.register_kv_caches(caches, 12)
     for r in w.cpu_caches.values():
         r.copy_(torch.randn(r.shape, generator=torch.Generator().manual_seed(2)).to(r.dtype))
@@ -372,8 +394,7 @@ def test_worker_copies_exact_blocks_both_directions(device, layout, ids):
                else {"load_event": 0, "load_gpu_blocks": gpu_ids, "load_cpu_blocks": cpu_ids,
                      "load_event_to_reqs": {0: ["r"]}})))
         (w.wait_for_save if direction == "store" else w.start_load_kv)()
-        if device == "cuda":
-            torch.cuda.synchronize()
+        finish_copies(w)
         for k in src:
             assert torch.equal(src[k], before_src[k])
             for s, d in zip(s_ids, d_ids):
@@ -385,6 +406,15 @@ def test_worker_copies_exact_blocks_both_directions(device, layout, ids):
         meta = w.build_connector_worker_meta()
         assert (meta.completed_store_events == {0: 1}) if direction == "store" else meta is None
         w.clear_connector_metadata()
+
+
+@pytest.mark.parametrize("layout", ["flash", "blocks_first"])
+@pytest.mark.parametrize("ids", ["contiguous", "scattered"])
+def test_worker_cpu_copies_through_torch_for_large_runs(layout, ids, monkeypatch):
+    """The same oracle when every CPU run takes the large-run path (torch's threaded copy_)."""
+    monkeypatch.setattr(ko, "_TORCH_COPY_MIN_BYTES", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    test_worker_copies_exact_blocks_both_directions("cpu", layout, ids)
 
 
 def test_worker_splits_flash_layout_and_dedups_shared_storage():
@@ -427,13 +457,58 @@ def test_worker_rejects_bad_cache_shapes():
         ko.SimpleCPUOffloadWorker(1)
 
 
+@pytest.mark.parametrize("device", ["cpu", "deferred"])
+def test_worker_reports_an_event_with_nothing_to_copy_at_once(device):
+    """Review defect: a load event with no blocks was never reported (its request hung); a store
+    event with none likewise. Load 0 has a block, load 1 and store 0 none, and the device runs
+    nothing yet: r1 and store 0 are reported by the very next poll, r0 once its copy ran (at
+    once on CPU, where copies finish inside the call)."""
+    w = make_worker(10, device)
+    w.register_kv_caches(_make_caches("flash", device), 12)
+    if w.copy_engine is not None:
+        w.copy_engine.max_ops_per_call = 0
+    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(load_event=0, load_gpu_blocks=[3], load_cpu_blocks=[1],
+                                                          load_event_to_reqs={0: ["r0"]}))
+    w.start_load_kv()
+    w.clear_connector_metadata()
+    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(load_event=1, load_event_to_reqs={0: ["r0"], 1: ["r1"]},
+                                                          store_event=0))
+    w.start_load_kv()
+    w.wait_for_save()
+    recv = w.get_finished(set())[1]
+    assert recv == ({"r1"} if device == "deferred" else {"r0", "r1"})
+    assert w.build_connector_worker_meta().completed_store_events == {0: 1}
+    finish_copies(w)
+    assert w.get_finished(set())[1] == (None if device == "cpu" else {"r0"})
+
+
+def test_worker_rejects_an_event_index_that_does_not_grow():
+    """Review defect: an out-of-order event lowered the completion high-water mark, so a later
+    event was never reported. Store events 5 then 3: 3 is rejected before anything is recorded
+    (the high-water mark reports every index below a finished one, so 3 would read as done while
+    still queued); event 5 is still reported, and so is a later 6."""
+    w = ko.SimpleCPUOffloadWorker(10)
+    w.register_kv_caches(_make_caches("flash", "cpu"), 12)
+    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(store_event=5, store_gpu_blocks=[1], store_cpu_blocks=[1]))
+    w.wait_for_save()
+    with pytest.raises(ValueError, match="store_event=3 after store_event=5"):
+        w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(store_event=3, store_gpu_blocks=[2],
+                                                              store_cpu_blocks=[2]))
+    w.get_finished(set())
+    assert w.build_connector_worker_meta().completed_store_events == {5: 1}
+    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(store_event=6, store_gpu_blocks=[2], store_cpu_blocks=[2]))
+    w.wait_for_save()
+    w.get_finished(set())
+    assert w.build_connector_worker_meta().completed_store_events == {6: 1} and w._store_hwm == 6
+
+
 # ----------------------------------------------------------------------------- toy model and engine
 
 def _story_engine(connector_cls=ko.SimpleCPUOffloadScheduler, num_gpu_blocks=300, num_cpu_blocks=300,
                   block_size=16, budget=512, device="cpu", workers=1, **kw):
-    model = ko.ToyModel(2, 2, 16, device=device)
+    model = ko.ToyModel(2, 2, 16, device="cpu" if device == "deferred" else device)
     conn = connector_cls(num_cpu_blocks, block_size, **kw)
-    ws = [ko.SimpleCPUOffloadWorker(num_cpu_blocks) for _ in range(workers)]
+    ws = [make_worker(num_cpu_blocks, device, seed=i) for i in range(workers)]
     eng = ko.MiniEngine(num_gpu_blocks, block_size, budget, model, conn, ws if workers > 1 else ws[0], capture_kv=True)
     return eng, conn, model
 
@@ -483,7 +558,8 @@ def test_repeated_prompt_end_to_end(device, variant):
     expected_hit = {"fixed": 2992, "registration_bug": 2992, "skip_reset_hash": 0, "flush_bug": 2560}[variant]
     assert b.cpu_hit_tokens == expected_hit and b.computed_tokens == 3000 - expected_hit
     assert a.output_token_ids == b.output_token_ids and len(b.output_token_ids) == 1
-    assert torch.equal(b.kv, model.expected_kv(prompt)) and torch.equal(a.kv, b.kv)
+    # captured KV is on CPU: compare on one device
+    assert torch.equal(b.kv, model.expected_kv(prompt).cpu()) and torch.equal(a.kv, b.kv)
     _assert_all_free(eng, conn)
 
 
@@ -503,10 +579,11 @@ def test_shared_prefix_decode_and_gpu_hits():
     _assert_all_free(eng, conn)
 
 
-def test_gpu_preemption_recomputes_and_stays_exact():
+@pytest.mark.parametrize("device", ["cpu", "deferred"])
+def test_gpu_preemption_recomputes_and_stays_exact(device):
     """A GPU pool too small for three 600-token prompts at once forces preemption; every request
     still ends with KV equal to expected_kv and the pools drain."""
-    eng, conn, model = _story_engine(num_gpu_blocks=60, budget=256)
+    eng, conn, model = _story_engine(num_gpu_blocks=60, budget=256, device=device)
     prompts = [_prompt(600, seed=s) for s in range(3)]
     for i, p in enumerate(prompts):
         eng.add_request(ko.Request(f"r{i}", p, 16, max_tokens=3))
@@ -569,15 +646,388 @@ def test_engine_lists_resumed_requests_first_under_preemption():
     assert checked["resumed"] > 0 and checked["mixed"] > 0, checked
 
 
-def test_two_workers_world_size_2():
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_workers_world_size_2(device):
     """Two TP workers: a store completes only once both reported it; the story still holds."""
-    eng, conn, model = _story_engine(workers=2, world_size=2)
+    eng, conn, model = _story_engine(workers=2, world_size=2, device=device)
     prompt = _prompt(1000)
     eng.add_request(ko.Request("A", prompt, 16)); eng.run()
     assert eng.reset_gpu_prefix_cache()
     eng.add_request(ko.Request("B", prompt, 16)); st = eng.run()
-    assert st["B"].cpu_hit_tokens == 992 and torch.equal(st["B"].kv, model.expected_kv(prompt))
+    assert st["B"].cpu_hit_tokens == 992 and torch.equal(st["B"].kv, model.expected_kv(prompt).cpu())
     _assert_all_free(eng, conn)
+
+
+@pytest.mark.parametrize("workers, world_size", [(1, 2), (2, 1)])
+def test_engine_rejects_a_worker_count_other_than_world_size(workers, world_size):
+    """Review defect: one worker with world_size 2 never completed a store (run() never ended,
+    pins held); two workers with world_size 1 completed each store on the first report, while
+    the other worker's copy could still be queued (a cached block with wrong bytes). Now a
+    ValueError naming both numbers, before the connector is bound to anything."""
+    conn = ko.SimpleCPUOffloadScheduler(8, 16, world_size=world_size)
+    with pytest.raises(ValueError, match=f"{workers} workers but the connector's world_size is {world_size}"):
+        ko.MiniEngine(20, 16, 32, ko.ToyModel(1, 1, 8), conn, [ko.SimpleCPUOffloadWorker(8) for _ in range(workers)])
+    assert conn._gpu_block_pool is None
+
+
+@pytest.mark.parametrize("device", ["cpu", "deferred"])
+def test_worker_refuses_a_second_register_kv_caches(device):
+    """Review defect: a second register_kv_caches() reallocated the CPU mirrors as zeros while the
+    manager kept serving their hashes: the next request loaded zeros (wrong KV, wrong token).
+    Decision: once per worker, a second call is a ValueError and changes nothing. A (1000
+    tokens) is stored, the call is refused, and B (the same prompt) still loads 62 exact blocks."""
+    eng, conn, model = _story_engine(device=device)
+    prompt = _prompt(1000)
+    eng.add_request(ko.Request("A", prompt, 16))
+    eng.run()
+    w = eng.workers[0]
+    mirrors = {k: (v, v.clone()) for k, v in w.cpu_caches.items()}
+    with pytest.raises(ValueError, match="already registered"):
+        w.register_kv_caches(eng.kv_caches, eng.gpu_block_pool.num_gpu_blocks)
+    assert all(w.cpu_caches[k] is v and torch.equal(v, before) for k, (v, before) in mirrors.items())
+    assert eng.reset_gpu_prefix_cache()
+    eng.add_request(ko.Request("B", prompt, 16))
+    b = eng.run()["B"]
+    assert b.cpu_hit_tokens == 992 and torch.equal(b.kv, model.expected_kv(prompt))
+
+
+# ----------------------------------------------------------------------------- copy worker on an asynchronous device
+# ko.DeferredCopyEngine stands in for torch.cuda: copies are queued and run later, out of step
+# with the compute stream, reading their source when they run. These races cannot happen with
+# CPU copies that finish inside the step. Each scenario runs once on the real worker and once
+# with a planted ordering bug, and must tell the two apart.
+
+def test_deferred_engine_models_a_dma_engine():
+    """The simulator itself, against hand-derived outcomes: a queued copy changes nothing until
+    it runs, then copies the source as it is *then*; an event is seen done only by a poll after
+    its copies ran; a barrier holds a stream until the mark it was given (a later record of the
+    same event does not move it); run(s) runs s first whenever s may."""
+    dev = ko.DeferredCopyEngine(max_ops_per_call=0)
+    a, b, c = torch.zeros(3), torch.ones(3), torch.zeros(3)
+    copies, other = dev.Stream(), dev.Stream()
+    with dev.stream(copies):
+        a.copy_(b)
+    done = dev.Event()
+    done.record(copies)
+    b.fill_(5.0)  # after the issue, before the copy runs
+    assert a.tolist() == [0, 0, 0] and done.query() is False
+    dev.run()
+    assert a.tolist() == [5, 5, 5] and done.query() is True
+    with dev.stream(dev.compute):
+        c.fill_(1.0)    # not a copy_: runs at once
+        c.copy_(a)      # queued on compute
+    mark = dev.Event()
+    mark.record(dev.compute)
+    other.wait_event(mark)
+    mark.record(copies)  # re-recorded: the barrier already queued keeps compute's mark
+    with dev.stream(other):
+        b.copy_(c)
+    dev.run(other)  # other first: it must still wait for compute's copy
+    assert c.tolist() == [5, 5, 5] and b.tolist() == [5, 5, 5]
+    e = dev.Event()
+    assert e.query() is True  # never recorded: done, as in CUDA
+
+
+def _frozen_worker(num_gpu_blocks=6):
+    """A worker on a DeferredCopyEngine that runs nothing until the test calls run(); one layer
+    (2, num_gpu_blocks, 4, 8) of zeros, 4 CPU blocks."""
+    dev = ko.DeferredCopyEngine(max_ops_per_call=0)
+    w = ko.SimpleCPUOffloadWorker(4, copy_engine=dev)
+    cache = torch.zeros(2, num_gpu_blocks, 4, 8, dtype=torch.float16)
+    w.register_kv_caches({"l0": cache}, num_gpu_blocks)
+    return dev, w, cache
+
+
+def _store_right_after_a_forward(plant_bug: bool) -> torch.Tensor:
+    dev, w, cache = _frozen_worker()
+    if plant_bug:  # the store stream does not wait on the compute-done event
+        w.store_stream.wait_event = lambda event: None
+    with dev.stream(dev.compute):  # the forward writes block 3 (queued: it has not run yet)
+        cache[:, 3].copy_(torch.full((2, 4, 8), 7.0, dtype=torch.float16))
+    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(store_event=0, store_gpu_blocks=[3],
+                                                          store_cpu_blocks=[1]))
+    w.wait_for_save()
+    assert w.get_finished(set()) == (None, None) and w.build_connector_worker_meta() is None
+    dev.run(w.store_stream)  # the copy engine first, whenever it may
+    w.get_finished(set())
+    assert w.build_connector_worker_meta().completed_store_events == {0: 1}
+    return torch.stack([w.cpu_caches["l0.k"][1], w.cpu_caches["l0.v"][1]])
+
+
+def test_async_store_right_after_a_forward_copies_the_written_bytes():
+    """A forward writes 7.0 into GPU block 3; the step's store copies block 3 to CPU block 1;
+    the store stream runs first whenever it may. The store waits on the compute-done event, so
+    CPU block 1 holds 7.0. Planted bug: the store stream skips that wait -> the copy runs before
+    the forward and CPU block 1 keeps block 3's old bytes (0.0), which the manager would then
+    register as that prefix's KV."""
+    assert bool((_store_right_after_a_forward(plant_bug=False) == 7.0).all())
+    assert bool((_store_right_after_a_forward(plant_bug=True) == 0.0).all())
+
+
+def _load_into_a_block_a_forward_reads(plant_bug: bool) -> torch.Tensor:
+    dev, w, cache = _frozen_worker()
+    cache[:, 2] = 1.0                      # block 2's KV, which a forward still reads
+    w.cpu_caches["l0.k"][1] = 9.0          # CPU block 1: the KV of another request's prefix
+    w.cpu_caches["l0.v"][1] = 9.0
+    if plant_bug:  # the load stream does not wait for the compute stream's earlier work
+        w.load_stream.wait_stream = lambda stream: None
+    read = torch.zeros(2, 4, 8, dtype=torch.float16)
+    with dev.stream(dev.compute):  # the running forward's read of block 2 (queued)
+        read.copy_(cache[:, 2])
+    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(load_event=0, load_cpu_blocks=[1], load_gpu_blocks=[2],
+                                                          load_event_to_reqs={0: ["r"]}))
+    w.start_load_kv()
+    dev.run(w.load_stream)
+    assert w.get_finished(set()) == (None, {"r"}) and bool((cache[:, 2] == 9.0).all())
+    return read
+
+
+def test_async_load_does_not_land_in_a_block_a_running_forward_reads():
+    """GPU block 2 (KV 1.0) was freed and handed to a new request, whose load brings CPU block 1
+    (KV 9.0) into it, while a forward queued earlier still reads block 2. The load waits for the
+    compute stream's earlier work: the forward reads 1.0. Planted bug: the load stream skips
+    that wait -> it lands first and the forward reads 9.0, another request's KV."""
+    assert bool((_load_into_a_block_a_forward_reads(plant_bug=False) == 1.0).all())
+    assert bool((_load_into_a_block_a_forward_reads(plant_bug=True) == 9.0).all())
+
+
+def _one_of_two_workers_reports(plant_bug: bool) -> str | None:
+    """A 64-token prompt (4 blocks of 16), budget 32, two workers (world_size 2). Worker 0's
+    copies run after every step; worker 1's stay queued. Returns the first failure of the
+    cached-KV check (every worker's CPU copy of every cached block == expected_kv), or None."""
+    eng, conn, model = _story_engine(workers=2, world_size=2, device="deferred", budget=32)
+    if plant_bug:  # the manager completes a store on the first worker's report
+        conn.world_size = 1
+    lagging = eng.workers[1].copy_engine
+    lagging.max_ops_per_call = 0
+    req = ko.Request("A", _prompt(64), 16)
+    eng.add_request(req)
+    try:
+        for _ in range(5):
+            eng.step()
+            eng.workers[0].copy_engine.run()
+            rel_check_cached_kv(eng, [req])
+    except AssertionError as e:
+        return str(e)
+    # reached: worker 0 reported every store, worker 1 none, and nothing is cached yet
+    assert conn._store_event_pending_counts and not len(conn.cpu_block_pool.cached_block_hash_to_block)
+    lagging.max_ops_per_call = 2
+    eng.run()
+    rel_check_cached_kv(eng, [req])
+    assert len(conn.cpu_block_pool.cached_block_hash_to_block) == 4  # 64 // 16 full blocks
+    return None
+
+
+def test_async_store_reported_by_one_of_two_workers_registers_nothing():
+    """World size 2: a store event completes only once both workers reported it. Worker 1's
+    copies are still queued while worker 0 reports: nothing may be cached, and once worker 1
+    catches up all 4 blocks are cached, exact on both. Planted bug: the manager completes the
+    event on the first report (world_size 1 with two workers, which MiniEngine now rejects) ->
+    a block is cached while worker 1's CPU copy of it still holds zeros."""
+    assert _one_of_two_workers_reports(plant_bug=False) is None
+    assert "(worker 1): KV differs" in _one_of_two_workers_reports(plant_bug=True)
+
+
+class _ResetDropsQueuedLoads(ko.SimpleCPUOffloadScheduler):
+    """Planted bug: reset() takes a load the worker already has (maybe still queued) for one
+    never sent, and releases its pins at once."""
+
+    def reset(self) -> bool:
+        for state in self._reqs_to_load.values():
+            state.load_event = None
+        return super().reset()
+
+
+def _reset_while_a_load_is_queued(connector_cls) -> tuple[bool, bool]:
+    """6 usable GPU blocks of 16 tokens, 5 CPU blocks. A (80 tokens) is stored, the GPU cache
+    dropped. B (A's prompt) hits 64 tokens on CPU: it takes 4 GPU blocks and its load is queued
+    on a device that runs nothing yet. reset(), then B is aborted. C (80 other tokens, 3 output
+    tokens) arrives and needs 5 blocks; after one step the device runs everything queued, then
+    the engine runs to the end. Returns (reset's result, C's KV == expected_kv)."""
+    eng, conn, model = _story_engine(connector_cls, num_gpu_blocks=7, num_cpu_blocks=6, device="deferred")
+    dev = eng.workers[0].copy_engine
+    prompt_a, prompt_c = _prompt(80), _prompt(80, seed=1)
+    eng.add_request(ko.Request("A", prompt_a, 16))
+    eng.run()
+    assert len(conn.cpu_block_pool.cached_block_hash_to_block) == 5 and eng.reset_gpu_prefix_cache()
+    dev.max_ops_per_call = 0
+    eng.add_request(ko.Request("B", prompt_a, 16))
+    eng.step()
+    assert eng.loading == {"B": 64} and eng.workers[0].load_stream.ops, "B's load should be queued"
+    reset_done = conn.reset()
+    eng.abort_request("B")
+    eng.add_request(ko.Request("C", prompt_c, 16, max_tokens=3))
+    eng.step()  # C starts only if B's 4 blocks are free again: 2 others are
+    dev.run()   # B's load lands now
+    dev.max_ops_per_call = 2
+    st = eng.run()
+    return reset_done, torch.equal(st["C"].kv, model.expected_kv(prompt_c))
+
+
+def test_async_reset_while_a_load_is_queued():
+    """reset() while B's load is queued, then B is aborted: the load is abandoned, not dropped,
+    so its GPU destinations (and CPU sources) stay pinned until it ran (reset returns False);
+    C waits for them and its KV is exact. Planted bug (_ResetDropsQueuedLoads): the pins go at
+    once (reset returns True), C takes B's 4 blocks and computes, then B's queued load lands on
+    top of C's KV: C's KV (and next tokens) are wrong."""
+    assert _reset_while_a_load_is_queued(ko.SimpleCPUOffloadScheduler) == (False, True)
+    assert _reset_while_a_load_is_queued(_ResetDropsQueuedLoads) == (True, False)
+
+
+class _ReportsAtIssue(ko.SimpleCPUOffloadWorker):
+    """Planted bug: the worker takes every copy it issued as complete (no event query)."""
+
+    def _poll(self, is_store: bool) -> int:
+        for idx, _ in (self._store_events if is_store else self._load_events):
+            self._set_hwm(is_store, idx)
+        (self._store_events if is_store else self._load_events).clear()
+        return self._store_hwm if is_store else self._load_hwm
+
+
+@pytest.mark.parametrize("worker_cls", [ko.SimpleCPUOffloadWorker, _ReportsAtIssue])
+def test_async_copies_are_reported_only_after_they_ran(worker_cls):
+    """The story (3000 tokens, block 16) on the deferred engine: B loads 187 blocks and its KV
+    is exact. Planted bug (_ReportsAtIssue): completions are reported when the copies are
+    issued -> A's blocks are cached before their bytes are on CPU and B's load is taken as
+    landed before it ran: B computes on zeros and its KV differs."""
+    model = ko.ToyModel(2, 2, 16)
+    conn = ko.SimpleCPUOffloadScheduler(300, 16)
+    eng = ko.MiniEngine(300, 16, 512, model, conn, worker_cls(300, copy_engine=ko.DeferredCopyEngine()),
+                        capture_kv=True)
+    prompt = _prompt(3000)
+    eng.add_request(ko.Request("A", prompt, 16))
+    eng.run()
+    assert eng.reset_gpu_prefix_cache()
+    eng.add_request(ko.Request("B", prompt, 16))
+    b = eng.run()["B"]
+    assert b.cpu_hit_tokens == 2992
+    assert torch.equal(b.kv, model.expected_kv(prompt)) == (worker_cls is ko.SimpleCPUOffloadWorker)
+
+
+# ----------------------------------------------------------------------------- the GPU check (--gpu-check)
+# What a GPU is needed for runs there; here, every piece that can run on CPU does.
+
+STEP_CALLS = ("bind_connector_metadata", "start_load_kv", "wait_for_save", "get_finished",
+              "build_connector_worker_meta", "clear_connector_metadata")
+
+
+def sync_checked(worker, set_mode=None):
+    """Run the worker's per-step calls under torch.cuda.set_sync_debug_mode("error"), so that a
+    hidden CPU-GPU sync in any of them raises. handle_preemptions is left out: a need_flush
+    waits for every copy by design."""
+    set_mode = set_mode or torch.cuda.set_sync_debug_mode
+
+    def checked(call):
+        def run(*args):
+            set_mode("error")
+            try:
+                return call(*args)
+            finally:
+                set_mode("default")
+        return run
+
+    for name in STEP_CALLS:
+        setattr(worker, name, checked(getattr(worker, name)))
+    return worker
+
+
+def _story_with_sync_check(device, set_mode=None, plant_sync=False):
+    eng, conn, model = _story_engine(device=device)
+    w = eng.workers[0]
+    if plant_sync:  # planted: the worker reads KV on the host, a sync, before each store
+        store = w.wait_for_save
+
+        def wait_for_save():
+            next(iter(w.gpu_caches.values()))[0].sum().item()
+            store()
+        w.wait_for_save = wait_for_save
+    sync_checked(w, set_mode)
+    prompt = _prompt(1000)
+    eng.add_request(ko.Request("A", prompt, 16))
+    eng.run()
+    assert eng.reset_gpu_prefix_cache()
+    eng.add_request(ko.Request("B", prompt, 16))
+    b = eng.run()["B"]
+    assert b.cpu_hit_tokens == 992 and torch.equal(b.kv, model.expected_kv(prompt).cpu())
+
+
+@pytest.mark.parametrize("device", [CUDA])
+def test_worker_step_has_no_hidden_sync(device):
+    """The story (1000 tokens: 62 blocks stored, then loaded) with every per-step worker call
+    under set_sync_debug_mode("error"): stores, loads and polls never make the CPU wait for the
+    GPU. The check is live: a planted `.item()` before each store raises."""
+    _story_with_sync_check(device)
+    with pytest.raises(RuntimeError, match="synchronizing"):
+        _story_with_sync_check(device, plant_sync=True)
+
+
+def test_sync_check_covers_every_copy_and_poll():
+    """The CPU half of test_worker_step_has_no_hidden_sync, on the deferred engine with a stand-in
+    for set_sync_debug_mode: every copy the worker issues and every event it polls happens while
+    the mode is "error", and the mode is back to "default" between calls."""
+    mode, seen = ["default"], Counter()
+    launch, poll = ko.SimpleCPUOffloadWorker._launch, ko.SimpleCPUOffloadWorker._poll
+
+    def spy_launch(self, *args, **kwargs):
+        seen["copy", mode[0]] += 1
+        return launch(self, *args, **kwargs)
+
+    def spy_poll(self, is_store):
+        seen["poll", mode[0]] += 1
+        return poll(self, is_store)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ko.SimpleCPUOffloadWorker, "_launch", spy_launch)
+        mp.setattr(ko.SimpleCPUOffloadWorker, "_poll", spy_poll)
+        _story_with_sync_check("deferred", set_mode=lambda m: mode.__setitem__(0, m))
+    assert set(seen) == {("copy", "error"), ("poll", "error")} and mode == ["default"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU answer")
+def test_gpu_check_fails_without_a_gpu(capsys):
+    """No GPU: --gpu-check must not pass by skipping everything."""
+    with pytest.raises(SystemExit) as exit_:
+        ko.main(["--gpu-check"])
+    assert exit_.value.code == 2 and "no CUDA device" in capsys.readouterr().out
+
+
+def test_gpu_check_runs_the_gpu_cases_then_the_gpu_bench(monkeypatch):
+    """With a stand-in GPU: the check runs pytest -k cuda on this file with 200 fuzz examples and
+    skips turned into failures, prints the CUDA bench rows, and exits with pytest's status."""
+    import subprocess
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(subprocess, "call", lambda argv, env: calls.append((argv, env)) or 1)
+    monkeypatch.setattr(ko, "_print_copy_rows", lambda devices: calls.append(devices))
+    with pytest.raises(SystemExit) as exit_:
+        ko.main(["--gpu-check"])
+    (argv, env), devices = calls
+    assert exit_.value.code == 1 and devices == ["cuda"]
+    assert argv[argv.index("-k") + 1] == "cuda" and argv[-1].endswith("test_kv_offload.py")
+    assert env["KV_OFFLOAD_REQUIRE_CUDA"] == "1" and env["KV_OFFLOAD_FUZZ_EXAMPLES"] == "200"
+
+
+def test_gpu_check_selects_every_gpu_case():
+    """What `-k cuda` collects under KV_OFFLOAD_REQUIRE_CUDA: the CUDA parameter of every device-
+    parametrized test (worker copies, end to end, two workers, reliability scenarios, the fuzz,
+    the sync check) and nothing else; and a selected case fails, not skips, without a GPU."""
+    import subprocess
+    import sys
+    env = dict(os.environ, KV_OFFLOAD_REQUIRE_CUDA="1")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
+                          "-k", "cuda", __file__], env=env, capture_output=True, text=True).stdout
+    ids = [line for line in out.splitlines() if "::" in line]
+    names = {i.split("::")[1].split("[")[0] for i in ids}
+    assert {"test_worker_copies_exact_blocks_both_directions", "test_repeated_prompt_end_to_end",
+            "test_two_workers_world_size_2", "test_rel_fuzz_random_schedules", "test_worker_step_has_no_hidden_sync",
+            "test_rel_abort_while_its_load_is_in_flight", "test_rel_reset_while_a_store_and_a_load_are_in_flight",
+            "test_rel_world_size_2_one_worker_lags"} <= names
+    assert all("cuda" in i.split("[")[1] for i in ids), ids
+    if not torch.cuda.is_available():
+        one = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                              "-k", "cuda and worker_copies and flash and contiguous", __file__],
+                             env=env, capture_output=True, text=True).stdout
+        assert "1 failed" in one and "skipped" not in one, one
 
 
 # ===============================================================================================
@@ -1575,7 +2025,8 @@ def test_pool_refuses_more_blocks_than_free(pool):
 
 # ===============================================================================================
 # Reliability: invariants after every step, random schedules with injected faults, the bad-input catalogue
-# Quick profile in CI (300 derandomized schedules); long: KV_OFFLOAD_FUZZ_EXAMPLES=10000 python -m pytest -k fuzz.
+# Quick profile in CI (300 derandomized schedules per device: cpu, deferred); long:
+# KV_OFFLOAD_FUZZ_EXAMPLES=10000 python -m pytest -k fuzz.
 # Module bugs these tests found, all fixed, each kept as a regression test tagged `RB-n`:
 #   RB-1 MiniEngine stalled when a preempted request was queued ahead of a loaded request holding blocks
 #   RB-2 a reused request id was merged into the old store state (and never offloaded)
@@ -2042,7 +2493,9 @@ class RelPlan:
     hash_block_size: int = REL_BS
     world_size: int = 1
     faults: RelFaults = RelFaults()
-    device: str = "cpu"  # "cuda": the worker's copies are truly asynchronous on top of the injected faults
+    # "cuda" or "deferred" (ko.DeferredCopyEngine): the worker's copies are asynchronous on top
+    # of the injected faults, and complete out of step with the engine
+    device: str = "cpu"
 
 
 @dataclass
@@ -2088,12 +2541,13 @@ def rel_build(plan: RelPlan):
     """Engine, connector, workers and proxies for a plan."""
     log = RelLog()
     rng = random.Random(plan.faults.seed)
-    model = ko.ToyModel(**REL_MODEL, device=plan.device)
+    model = ko.ToyModel(**REL_MODEL, device="cpu" if plan.device == "deferred" else plan.device)
     conn = ko.SimpleCPUOffloadScheduler(plan.num_cpu_blocks, REL_BS, hash_block_size=plan.hash_block_size,
                                         world_size=plan.world_size)
     proxy = RelFaultyConnector(conn, plan.faults, rng, log)
-    workers = [RelFaultyWorker(ko.SimpleCPUOffloadWorker(plan.num_cpu_blocks), plan.faults, rng, log, plan.world_size)
-               for _ in range(plan.world_size)]
+    workers = [RelFaultyWorker(make_worker(plan.num_cpu_blocks, plan.device, seed=plan.faults.seed + i),
+                               plan.faults, rng, log, plan.world_size)
+               for i in range(plan.world_size)]
     engine = ko.MiniEngine(plan.num_gpu_blocks, REL_BS, plan.budget, model, proxy,
                            workers if plan.world_size > 1 else workers[0], capture_kv=True)
     for w in workers:
@@ -2319,10 +2773,13 @@ rel_fuzz_settings = settings(
     print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @rel_fuzz_settings
 @given(plan=rel_plans())
-def test_rel_fuzz_random_schedules(plan):
-    run = rel_run_plan(plan)
+def test_rel_fuzz_random_schedules(device, plan):
+    """On "deferred" and "cuda" every copy is asynchronous: loads land and stores complete steps
+    later, per worker (world size 1 and 2), on top of the injected report faults."""
+    run = rel_run_plan(dataclasses.replace(plan, device=device))
     log = run.log
     event(f"steps: {min(log.steps // 25 * 25, 200)}+")
     for name in ("preemptions", "preempted_while_storing", "resumed_with_load", "cpu_hit_tokens", "cpu_evictions",
@@ -2336,8 +2793,7 @@ def test_rel_fuzz_random_schedules(plan):
 # -----------------------------------------------------------------------------
 # Scripted interleavings: each one is reached on every CI run (the log says so), not by chance
 
-REL_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                    reason="needs a GPU"))]
+REL_DEVICES = DEVICES
 REL_BASE_A = tuple(range(1, 21))        # 20 tokens: 5 blocks, 4 of them a CPU hit (cap: num_tokens - 1)
 REL_BASE_B = tuple(range(100, 116))     # 16 tokens, shares nothing with A
 REL_FULL_A, REL_FULL_B = ("add", 0, 20, (), 1), ("add", 1, 16, (), 1)
@@ -2698,6 +3154,11 @@ REL_BAD_CALLS = [
     ("worker.bind + wait_for_save(unequal id counts)",
      _bind_and(_meta(store_event=99, store_gpu_blocks=[1, 2], store_cpu_blocks=[1]), "wait_for_save"),
      r"2 source ids but 1 destination ids", None),
+    ("worker.bind + wait_for_save(store event index that does not grow)",
+     _bind_and(_meta(store_event=0, store_gpu_blocks=[1], store_cpu_blocks=[1]), "wait_for_save"),
+     r"store_event=0 after store_event=\d+: event indices must grow", None),
+    ("worker.register_kv_caches(a second time)",
+     lambda w: rel_unwrap(w.worker).register_kv_caches(w.engine.kv_caches, 14), r"already registered", None),
     ("worker.register_kv_caches(wrong block count)",
      lambda w: rel_unwrap(w.worker).register_kv_caches({"x": torch.zeros(5, 4)}, 14), r"has shape \(5, 4\)", None),
     ("worker.register_kv_caches(nothing)",
@@ -2730,6 +3191,11 @@ REL_BAD_CALLS = [
      lambda w: ko.MiniEngine(14, 8, 8, w.model, w.conn, rel_unwrap(w.worker)), r"do not match", None),
     ("MiniEngine(worker/connector CPU sizes disagree)",
      lambda w: ko.MiniEngine(14, REL_BS, 8, w.model, w.conn, ko.SimpleCPUOffloadWorker(6)), r"disagree", None),
+    ("MiniEngine(2 workers, world_size 1)",
+     lambda w: ko.MiniEngine(14, REL_BS, 8, w.model, w.conn, [ko.SimpleCPUOffloadWorker(8) for _ in range(2)]),
+     r"2 workers but the connector's world_size is 1", None),
+    ("MiniEngine(a worker that serves another engine)",
+     lambda w: ko.MiniEngine(14, REL_BS, 8, w.model, w.conn, rel_unwrap(w.worker)), r"already registered", None),
     ("MiniEngine(0 GPU blocks) with the live connector and worker",
      lambda w: ko.MiniEngine(0, REL_BS, 8, w.model, w.conn, rel_unwrap(w.worker)),
      r"num_gpu_blocks must be an int >= 1", None),
