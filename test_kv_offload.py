@@ -22,6 +22,7 @@ import pathlib
 import random
 import re
 import struct
+import subprocess
 import sys
 from collections import Counter
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -3497,6 +3498,43 @@ def test_notebook_claims_in_its_outputs(executed_notebook):
         assert "same output token as A: True" in line and "KV equals expected_kv: True" in line
 
 
+README = pathlib.Path(ko.__file__).resolve().parent / "README.md"
+
+
+def _readme_table(text: str, header_start: str) -> dict[str, dict[str, str]]:
+    """Rows of one of the README's demo tables: row name -> {column: cell}."""
+    lines = text[text.index(header_start):].splitlines()
+    columns = re.split(r"\s{2,}", lines[1].strip())
+    rows = {}
+    for line in lines[2:]:
+        cells = re.split(r"\s{2,}", line.strip())
+        if len(cells) != len(columns) + 1:
+            break
+        rows[cells[0]] = dict(zip(columns, cells[1:]))
+    return rows
+
+
+def test_readme_numbers_match_the_code():
+    """Every count the README prints comes from the code as it is now: the demo's two tables
+    (each non-timing row, each column) and the number of tests in the file map."""
+    text = README.read_text()
+    main_table = _readme_table(text, "```\n                            0.29 (both)")
+    small_table = _readme_table(text, "The same, with a CPU pool of 448 blocks")
+    assert len(main_table) >= 6 and len(small_table) == 3, (main_table, small_table)
+    for name, (cls, kwargs) in ko.STORY_VARIANTS.items():
+        r = ko.run_story(cls, 8192, **kwargs)
+        for row, cells in main_table.items():
+            assert cells[name] == str(r[row]), (name, row, cells[name], r[row])
+        if name in small_table["cpu_hit_tokens"]:
+            r = ko.run_story(cls, 8192, num_cpu_blocks=448, **kwargs)
+            for row, cells in small_table.items():
+                assert cells[name] == str(r[row]), (name, row, cells[name], r[row])
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
+                                "no:cacheprovider", __file__], capture_output=True, text=True).stdout
+    num_tests = int(re.search(r"(\d+) tests collected", collected).group(1))
+    assert f"| {num_tests} tests (CPU;" in text, f"the README's file map should say {num_tests} tests"
+
+
 def test_notebook_is_committed_with_outputs():
     """Readers open it on the web before running anything: every code cell must carry its output."""
     nbformat = pytest.importorskip("nbformat")
@@ -4625,7 +4663,8 @@ def neutralise_vllm_029(v) -> None:
         return finished(request, block_ids)
 
     def reset_releasing_lookup_pins():
-        # vLLM 0.31+: reset() also drops the pins of lookups not yet followed by an allocation
+        # vLLM after 0.30 (0.33 has it): reset() also drops the pins of lookups not yet
+        # followed by an allocation
         # (0.29 kept them until the request's next lookup or its finish); 0.34 forgets local hits
         for pending in v._pending_cpu_hits.values():
             v._free_pending_cpu_hit(pending)
@@ -4634,7 +4673,8 @@ def neutralise_vllm_029(v) -> None:
         return reset()
 
     def build_connector_meta_resetting_preempted(scheduler_output):
-        # vLLM 0.33+: a preempted request's store state (table and cursor) is cleared in the
+        # vLLM after 0.30 (0.33 has it): a preempted request's store state (table and cursor)
+        # is cleared in the
         # step that preempts it; 0.29 cleared it only when the request resumed
         for req_id in scheduler_output.preempted_req_ids:
             if (state := v._reqs_to_store.get(req_id)) is not None:
