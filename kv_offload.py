@@ -46,7 +46,6 @@ Sections, bottom-up (every name is defined before it is used):
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import itertools
 import math
@@ -2061,46 +2060,60 @@ def _print_table(rows: dict[str, dict], fmt: dict[str, str]) -> None:
         print(f"{k:24}" + "".join(f"{fmt.get(k, '{}').format(r[k]):>15}" for r in rows.values()))
 
 
-def bench_manager(prompt_tokens: int = 65536, chunk: int = 4096, block_size: int = 16) -> dict[str, float]:
-    """µs per block of the manager's own calls (hashing and GPU allocation not timed): request A
-    stored eagerly chunk by chunk, final flush included; then B, the same prompt, hits and loads."""
-    n, per_step = prompt_tokens // block_size, chunk // block_size
-    gpu, mgr = BlockPool(2 * n + 2, True, block_size), SimpleCPUOffloadScheduler(n + 2, block_size)
+def bench_manager(prompt_tokens: int = 65536, chunk: int = 4096, block_size: int = 16
+                  ) -> dict[str, float]:
+    """µs per block of the manager's own calls (hashing and GPU allocation not timed), in two
+    phases. store: request A stored eagerly chunk by chunk, final flush included. load: B, the
+    same prompt, hits on CPU and loads."""
+    num_blocks = prompt_tokens // block_size
+    blocks_per_step = chunk // block_size
+    gpu = BlockPool(2 * num_blocks + 2, True, block_size)
+    mgr = SimpleCPUOffloadScheduler(num_blocks + 2, block_size)
     mgr.bind_gpu_block_pool(gpu)
-    req_a, req_b = (Request(r, list(range(prompt_tokens)), block_size) for r in "ab")
-    blocks, spent = gpu.get_new_blocks(n), [0.0, 0.0]
+    req_a = Request("a", list(range(prompt_tokens)), block_size)
+    req_b = Request("b", list(range(prompt_tokens)), block_size)
+    blocks = gpu.get_new_blocks(num_blocks)
+    seconds = {"store": 0.0, "load": 0.0}
 
-    def timed(phase: int, fn, *args):
-        t = time.perf_counter()
+    def timed(phase: str, fn, *args):
+        start = time.perf_counter()
         out = fn(*args)
-        spent[phase] += time.perf_counter() - t
+        seconds[phase] += time.perf_counter() - start
         return out
 
-    def done(event: int) -> KVConnectorOutput:  # the worker's report of a finished store
-        return KVConnectorOutput(kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata({event: 1} if event >= 0 else {}))
+    def store_done(event: int) -> KVConnectorOutput:  # the worker's report of a finished store
+        completed = {event: 1} if event >= 0 else {}
+        return KVConnectorOutput(kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(completed))
 
-    timed(0, mgr.get_num_new_matched_tokens, req_a, 0)
-    timed(0, mgr.update_state_after_alloc, req_a, (blocks,), 0)
+    # store phase: one step per chunk; the worker reports each store one step later
+    timed("store", mgr.get_num_new_matched_tokens, req_a, 0)
+    timed("store", mgr.update_state_after_alloc, req_a, (blocks,), 0)
     event = -1
-    for step in range(n // per_step + 1):  # one step more: A has finished, its last chunk is flushed
-        new = blocks[step * per_step:(step + 1) * per_step]
-        gpu.cache_full_blocks(req_a, blocks, step * per_step, step * per_step + len(new), block_size, 0)
-        so = SchedulerOutput({"a": chunk}, {"a": ([b.block_id for b in new],)})
+    for step in range(num_blocks // blocks_per_step + 1):  # one more: A finished, flush its last
+        first = step * blocks_per_step
+        new = blocks[first:first + blocks_per_step]
+        gpu.cache_full_blocks(req_a, blocks, first, first + len(new), block_size, 0)
+        scheduler_output = SchedulerOutput({"a": chunk}, {"a": ([b.block_id for b in new],)})
         if not new:
-            timed(0, mgr.request_finished_all_groups, req_a, ([b.block_id for b in blocks],))
-            so = SchedulerOutput()
-        meta = timed(0, mgr.build_connector_meta, so)
-        timed(0, mgr.update_connector_output, done(event))
-        event, req_a.num_computed_tokens = meta.store_event, min((step + 1) * chunk, prompt_tokens)
-    timed(0, mgr.update_connector_output, done(event))
+            all_ids = ([b.block_id for b in blocks],)
+            timed("store", mgr.request_finished_all_groups, req_a, all_ids)
+            scheduler_output = SchedulerOutput()
+        meta = timed("store", mgr.build_connector_meta, scheduler_output)
+        timed("store", mgr.update_connector_output, store_done(event))
+        event = meta.store_event
+        req_a.num_computed_tokens = min((step + 1) * chunk, prompt_tokens)
+    timed("store", mgr.update_connector_output, store_done(event))
     gpu.free_blocks(reversed(blocks))
-    hit, _ = timed(1, mgr.get_num_new_matched_tokens, req_b, 0)
-    timed(1, mgr.update_state_after_alloc, req_b, (gpu.get_new_blocks(n),), hit)
-    meta = timed(1, mgr.build_connector_meta, SchedulerOutput())
-    timed(1, mgr.update_connector_output, KVConnectorOutput({"b"}))
+    # load phase: B's lookup, allocation, one step, the load's completion
+    hit, _ = timed("load", mgr.get_num_new_matched_tokens, req_b, 0)
+    timed("load", mgr.update_state_after_alloc, req_b, (gpu.get_new_blocks(num_blocks),), hit)
+    meta = timed("load", mgr.build_connector_meta, SchedulerOutput())
+    timed("load", mgr.update_connector_output, KVConnectorOutput({"b"}))
     stored = len(mgr.cpu_block_pool.cached_block_hash_to_block)
-    assert stored == n and len(meta.load_gpu_blocks) == hit // block_size == n - 1, "the trace went wrong"
-    return {"store_us_per_block": spent[0] / stored * 1e6, "load_us_per_block": spent[1] / (n - 1) * 1e6}
+    loaded = len(meta.load_gpu_blocks)
+    assert stored == num_blocks and loaded == hit // block_size == num_blocks - 1, "trace went wrong"
+    return {"store_us_per_block": seconds["store"] / stored * 1e6,
+            "load_us_per_block": seconds["load"] / loaded * 1e6}
 
 
 def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_copy: int = 512,
@@ -2136,9 +2149,14 @@ def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_cop
                                                     load_cpu_blocks=cpu_ids)
                 w.bind_connector_metadata(meta)
                 copy = w.wait_for_save if direction == "store" else w.start_load_kv
-                plain = functools.partial(dst.copy_, src, non_blocking=True)
-                t_worker, t_plain = _time_pairs(copy, plain, device, reps)
-                w._store_events.clear(), w._load_events.clear()
+
+                def plain_copy(dst=dst, src=src) -> None:  # the baseline: the same bytes at once
+                    dst.copy_(src, non_blocking=True)
+
+                t_worker, t_plain = _time_pairs(copy, plain_copy, device, reps)
+                # wait for and forget every copy (the worker's preemption path), so the next
+                # event starts from a clean worker
+                w.handle_preemptions(SimpleCPUOffloadMetadata(need_flush=True))
                 ratios = sorted(p / t for t, p in zip(t_worker, t_plain))
                 median = reps // 2
                 rows.append(dict(device=device, layout=layout, ids=ids_kind, direction=direction,
