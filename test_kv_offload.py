@@ -518,6 +518,15 @@ def _prompt(n, seed=0):
     return torch.randint(0, 32000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def _run_a_then_b(eng, prompt, block_size=16):
+    """Request A runs; its GPU prefix cache is dropped; B sends the same prompt. B's stats."""
+    eng.add_request(ko.Request("A", prompt, block_size))
+    eng.run()
+    assert eng.reset_gpu_prefix_cache()
+    eng.add_request(ko.Request("B", prompt, block_size))
+    return eng.run()["B"]
+
+
 def _assert_all_free(eng, conn):
     assert eng.gpu_block_pool.get_num_free_blocks() == eng.gpu_block_pool.num_gpu_blocks - 1
     assert conn.cpu_block_pool.get_num_free_blocks() == conn.num_cpu_blocks - 1
@@ -896,11 +905,7 @@ def test_async_copies_are_reported_only_after_they_ran(worker_cls):
     eng = ko.MiniEngine(300, 16, 512, model, conn, worker_cls(300, copy_engine=ko.DeferredCopyEngine()),
                         capture_kv=True)
     prompt = _prompt(3000)
-    eng.add_request(ko.Request("A", prompt, 16))
-    eng.run()
-    assert eng.reset_gpu_prefix_cache()
-    eng.add_request(ko.Request("B", prompt, 16))
-    b = eng.run()["B"]
+    b = _run_a_then_b(eng, prompt)
     assert b.cpu_hit_tokens == 2992
     assert torch.equal(b.kv, model.expected_kv(prompt)) == (worker_cls is ko.SimpleCPUOffloadWorker)
 
@@ -944,11 +949,7 @@ def _story_with_sync_check(device, set_mode=None, plant_sync=False):
         w.wait_for_save = wait_for_save
     sync_checked(w, set_mode)
     prompt = _prompt(1000)
-    eng.add_request(ko.Request("A", prompt, 16))
-    eng.run()
-    assert eng.reset_gpu_prefix_cache()
-    eng.add_request(ko.Request("B", prompt, 16))
-    b = eng.run()["B"]
+    b = _run_a_then_b(eng, prompt)
     assert b.cpu_hit_tokens == 992 and torch.equal(b.kv, model.expected_kv(prompt).cpu())
 
 
@@ -3473,22 +3474,21 @@ def test_notebook_claims_in_its_outputs(executed_notebook):
     the module's tests: 97 tokens = 6 blocks of 16 + 1, cap 96; blocks of 8 hashed every 4;
     a 64-block prompt against CPU pools around 64 blocks; 217 blocks at 7 per step)."""
     nb = executed_notebook
-    v029 = _nb_tagged(nb, "claim-029")
-    assert re.search(r"0.29: len\(cached_block_hash_to_block\) = 6; cached_block_hashes_by_block = \{\}", v029)
-    assert re.search(r"0.29 lookup for the same prompt: 96 hit tokens", v029)
-    fine = _nb_tagged(nb, "claim-fine")
-    assert re.search(r"0.29 +CPU secondary keys: 0; fine-grained hit: 8 hit tokens", fine)
-    assert re.search(r"fixed +CPU secondary keys: 1; fine-grained hit: 12 hit tokens", fine)
-    cliff = _nb_tagged(nb, "claim-capacity")
-    assert re.search(r"0.29 .*56: 0, 57: 896,.* 72: 896\}", cliff)
-    assert re.search(r"fixed .*64: 0, 65: 1008,.* 72: 1008\}", cliff)
-    trap = _nb_tagged(nb, "claim-trap")
-    assert re.search(r"0.29 +map entries: 6; lookup for the same prompt: 96 hit tokens", trap)
-    assert re.search(r"no reset_hash +map entries: 0; lookup for the same prompt: 0 hit tokens", trap)
-    assert re.search(r"fixed +map entries: 6; lookup for the same prompt: 96 hit tokens", trap)
-    bug2 = _nb_tagged(nb, "claim-bug2")
-    assert re.search(r"flush bug +31 steps, 210 of 217", bug2)
-    assert re.search(r"fixed +32 steps, 217 of 217", bug2)
+    claims = {  # tag of the cell -> what its output must say
+        "claim-029": [r"0.29: len\(cached_block_hash_to_block\) = 6; cached_block_hashes_by_block = \{\}",
+                      r"0.29 lookup for the same prompt: 96 hit tokens"],
+        "claim-fine": [r"0.29 +CPU secondary keys: 0; fine-grained hit: 8 hit tokens",
+                       r"fixed +CPU secondary keys: 1; fine-grained hit: 12 hit tokens"],
+        "claim-capacity": [r"0.29 .*56: 0, 57: 896,.* 72: 896\}", r"fixed .*64: 0, 65: 1008,.* 72: 1008\}"],
+        "claim-trap": [r"0.29 +map entries: 6; lookup for the same prompt: 96 hit tokens",
+                       r"no reset_hash +map entries: 0; lookup for the same prompt: 0 hit tokens",
+                       r"fixed +map entries: 6; lookup for the same prompt: 96 hit tokens"],
+        "claim-bug2": [r"flush bug +31 steps, 210 of 217", r"fixed +32 steps, 217 of 217"],
+    }
+    for tag, patterns in claims.items():
+        text = _nb_tagged(nb, tag)
+        for pattern in patterns:
+            assert re.search(pattern, text), (tag, pattern, text)
     story = _nb_tagged(nb, "claim-story").splitlines()
     expected = {"0.29": "1024 tokens computed, 3072 loaded", "no reset_hash": "4096 tokens computed,    0 loaded",
                 "fixed": "  16 tokens computed, 4080 loaded"}
