@@ -1174,7 +1174,7 @@ class SimpleCPUOffloadScheduler:
 
 
 # -----------------------------------------------------------------------------
-# 5. The pre-fix variant (vLLM before PR #53532), kept runnable so each bug can be shown
+# 5. The pre-fix variant (vLLM 0.29, before PR #53532), kept runnable so each bug can be shown
 
 class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
     """The manager as vLLM 0.29 had it (the last release before PR #53532). Each flag turns one
