@@ -195,11 +195,13 @@ def test_kv_cache_block_fields_follow_vllm_0_34():
 
 
 def test_insert_guard_traps_a_stamped_block():
-    """Bug 1 in five lines: a block stamped with its key returns at guard 1; the map stays empty."""
+    """The trap inside the fix, in five lines: a block stamped with its key returns at guard 1,
+    so _insert_block_hash() leaves the map empty; reset_hash() first, and the key goes in. (vLLM
+    0.29 itself inserted the stamped key directly, around this method.)"""
     pool = ko.BlockPool(3, True, 4)
     blk = pool.get_new_blocks(1)[0]
     key = ko.make_block_hash_with_group_id(b"k" * 32, 0)
-    blk.block_hash = key                               # what the pre-fix manager did
+    blk.block_hash = key                               # vLLM 0.29's stamp at allocation
     pool._insert_block_hash(key, blk, None)
     assert pool.cached_block_hash_to_block.get_one_block(key) is None
     blk.reset_hash()                                   # the fix: reset first
@@ -1802,7 +1804,7 @@ def test_registration_survives_stamped_destination(variant):
     h = Harness(variant)
     req = h.request(33)
     meta, _ = h.prefill((req, 33), complete=False)
-    for g, c in zip(meta.store_gpu_blocks, meta.store_cpu_blocks):  # what pre-fix code did
+    for g, c in zip(meta.store_gpu_blocks, meta.store_cpu_blocks):  # vLLM 0.29's stamp
         h.cpu.blocks[c].block_hash = h.gpu.blocks[g].block_hash
     h.complete_store(meta.store_event)
     assert_variant(variant, h.in_cpu(req), [True, True], skip_reset_hash=[False, False])
