@@ -1852,6 +1852,8 @@ class MiniEngine:
         self._t_arrival: dict[str, float] = {}
         self._resumed: set[str] = set()
         self._recving_counts: dict[str, int] = {}
+        # reset_connector_cache() was refused: retried after every step, no CPU lookup until done
+        self._connector_reset_pending = False
         self.num_steps = 0
 
     def add_request(self, request: Request) -> None:
@@ -1885,9 +1887,20 @@ class MiniEngine:
     def reset_gpu_prefix_cache(self) -> bool:
         return self.gpu_block_pool.reset_prefix_cache()
 
+    def reset_connector_cache(self) -> bool:
+        """Drop the CPU prefix cache (vLLM's Scheduler.reset_connector_cache, e.g. after a weight
+        update). True once done. While copies it sent are in flight the connector refuses
+        (False) and, as in vLLM 0.34, keeps serving its entries until a reset succeeds; vLLM
+        leaves the retry to the caller. This engine retries after every step until it succeeds
+        and, until then, looks nothing up on CPU: no entry from before the call is served.
+        (Loads accepted before the call still land, as in vLLM.)"""
+        self._connector_reset_pending = self.connector is not None and not self.connector.reset()
+        return not self._connector_reset_pending
+
     def has_unfinished_work(self) -> bool:
         c = self.connector
-        return bool(self.waiting or self.running or self.loading) or (c is not None and (
+        engine_busy = self.waiting or self.running or self.loading or self._connector_reset_pending
+        return bool(engine_busy) or (c is not None and (
             c.has_pending_push_work() or bool(c._reqs_to_load or c._abandoned_reqs_to_load)))
 
     def run(self, max_steps: int = 100_000) -> dict[str, RequestStats]:
@@ -1963,8 +1976,10 @@ class MiniEngine:
             else:
                 (hit_blocks,), local = find_longest_cache_hit(req.block_hashes, req.num_tokens - 1, [0],
                                                               self.gpu_block_pool, self.block_size)
-                # loads are always asynchronous here: the second value is always True on a hit
-                ext = self.connector.get_num_new_matched_tokens(req, local)[0] if self.connector is not None else 0
+                ext = 0
+                if self.connector is not None and not self._connector_reset_pending:
+                    # loads are always asynchronous here: the second value is always True on a hit
+                    ext = self.connector.get_num_new_matched_tokens(req, local)[0]
             n = 0 if ext else min(req.num_tokens - local, budget)
             # new blocks, plus hit blocks that touch() will take out of the free queue
             need = (cdiv(local + ext + n, self.block_size) - len(self.req_blocks.get(rid, hit_blocks))
@@ -2031,6 +2046,8 @@ class MiniEngine:
         self._update_from_output(so)
         if self.connector is not None:
             self.connector.update_connector_output(KVConnectorOutput(finished_recving, worker_meta))
+        if self._connector_reset_pending:  # the reports above may have drained what refused it
+            self._connector_reset_pending = not self.connector.reset()
         for rid in finished_recving:
             if (tokens := self.loading.pop(rid, None)) is not None:
                 req = next(r for r in self.waiting if r.request_id == rid)

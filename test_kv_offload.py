@@ -2405,6 +2405,17 @@ class RelFaultyConnector(RelProxy):
         super().__init__(inner, faults, rng, log)
         self._rel_held: list[tuple[int, dict[int, int]]] = []
         self._rel_delivered: list[dict[int, int]] = []
+        self._rel_engine: ko.MiniEngine | None = None
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        """Counted when the engine accepts a CPU hit, not after the step: the load may land
+        within the step, and the request then no longer looks like one that loads."""
+        eng = self._rel_engine
+        if num_external_tokens:
+            assert not eng._connector_reset_pending, (
+                f"{request.request_id} was served a CPU hit while a refused reset was pending")
+            self._rel_log.resumed_with_load += request.request_id in eng._resumed
+        return self._rel_inner.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def update_connector_output(self, connector_output: ko.KVConnectorOutput) -> None:
         self._rel_step += 1
@@ -2482,7 +2493,8 @@ class RelPlan:
       ("drain",)                                     steps until the engine is idle
       ("abort", k)                                   abort live request k (loading / storing first), or id k
       ("hold" | "release", "conn" | i)              hold / release the reports of the connector or worker i
-      ("reset",)                                     connector.reset()
+      ("reset",)                                     engine.reset_connector_cache() (retried while refused)
+      ("reset_connector",)                           connector.reset() alone: vLLM's call, no retry
       ("reset_gpu",)                                 engine.reset_gpu_prefix_cache() (refused while in use)
     then steps until the engine is idle."""
     ops: tuple
@@ -2504,7 +2516,7 @@ class RelLog:
     steps: int = 0
     preemptions: int = 0
     preempted_while_storing: int = 0
-    resumed_with_load: int = 0   # a preempted request came back through a CPU load
+    resumed_with_load: int = 0   # a preempted request came back through a CPU load (RelFaultyConnector)
     cpu_hit_tokens: int = 0
     aborts: int = 0
     aborts_while_loading: int = 0
@@ -2550,8 +2562,8 @@ def rel_build(plan: RelPlan):
                for i in range(plan.world_size)]
     engine = ko.MiniEngine(plan.num_gpu_blocks, REL_BS, plan.budget, model, proxy,
                            workers if plan.world_size > 1 else workers[0], capture_kv=True)
-    for w in workers:
-        w._rel_engine = engine
+    for p in (proxy, *workers):
+        p._rel_engine = engine
     return SimpleNamespace(engine=engine, conn=conn, proxy=proxy, workers=workers, model=model, log=log,
                            requests={}, aborted=set())
 
@@ -2561,13 +2573,11 @@ def rel_step(run, n: int = 1) -> None:
     for _ in range(n):
         resumed_before = set(eng._resumed)
         storing = {rid for rid, st_ in run.conn._reqs_to_store.items() if st_.store_events}
-        loading_resumed_before = set(eng.loading) & eng._resumed
         cached = {b.block_id: b.block_hash for b in run.conn.cpu_block_pool.blocks if b.block_hash is not None}
         eng.step()
         log.steps += 1
         log.preemptions += len(eng._resumed - resumed_before)
         log.preempted_while_storing += len((eng._resumed - resumed_before) & storing)
-        log.resumed_with_load += len((set(eng.loading) & eng._resumed) - loading_resumed_before)
         log.cpu_evictions += any(run.conn.cpu_block_pool.blocks[i].block_hash != h for i, h in cached.items())
         log.steps_with_pins += bool(run.conn._pending_cpu_hits)
         check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
@@ -2617,11 +2627,12 @@ def rel_run_plan(plan: RelPlan, max_steps: int = 3000, *, before_reset=None):
             rel_drain(run, max_steps)
         elif kind == "abort":
             rel_abort(run, *((0, op[1]) if isinstance(op[1], str) else (op[1],)))
-        elif kind == "reset":
+        elif kind in ("reset", "reset_connector"):
             log.resets += 1
             log.resets_with_pins += bool(run.conn._pending_cpu_hits)
             log.resets_with_queued_flush += bool(run.conn._pending_finished_stores)
-            log.resets_refused += not run.proxy.reset()
+            reset = eng.reset_connector_cache if kind == "reset" else run.proxy.reset
+            log.resets_refused += not reset()
             check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
             if plan.faults.dup:
                 run.proxy.rel_replay()  # stale reports from before the reset
@@ -2848,6 +2859,34 @@ def test_rel_reset_while_a_store_and_a_load_are_in_flight(device):
                     budget=12, faults=RelFaults(load_delay=2, store_delay=2, exact=True, split=True), device=device)
     run = rel_run_plan(plan)
     assert run.log.resets_refused == 1 and run.log.stale_reports >= 1 and run.engine.stats["r2"].cpu_hit_tokens == 16
+
+
+REL_BASE_C = tuple(range(200, 212))     # 12 tokens, shares nothing with A or B
+
+
+@pytest.mark.parametrize("reset", ["reset", "reset_connector"])
+def test_rel_refused_reset_is_retried_and_serves_no_stale_hit(reset):
+    """A (20 tokens) and B (16) are stored; the GPU cache is dropped; C's store is in flight
+    (worker 0 holds its report) when the CPU cache is reset: refused, C's store abandoned. Then
+    A again, before the report. vLLM 0.34's manager keeps serving its entries after a refused
+    reset and leaves the retry to the caller: after a plain connector.reset() A again is served
+    16 stale tokens, and B's keys (a 12-token hit) outlive the run. The engine's
+    reset_connector_cache() looks nothing up while the reset is pending and retries it after
+    every step: A computes its 20 tokens, and once the report lands the retry drops B's keys."""
+    b_hits = []
+
+    def probe_b(run):
+        probe = ko.Request("probe", list(REL_BASE_B), REL_BS)
+        b_hits.append(run.conn.get_num_new_matched_tokens(probe, 0)[0])
+        run.conn.request_finished(probe, [])
+
+    plan = rel_plan(REL_FULL_A, REL_FULL_B, ("drain",), ("reset_gpu",), ("hold", 0), ("add", 2, 12, (), 1),
+                    ("step", 2), (reset,), REL_FULL_A, ("step", 2), ("release", 0),
+                    bases=(REL_BASE_A, REL_BASE_B, REL_BASE_C), num_cpu_blocks=16)
+    run = rel_run_plan(plan, before_reset=probe_b)
+    stale_hit, b_hit = (0, 0) if reset == "reset" else (16, 12)
+    assert run.log.resets_refused == 1
+    assert run.engine.stats["r3"].cpu_hit_tokens == stale_hit and b_hits == [b_hit]
 
 
 def rel_pin_plan(last_op) -> RelPlan:
