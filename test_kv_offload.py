@@ -29,7 +29,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, given, note, seed, settings
 from hypothesis import strategies as st
 
 import kv_offload as ko
@@ -2026,7 +2026,8 @@ def test_pool_refuses_more_blocks_than_free(pool):
 # ===============================================================================================
 # Reliability: invariants after every step, random schedules with injected faults, the bad-input catalogue
 # Quick profile in CI (300 derandomized schedules per device: cpu, deferred); long:
-# KV_OFFLOAD_FUZZ_EXAMPLES=10000 python -m pytest -k fuzz.
+# KV_OFFLOAD_FUZZ_EXAMPLES=3000 python -m pytest -k fuzz, which prints its seed; replay a run
+# with the same KV_OFFLOAD_FUZZ_EXAMPLES and KV_OFFLOAD_FUZZ_SEED=<the seed>.
 # Module bugs these tests found, all fixed, each kept as a regression test tagged `RB-n`:
 #   RB-1 MiniEngine stalled when a preempted request was queued ahead of a loaded request holding blocks
 #   RB-2 a reused request id was merged into the old store state (and never offloaded)
@@ -2719,10 +2720,17 @@ def rel_finish(run, max_steps: int = 3000, before_reset=None) -> None:
 
 
 REL_TOKENS = st.integers(0, 40)  # a small vocabulary: unrelated prompts collide on short prefixes too
+REL_OTHER_TOKENS = st.integers(41, 80)  # for a prompt that must share no prefix with REL_TOKENS ones
+
+
+def rel_faults(draw) -> RelFaults:
+    return RelFaults(load_delay=draw(st.integers(0, 3)), store_delay=draw(st.integers(0, 3)),
+                     conn_delay=draw(st.integers(0, 2)), dup=draw(st.booleans()), split=draw(st.booleans()),
+                     seed=draw(st.integers(0, 2 ** 16)))
 
 
 @st.composite
-def rel_plans(draw, max_ops: int = 16) -> RelPlan:
+def rel_generic_plans(draw, max_ops: int = 16) -> RelPlan:
     """Tiny random schedules: 1-2 prompt bases; requests take a prefix of random length of one
     (often all of it, so that later arrivals can hit what earlier ones stored) plus a short
     suffix; GPU pools from 'the largest request barely fits' up; CPU pools of 1-11 usable blocks."""
@@ -2753,18 +2761,10 @@ def rel_plans(draw, max_ops: int = 16) -> RelPlan:
         st.tuples(drain, reset_gpu, again, short, reset),  # reset while the load (and stores) run
         st.tuples(drain, reset_gpu, again, again, step),   # two CPU hits on one prefix, competing
         st.tuples(step, reset),                          # reset while copies run
-        # the GPU fills up while a CPU hit is at the head: it keeps its lookup pin while it waits
-        # for room; reset / abort then
-        st.integers(0, 1).flatmap(lambda b: st.tuples(
-            again_of(b), drain, reset_gpu, dec, dec, dec, st.just(("step", 3)), again_of(b), short,
-            st.sampled_from([("reset",), ("abort", 0), ("abort", 1), ("abort", 2)]))),
     )
     chunks = draw(st.lists(chunk, min_size=1, max_size=max_ops // 3))
     ops = (draw(st.one_of(add, again)), *[o for c in chunks for o in c])
     need = rel_max_need(ops, bases)
-    faults = RelFaults(load_delay=draw(st.integers(0, 3)), store_delay=draw(st.integers(0, 3)),
-                       conn_delay=draw(st.integers(0, 2)), dup=draw(st.booleans()), split=draw(st.booleans()),
-                       seed=draw(st.integers(0, 2 ** 16)))
     # GPU pool: from 'the largest request barely fits' up (that is how RB-1 was found: a preempted
     # request queued ahead of one whose load landed and that held its blocks)
     return RelPlan(ops=ops, bases=bases,
@@ -2773,32 +2773,140 @@ def rel_plans(draw, max_ops: int = 16) -> RelPlan:
                    budget=draw(st.sampled_from([2, 3, 4, 5, 7, 8, 12, 16])),
                    hash_block_size=draw(st.sampled_from([REL_BS, REL_BS // 2])),
                    world_size=draw(st.sampled_from([1, 2])),
-                   faults=faults)
+                   faults=rel_faults(draw))
+
+
+def rel_window_tail(draw, fits: list[tuple]) -> tuple:
+    """A few ops after a window, drawn from ones that fit the window's tight pools."""
+    ops = st.sampled_from([("step", 1), ("step", 3), ("drain",), ("reset",), ("reset_gpu",), ("abort", 0), *fits])
+    return tuple(draw(st.lists(ops, max_size=4)))
+
+
+@st.composite
+def rel_pin_window_plans(draw, window_op: tuple) -> RelPlan:
+    """Reaches 'a lookup pin is held' by construction (blocks of REL_BS tokens). X, of `hit` full
+    blocks and r more tokens, is stored; the GPU cache is dropped; filler F (f tokens, a few
+    outputs) prefills in one step. X again then hits `hit` blocks on CPU while F, decoding,
+    holds cdiv(f + 1) blocks of a GPU pool of cdiv(f + 1) + hit - 1: X again waits for room,
+    holding its lookup pin, and `window_op` runs: ("reset",), or ("abort", "r2") (X again)."""
+    bs = REL_BS
+    hit, r, f = draw(st.integers(2, 5)), draw(st.integers(1, bs)), draw(st.integers(bs, 3 * bs))
+    x_tokens = tuple(draw(st.lists(REL_TOKENS, min_size=hit * bs + r, max_size=hit * bs + r)))
+    f_tokens = tuple(draw(st.lists(REL_OTHER_TOKENS, min_size=f, max_size=f)))  # no hash in common with X
+    x = ("add", 0, len(x_tokens), (), 1)
+    filler = ("add", 1, f, (), draw(st.integers(2, (hit - 1) * bs + 1)))  # fits the pool on its own
+    usable = ko.cdiv(f + 1, bs) + hit - 1  # X's hit needs `hit` blocks: one more than are free
+    ops = (x, ("drain",), ("reset_gpu",), filler, ("step", 1), x, ("step", 1), window_op,
+           *rel_window_tail(draw, [x, filler]))
+    return RelPlan(ops=ops, bases=(x_tokens, f_tokens), num_gpu_blocks=1 + usable,
+                   num_cpu_blocks=1 + usable + hit + draw(st.integers(0, 3)),
+                   budget=draw(st.integers(f + 1, 16)),  # F prefills in one step, then X is looked up
+                   hash_block_size=draw(st.sampled_from([bs, bs // 2])),
+                   world_size=draw(st.sampled_from([1, 2])), faults=rel_faults(draw))
+
+
+@st.composite
+def rel_resume_window_plans(draw) -> RelPlan:
+    """Reaches 'a preempted request resumes through a CPU load' by construction. P (p tokens)
+    and R (r tokens, stored one step after its prefill) decode together in a GPU pool of exactly
+    P's final size, U blocks, so R (admitted last) is preempted after a few steps. P then grows
+    into every usable block, which evicts all of R's GPU copies; when P finishes, R's lookup
+    misses on GPU and hits its stored blocks on CPU (the CPU pool holds P's and R's blocks)."""
+    bs = REL_BS
+    usable, p, r = draw(st.integers(5, 8)), draw(st.integers(1, bs)), draw(st.integers(bs, 2 * bs))
+    p_max_tokens = bs * usable - p + 1 - draw(st.integers(0, bs - 1))  # P's last block is the U-th
+    r_max_tokens = bs * usable - r + 1 - draw(st.integers(0, 2))       # R outlives the preemption
+    r_tokens = tuple(draw(st.lists(REL_TOKENS, min_size=r, max_size=r)))
+    p_tokens = tuple(draw(st.lists(REL_OTHER_TOKENS, min_size=p, max_size=p)))  # no hash in common with R
+    prefill_p, prefill_r = ("add", 1, p, (), p_max_tokens), ("add", 0, r, (), r_max_tokens)
+    ops = (prefill_p, prefill_r, ("drain",), *rel_window_tail(draw, [prefill_r]))
+    return RelPlan(ops=ops, bases=(r_tokens, p_tokens), num_gpu_blocks=1 + usable,
+                   num_cpu_blocks=1 + 2 * usable + draw(st.integers(0, 2)),
+                   budget=draw(st.integers(p + r, 16)),  # both prefill in the first step
+                   hash_block_size=draw(st.sampled_from([bs, bs // 2])),
+                   world_size=draw(st.sampled_from([1, 2])), faults=rel_faults(draw))
+
+
+# Random schedules reach the rare windows (a lookup pin held at a reset or at an abort, a resume
+# through a CPU load) in under 2% of plans; these strategies build them on purpose. Weights: of
+# 20 plans, 14 generic and 2 per window (each template reaches its window almost always).
+REL_PLAN_KINDS = ("generic",) * 14 + ("pin, reset",) * 2 + ("pin, abort",) * 2 + ("resume",) * 2
+
+
+@st.composite
+def rel_plans(draw) -> RelPlan:
+    """A generic schedule, or one built around a rare window (REL_PLAN_KINDS)."""
+    kind = draw(st.sampled_from(REL_PLAN_KINDS))
+    strategies = {"generic": rel_generic_plans(), "resume": rel_resume_window_plans(),
+                  "pin, reset": rel_pin_window_plans(("reset",)),
+                  "pin, abort": rel_pin_window_plans(("abort", "r2"))}
+    return draw(strategies[kind])
 
 
 # Quick profile (CI): derandomized, so every run explores the same schedules. Long profile: set
-# KV_OFFLOAD_FUZZ_EXAMPLES; random exploration (hypothesis prints the failing plan and a blob).
+# KV_OFFLOAD_FUZZ_EXAMPLES; random exploration from a seed, drawn unless KV_OFFLOAD_FUZZ_SEED
+# gives it, and printed: the same two variables replay the run schedule for schedule
+# (hypothesis also prints a failing plan and a blob for @reproduce_failure).
 REL_FUZZ_EXAMPLES = int(os.environ.get("KV_OFFLOAD_FUZZ_EXAMPLES") or 0)
+REL_FUZZ_SEED = None
+if REL_FUZZ_EXAMPLES:
+    REL_FUZZ_SEED = int(os.environ.get("KV_OFFLOAD_FUZZ_SEED") or random.SystemRandom().randrange(2 ** 32))
 rel_fuzz_settings = settings(
     max_examples=REL_FUZZ_EXAMPLES or 300, derandomize=not REL_FUZZ_EXAMPLES, database=None, deadline=None,
     print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
+def rel_fuzz_seeded(test):
+    return test if REL_FUZZ_SEED is None else seed(REL_FUZZ_SEED)(test)
+
+
+def rel_print(config, line: str) -> None:
+    """A line on the terminal past pytest's output capture (capsys.disabled() lifts it so too)."""
+    with config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
+        print(f"\n{line}", flush=True)
+
+
+# What a run went through (RelLog), reported per device; the rare windows must each be reached
+# in >= 5% of the quick profile's schedules (rel_pin_window_plans, rel_resume_window_plans)
+REL_REACHED = ("preemptions", "preempted_while_storing", "resumed_with_load", "cpu_hit_tokens", "cpu_evictions",
+               "aborts_while_loading", "aborts_while_storing", "aborts_with_pin", "steps_with_pins",
+               "resets_refused", "resets_with_pins", "resets_with_queued_flush", "stale_reports", "partial_counts",
+               "duplicate_reports", "ignored_reports")
+REL_RARE_WINDOWS = ("resumed_with_load", "resets_with_pins", "aborts_with_pin")
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@rel_fuzz_settings
-@given(plan=rel_plans())
-def test_rel_fuzz_random_schedules(device, plan):
+def test_rel_fuzz_random_schedules(device, pytestconfig):
     """On "deferred" and "cuda" every copy is asynchronous: loads land and stores complete steps
     later, per worker (world size 1 and 2), on top of the injected report faults."""
-    run = rel_run_plan(dataclasses.replace(plan, device=device))
-    log = run.log
-    event(f"steps: {min(log.steps // 25 * 25, 200)}+")
-    for name in ("preemptions", "preempted_while_storing", "resumed_with_load", "cpu_hit_tokens", "cpu_evictions",
-                 "aborts_while_loading", "aborts_while_storing", "aborts_with_pin", "steps_with_pins",
-                 "resets_refused", "resets_with_pins", "resets_with_queued_flush", "stale_reports", "partial_counts",
-                 "duplicate_reports", "ignored_reports"):
-        if getattr(log, name):
-            event(f"reached: {name}")
+    if REL_FUZZ_SEED is not None and not getattr(pytestconfig, "_rel_seed_shown", False):
+        pytestconfig._rel_seed_shown = True  # once per session: every device uses the seed
+        rel_print(pytestconfig, f"fuzz long profile: {REL_FUZZ_EXAMPLES} schedules per device, seed "
+                                f"{REL_FUZZ_SEED}; replay: KV_OFFLOAD_FUZZ_EXAMPLES={REL_FUZZ_EXAMPLES} "
+                                f"KV_OFFLOAD_FUZZ_SEED={REL_FUZZ_SEED} python -m pytest -k fuzz")
+    logs: list[RelLog] = []
+
+    @rel_fuzz_settings
+    @rel_fuzz_seeded
+    @given(plan=rel_plans())
+    def run_schedule(plan):
+        if REL_FUZZ_SEED is not None:
+            note(f"long-profile seed {REL_FUZZ_SEED}")
+        log = rel_run_plan(dataclasses.replace(plan, device=device)).log
+        logs.append(log)
+        event(f"steps: {min(log.steps // 25 * 25, 200)}+")
+        for name in REL_REACHED:
+            if getattr(log, name):
+                event(f"reached: {name}")
+
+    run_schedule()
+    reached = {name: sum(bool(getattr(log, name)) for log in logs) for name in REL_REACHED}
+    if REL_FUZZ_SEED is not None:
+        rates = ", ".join(f"{name} {100 * n / len(logs):.1f}%" for name, n in reached.items())
+        rel_print(pytestconfig, f"fuzz {device}: {len(logs)} schedules passed; reached: {rates}")
+        return
+    rare = {name: reached[name] for name in REL_RARE_WINDOWS if reached[name] < 0.05 * len(logs)}
+    assert not rare, f"rare windows reached in < 5% of {len(logs)} schedules: {rare}"
 
 
 # -----------------------------------------------------------------------------
