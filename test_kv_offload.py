@@ -3084,15 +3084,14 @@ def _register(caches, num_gpu_blocks=None):
     return lambda w: rel_unwrap(w.worker).register_kv_caches(caches(), num_gpu_blocks)
 
 
-def _engine(num_gpu_blocks=14, block_size=REL_BS, budget=8, *, conn="live", worker="spare", **model_kw):
+def _engine(num_gpu_blocks=14, block_size=REL_BS, budget=8, *, conn="live", worker="spare"):
     """MiniEngine(...) built from the world's parts: the live ones or the spares."""
     def call(w):
         connector = {"live": w.conn, "spare": w.spare_conn, "fresh": ko.SimpleCPUOffloadScheduler(8, REL_BS)}[conn]
         workers = {"live": rel_unwrap(w.worker), "spare": w.spare_worker,
                    "two spares": [w.spare_worker, ko.SimpleCPUOffloadWorker(8)],
                    "6 CPU blocks": ko.SimpleCPUOffloadWorker(6)}[worker]
-        model = ko.ToyModel(**{**REL_MODEL, **model_kw}) if model_kw else w.model
-        return ko.MiniEngine(num_gpu_blocks, block_size, budget, model, connector, workers)
+        return ko.MiniEngine(num_gpu_blocks, block_size, budget, w.model, connector, workers)
     return call
 
 
