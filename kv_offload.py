@@ -35,8 +35,8 @@ But it leaves out:
   - cuMemcpyBatchAsync and its background thread: the worker copies with torch slice copies on
     low-priority streams (runs of consecutive ids coalesced), the same ordering rules;
   - vLLM's config objects: sizes are plain constructor arguments.
-And where vLLM asserts or logs on bad input, this raises ValueError before changing any state
-(the README's "Differences from vLLM" lists every place).
+And where vLLM asserts, logs or fails later on bad input, this raises ValueError (TypeError for a
+wrong type) before changing any state (the README's "Differences from vLLM" lists every place).
 
 Sections, bottom-up (every name is defined before it is used):
   1. hashing and requests          5. the pre-fix variant
