@@ -35,8 +35,8 @@ But it leaves out:
   - cuMemcpyBatchAsync and its background thread: the worker copies with torch slice copies on
     low-priority streams (runs of consecutive ids coalesced), the same ordering rules;
   - vLLM's config objects: sizes are plain constructor arguments.
-And where vLLM asserts or logs on bad input, this raises ValueError before changing any state
-(the README's "Differences from vLLM" lists every place).
+And where vLLM asserts, logs or fails later on bad input, this raises ValueError (TypeError for a
+wrong type) before changing any state (the README's "Differences from vLLM" lists every place).
 
 Sections, bottom-up (every name is defined before it is used):
   1. hashing and requests          5. the pre-fix variant
@@ -91,6 +91,25 @@ def get_group_id(key: bytes) -> int:
     return int.from_bytes(key[-4:], "big")
 
 
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    """A count, size or index argument: TypeError unless an int (a bool is not a count), ValueError
+    below `minimum`. A float or NaN would otherwise fail far away (a slice, struct.pack) or make
+    an engine loop until its step limit (NaN compares False with everything)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_token_ids(token_ids: Sequence[Any]) -> None:
+    """Token ids are ints that hash_block_tokens packs as signed 64-bit ("<q"); vLLM's are >= 0."""
+    for i, t in enumerate(token_ids):
+        if type(t) is not int:
+            raise TypeError(f"token id {t!r} at index {i} is not an int")
+        if not 0 <= t < 2 ** 63:
+            raise ValueError(f"token id {t} at index {i} is outside [0, 2**63)")
+
+
 class Request:
     """The parts of vLLM's Request that the block pool and the connector read.
 
@@ -103,9 +122,9 @@ class Request:
                  max_tokens: int = 1):
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt_token_ids is empty")
-        if hash_block_size < 1 or max_tokens < 1:
-            raise ValueError(f"request {request_id!r}: hash_block_size ({hash_block_size}) and "
-                             f"max_tokens ({max_tokens}) must be >= 1")
+        _check_token_ids(prompt_token_ids)
+        _check_int("hash_block_size", hash_block_size, 1)
+        _check_int("max_tokens", max_tokens, 1)
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -129,7 +148,9 @@ class Request:
         return self.all_token_ids[self.num_prompt_tokens:]
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
-        self.all_token_ids.extend([token_ids] if isinstance(token_ids, int) else token_ids)
+        new_ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        _check_token_ids(new_ids)
+        self.all_token_ids.extend(new_ids)
         self._update_block_hashes()
 
     def _update_block_hashes(self) -> None:
@@ -335,10 +356,8 @@ class BlockPool:
     """
 
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int):
-        if not isinstance(num_gpu_blocks, int) or num_gpu_blocks < 1:
-            raise ValueError(f"num_gpu_blocks must be an int >= 1, got {num_gpu_blocks!r}")
-        if not isinstance(hash_block_size, int) or hash_block_size < 1:
-            raise ValueError(f"hash_block_size must be an int >= 1, got {hash_block_size!r}")
+        _check_int("num_gpu_blocks", num_gpu_blocks, 1)
+        _check_int("hash_block_size", hash_block_size, 1)
         self.num_gpu_blocks = num_gpu_blocks  # vLLM's name; the CPU pool uses it too
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
@@ -435,8 +454,7 @@ class BlockPool:
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop `num_blocks` from the front of the free queue (LRU first), evicting their cached
         keys now (lazy eviction). Returned blocks have ref_cnt == 1 and no hash."""
-        if not isinstance(num_blocks, int) or num_blocks < 0:
-            raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
+        _check_int("num_blocks", num_blocks, 0)
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool "
                              f"({self.get_num_free_blocks()} free)")
@@ -706,10 +724,13 @@ class SimpleCPUOffloadScheduler:
                  group_block_sizes: list[int] | None = None, world_size: int = 1):
         hbs = block_size if hash_block_size is None else hash_block_size
         sizes = list(group_block_sizes) if group_block_sizes is not None else [block_size]
-        if not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 2:
-            raise ValueError(f"num_cpu_blocks must be >= 2 (block 0 is the null block), got {num_cpu_blocks!r}")
-        if min([block_size, hbs, world_size, *sizes]) < 1 or not sizes:
-            raise ValueError("block_size, hash_block_size, world_size and group_block_sizes must be >= 1")
+        _check_int("num_cpu_blocks", num_cpu_blocks, 2)  # block 0 is the null block
+        group_sizes = [("group_block_sizes", size) for size in sizes]
+        for name, value in [("block_size", block_size), ("hash_block_size", hbs),
+                            ("world_size", world_size), *group_sizes]:
+            _check_int(name, value, 1)
+        if not sizes:
+            raise ValueError("group_block_sizes is empty: one size per KV-cache group")
         if any(s % hbs for s in sizes) or block_size != math.lcm(*sizes):
             # vLLM's scheduler block size *is* the LCM of the group sizes (one group: its size)
             raise ValueError(f"block sizes must nest: hash_block_size ({hbs}) must divide every group "
@@ -748,7 +769,17 @@ class SimpleCPUOffloadScheduler:
         self._store_event_counter = 0
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        if not isinstance(gpu_block_pool, BlockPool):
+            raise TypeError(f"gpu_block_pool must be a BlockPool, got {gpu_block_pool!r}")
+        if gpu_block_pool is not self._gpu_block_pool and self._holds_gpu_block_ids():
+            # a completion would pin, free and read the hashes of the new pool's blocks
+            raise ValueError("bind_gpu_block_pool: transfers or request tables still name blocks "
+                             "of the bound GPU pool; bind another pool only when none is left")
         self._gpu_block_pool = gpu_block_pool
+
+    def _holds_gpu_block_ids(self) -> bool:
+        return bool(self._reqs_to_store or self._reqs_to_load or self._abandoned_reqs_to_load
+                    or self.has_pending_stores())
 
     # --- lookup and load ------------------------------------------------------
 
@@ -772,7 +803,8 @@ class SimpleCPUOffloadScheduler:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond the local (GPU) hit that the CPU cache holds, and True if they will be
         loaded asynchronously. Pins the hit CPU blocks until update_state_after_alloc()."""
-        if not 0 <= num_computed_tokens <= request.num_tokens:
+        _check_int("num_computed_tokens", num_computed_tokens, 0)
+        if num_computed_tokens > request.num_tokens:
             raise ValueError(f"num_computed_tokens={num_computed_tokens} outside [0, {request.num_tokens}]")
         # a retry (e.g. after a failed allocation) drops the earlier pin first
         if (stale := self._pending_cpu_hits.pop(request.request_id, None)) is not None:
@@ -811,7 +843,8 @@ class SimpleCPUOffloadScheduler:
             raise ValueError(f"{rid}: blocks has {len(blocks)} groups, expected {n_groups}")
         if old is not None and old.request is not request and not old.finished:
             raise ValueError(f"request id {rid!r} is already in use by a running request")
-        if num_external_tokens < 0 or num_external_tokens % self.hash_block_size:
+        _check_int("num_external_tokens", num_external_tokens, 0)
+        if num_external_tokens % self.hash_block_size:
             raise ValueError(f"{rid}: num_external_tokens={num_external_tokens} is misaligned: "
                              f"must be a non-negative multiple of hash_block_size={self.hash_block_size}")
         gpu_blocks, cpu_blocks = [], []
@@ -835,6 +868,7 @@ class SimpleCPUOffloadScheduler:
                     if not cpu_blk.is_null:
                         gpu_blocks.append(gpu_blk)
                         cpu_blocks.append(cpu_blk)
+            self._check_load_destinations(rid, gpu_blocks)
             # pin the GPU destinations first: touch() rejects foreign blocks before changing anything
             self._require_gpu_pool().touch(gpu_blocks)
         if old is not None and old.finished:
@@ -856,6 +890,29 @@ class SimpleCPUOffloadScheduler:
             self._reqs_to_load[rid] = LoadRequestState(
                 request, TransferMeta([b.block_id for b in gpu_blocks], [b.block_id for b in cpu_blocks]))
 
+    def _check_load_destinations(self, rid: str, gpu_blocks: list[KVCacheBlock]) -> None:
+        """A load overwrites its destinations: each must be a block the scheduler has just
+        allocated to this request (held, no hash), once. A cached block holds live KV under a
+        prefix-cache key, the null block is shared by every table, a free block is nobody's."""
+        pool = self._require_gpu_pool()
+        for blk in gpu_blocks:
+            # one test per block on the hot path (the null block's ref_cnt is always 0)
+            if type(blk) is KVCacheBlock and blk.ref_cnt > 0 and blk.block_hash is None:
+                continue
+            if type(blk) is not KVCacheBlock or blk.pool is not pool:
+                problem = "is not a block of the GPU pool"
+            elif blk.is_null:
+                problem = "is the null block"
+            elif blk.ref_cnt < 1:
+                problem = "is free (allocated to no request)"
+            else:
+                problem = "is cached (it holds live KV under a prefix-cache key)"
+            raise ValueError(f"{rid}: load destination {blk!r} {problem}; a load fills only "
+                             "blocks newly allocated to this request")
+        if len(set(gpu_blocks)) != len(gpu_blocks):  # blocks hash by identity
+            raise ValueError(f"{rid}: a GPU block appears twice among the load destinations "
+                             f"{[blk.block_id for blk in gpu_blocks]}")
+
     def _refresh_cpu_lru(self, request: Request, num_local_tokens: int) -> None:
         """Move the CPU copies of the request's local (GPU) hit to the MRU end (vLLM 0.34).
 
@@ -875,6 +932,8 @@ class SimpleCPUOffloadScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> SimpleCPUOffloadMetadata:
         """At most one store event (this step's confirmed blocks + queued finish flushes) and one
         load event (every load not yet sent) per step."""
+        if not isinstance(scheduler_output, SchedulerOutput):
+            raise TypeError(f"scheduler_output must be a SchedulerOutput, got {scheduler_output!r}")
         for rid, ids in scheduler_output.new_block_ids.items():
             self._check_gpu_block_ids(ids, f"new_block_ids[{rid!r}]")
         store_gpu, store_cpu, store_req_ids = self._prepare_eager_store_specs(scheduler_output)
@@ -988,10 +1047,28 @@ class SimpleCPUOffloadScheduler:
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Loads complete per request (finished_recving); stores per event, once all
         world_size workers reported it (counts accumulate across steps)."""
+        if not isinstance(connector_output, KVConnectorOutput):
+            raise TypeError(f"connector_output must be a KVConnectorOutput, "
+                            f"got {connector_output!r}")
         meta = connector_output.kv_connector_worker_meta
-        if meta is not None and any(not isinstance(c, int) or c < 1 for c in meta.completed_store_events.values()):
-            raise ValueError(f"completed_store_events counts must be >= 1: {meta.completed_store_events}")
-        for rid in list(connector_output.finished_recving or ()):
+        finished_recving = list(connector_output.finished_recving or ())
+        # validate the whole report before any state changes
+        for rid in finished_recving:
+            if (load := self._reqs_to_load.get(rid)) is not None and load.load_event is None:
+                raise ValueError(f"finished_recving names {rid!r}, whose load was never sent")
+        if meta is not None and not isinstance(meta, SimpleCPUOffloadWorkerMetadata):
+            raise TypeError(f"kv_connector_worker_meta must be a SimpleCPUOffloadWorkerMetadata, "
+                            f"got {meta!r}")
+        completed_store_events = meta.completed_store_events if meta is not None else {}
+        for event, count in completed_store_events.items():
+            _check_int("a completed store event", event, 0)
+            _check_int(f"completed_store_events[{event}]", count, 1)
+            # an event not issued yet: with world_size > 1 its count would be kept, and one real
+            # report would then complete it before every worker's copy ran
+            if event >= self._store_event_counter:
+                raise ValueError(f"completed_store_events names store event {event}, which was "
+                                 f"never issued (the next is {self._store_event_counter})")
+        for rid in finished_recving:
             self._cleanup_load_request(rid)
         if meta is None:
             return
@@ -1068,6 +1145,7 @@ class SimpleCPUOffloadScheduler:
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
         """(False, None): the GPU blocks may be freed at once; in-flight copies hold their own refs."""
         rid = request.request_id
+        self._check_request_owns_id(request, "request_finished")
         if (pending := self._pending_cpu_hits.pop(rid, None)) is not None:
             self._free_pending_cpu_hit(pending)  # aborted between lookup and allocation
         self._pending_local_hits.pop(rid, None)
@@ -1086,6 +1164,7 @@ class SimpleCPUOffloadScheduler:
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, None]:
         self._check_gpu_block_ids(block_ids, "block_ids")
+        self._check_request_owns_id(request, "request_finished_all_groups")
         self._queue_finished_eager_store(request, block_ids)
         return self.request_finished(request, block_ids=[])
 
@@ -1163,13 +1242,24 @@ class SimpleCPUOffloadScheduler:
         assert self._gpu_block_pool is not None, "bind_gpu_block_pool() was not called"
         return self._gpu_block_pool
 
+    def _check_request_owns_id(self, request: Request, what: str) -> None:
+        """State is kept per request id; a late call for an earlier request whose id a live
+        request now reuses must not finish (and drop the stores of) the live one."""
+        rid = request.request_id
+        for state in (self._reqs_to_store.get(rid), self._reqs_to_load.get(rid)):
+            if state is not None and state.request is not request and not state.finished:
+                raise ValueError(f"{what}: request id {rid!r} belongs to another, live request "
+                                 "(a stale call for an earlier request with this id?)")
+
     def _check_gpu_block_ids(self, ids_by_group: Sequence[Sequence[int] | None], what: str) -> None:
-        n = self._gpu_block_pool.num_gpu_blocks if self._gpu_block_pool is not None else None
+        n = self._gpu_block_pool.num_gpu_blocks if self._gpu_block_pool is not None else math.inf
         if len(ids_by_group) > len(self.group_block_sizes):
             raise ValueError(f"{what}: {len(ids_by_group)} groups, the connector has {len(self.group_block_sizes)}")
         for ids in ids_by_group:
             for b in ids or ():
-                if not isinstance(b, int) or (n is not None and not 0 <= b < n):
+                if type(b) is not int:  # type(), not isinstance(): True is no block id
+                    raise TypeError(f"{what}: GPU block id {b!r} is not an int")
+                if not 0 <= b < n:
                     raise ValueError(f"{what}: GPU block id {b!r} out of range [0, {n})")
 
 
@@ -1428,8 +1518,7 @@ class SimpleCPUOffloadWorker:
     """
 
     def __init__(self, num_cpu_blocks: int, copy_engine: DeferredCopyEngine | None = None):
-        if not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 2:
-            raise ValueError(f"num_cpu_blocks must be >= 2, got {num_cpu_blocks!r}")
+        _check_int("num_cpu_blocks", num_cpu_blocks, 2)  # block 0 is the null block
         self.num_cpu_blocks = num_cpu_blocks
         self.num_gpu_blocks = 0
         self.gpu_caches: dict[str, torch.Tensor] = {}  # region -> [num_gpu_blocks, ...] view
@@ -1457,7 +1546,9 @@ class SimpleCPUOffloadWorker:
         tensors = list(kv_caches.values())
         if any(not isinstance(t, torch.Tensor) or t.dim() < 2 for t in tensors):
             raise ValueError("KV caches must be tensors of at least 2 dims: [num_blocks, ...] or (2, num_blocks, ...)")
-        if num_gpu_blocks is None:
+        if num_gpu_blocks is not None:
+            _check_int("num_gpu_blocks", num_gpu_blocks, 1)
+        else:
             num_gpu_blocks = next((t.shape[0] for t in tensors if t.shape[0] != 2), None) or tensors[0].shape[1]
         regions: dict[str, torch.Tensor] = {}
         seen: set[tuple[int, tuple[int, ...]]] = set()
@@ -1500,6 +1591,10 @@ class SimpleCPUOffloadWorker:
 
     def bind_connector_metadata(self, metadata: SimpleCPUOffloadMetadata) -> None:
         # validate before recording anything: a rejected event must never be reported complete
+        if not isinstance(metadata, SimpleCPUOffloadMetadata):
+            raise TypeError(f"metadata must be a SimpleCPUOffloadMetadata, got {metadata!r}")
+        _check_int("load_event", metadata.load_event, -1)
+        _check_int("store_event", metadata.store_event, -1)
         self._check_ids(metadata.store_gpu_blocks, metadata.store_cpu_blocks, self.num_gpu_blocks,
                         self.num_cpu_blocks, "store")
         self._check_ids(metadata.load_cpu_blocks, metadata.load_gpu_blocks, self.num_cpu_blocks,
@@ -1616,7 +1711,10 @@ class SimpleCPUOffloadWorker:
         if len(src_ids) != len(dst_ids):
             raise ValueError(f"{what}: {len(src_ids)} source ids but {len(dst_ids)} destination ids")
         for ids, n, side in ((src_ids, n_src, "source"), (dst_ids, n_dst, "destination")):
-            bad = [b for b in ids if not isinstance(b, int) or not 0 <= b < n]
+            bad = [b for b in ids if type(b) is not int or not 0 <= b < n]  # type(): True is no id
+            not_ints = [b for b in bad if type(b) is not int]
+            if not_ints:
+                raise TypeError(f"{what}: {side} block ids {not_ints[:4]} are not ints")
             if bad:
                 raise ValueError(f"{what}: {side} block ids {bad[:4]} out of range [0, {n})")
 
@@ -1654,6 +1752,11 @@ class ToyModel:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float16,
                  device: str | torch.device = "cpu", rounds: int = 4, vocab_size: int = 32000):
+        # num_layers=0: no KV at all, and an engine computing nothing would spin to its step limit
+        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim), ("vocab_size", vocab_size)):
+            _check_int(name, value, 1)
+        _check_int("rounds", rounds, 0)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.dtype, self.device, self.rounds, self.vocab_size = dtype, torch.device(device), rounds, vocab_size
         # per-feature offsets: K and V of every head get different streams
@@ -1718,8 +1821,9 @@ class MiniEngine:
                  connector: SimpleCPUOffloadScheduler | None = None,
                  worker: SimpleCPUOffloadWorker | list[SimpleCPUOffloadWorker] | None = None,
                  capture_kv: bool = False):
-        if max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        _check_int("num_gpu_blocks", num_gpu_blocks, 1)
+        _check_int("block_size", block_size, 1)
+        _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
         if connector is not None and (connector.block_size != block_size or connector.group_block_sizes != [block_size]):
             raise ValueError(f"connector block sizes {connector.group_block_sizes} do not match the "
                              f"engine's single group of block_size {block_size}")
@@ -1733,6 +1837,16 @@ class MiniEngine:
             # complete it while another worker's copy may still be queued
             raise ValueError(f"{len(self.workers)} workers but the connector's world_size is "
                              f"{connector.world_size}: one worker per rank")
+        if any(w.cpu_caches for w in self.workers):
+            raise ValueError("a worker's KV caches are already registered: it serves another "
+                             "engine")
+        # a connector bound before: its transfers name another engine's GPU blocks, and its CPU
+        # cache's bytes live in that engine's workers (these workers' mirrors are zeros)
+        if connector is not None and connector._gpu_block_pool is not None and (
+                connector._holds_gpu_block_ids()
+                or len(connector.cpu_block_pool.cached_block_hash_to_block)):
+            raise ValueError("the connector serves another engine (transfers, requests or a CPU "
+                             "cache): reset() it once nothing is in flight, then build on it")
         self.hash_block_size = connector.hash_block_size if connector is not None else block_size
         self.block_size, self.max_num_batched_tokens = block_size, max_num_batched_tokens
         self.model, self.connector, self.capture_kv = model, connector, capture_kv
@@ -1741,7 +1855,7 @@ class MiniEngine:
         self.kv_caches = {f"layers.{i}": torch.zeros(2, num_gpu_blocks, block_size, model.num_kv_heads,
                                                      model.head_dim, dtype=model.dtype, device=model.device)
                           for i in range(model.num_layers)}
-        for w in self.workers:  # first: a worker that serves another engine raises here
+        for w in self.workers:
             w.register_kv_caches(self.kv_caches, num_gpu_blocks)
         if connector is not None:
             connector.bind_gpu_block_pool(self.gpu_block_pool)
@@ -1754,9 +1868,13 @@ class MiniEngine:
         self._t_arrival: dict[str, float] = {}
         self._resumed: set[str] = set()
         self._recving_counts: dict[str, int] = {}
+        # reset_connector_cache() was refused: retried after every step, no CPU lookup until done
+        self._connector_reset_pending = False
         self.num_steps = 0
 
     def add_request(self, request: Request) -> None:
+        if not isinstance(request, Request):
+            raise TypeError(f"add_request takes a Request, got {request!r}")
         if request.request_id in self.stats:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if cdiv(request.num_prompt_tokens + request.max_tokens - 1, self.block_size) > self.gpu_block_pool.num_gpu_blocks - 1:
@@ -1785,9 +1903,20 @@ class MiniEngine:
     def reset_gpu_prefix_cache(self) -> bool:
         return self.gpu_block_pool.reset_prefix_cache()
 
+    def reset_connector_cache(self) -> bool:
+        """Drop the CPU prefix cache (vLLM's Scheduler.reset_connector_cache, e.g. after a weight
+        update). True once done. While copies it sent are in flight the connector refuses
+        (False) and, as in vLLM 0.34, keeps serving its entries until a reset succeeds; vLLM
+        leaves the retry to the caller. This engine retries after every step until it succeeds
+        and, until then, looks nothing up on CPU: no entry from before the call is served.
+        (Loads accepted before the call still land, as in vLLM.)"""
+        self._connector_reset_pending = self.connector is not None and not self.connector.reset()
+        return not self._connector_reset_pending
+
     def has_unfinished_work(self) -> bool:
         c = self.connector
-        return bool(self.waiting or self.running or self.loading) or (c is not None and (
+        engine_busy = self.waiting or self.running or self.loading or self._connector_reset_pending
+        return bool(engine_busy) or (c is not None and (
             c.has_pending_push_work() or bool(c._reqs_to_load or c._abandoned_reqs_to_load)))
 
     def run(self, max_steps: int = 100_000) -> dict[str, RequestStats]:
@@ -1863,8 +1992,10 @@ class MiniEngine:
             else:
                 (hit_blocks,), local = find_longest_cache_hit(req.block_hashes, req.num_tokens - 1, [0],
                                                               self.gpu_block_pool, self.block_size)
-                # loads are always asynchronous here: the second value is always True on a hit
-                ext = self.connector.get_num_new_matched_tokens(req, local)[0] if self.connector is not None else 0
+                ext = 0
+                if self.connector is not None and not self._connector_reset_pending:
+                    # loads are always asynchronous here: the second value is always True on a hit
+                    ext = self.connector.get_num_new_matched_tokens(req, local)[0]
             n = 0 if ext else min(req.num_tokens - local, budget)
             # new blocks, plus hit blocks that touch() will take out of the free queue
             need = (cdiv(local + ext + n, self.block_size) - len(self.req_blocks.get(rid, hit_blocks))
@@ -1931,6 +2062,8 @@ class MiniEngine:
         self._update_from_output(so)
         if self.connector is not None:
             self.connector.update_connector_output(KVConnectorOutput(finished_recving, worker_meta))
+        if self._connector_reset_pending:  # the reports above may have drained what refused it
+            self._connector_reset_pending = not self.connector.reset()
         for rid in finished_recving:
             if (tokens := self.loading.pop(rid, None)) is not None:
                 req = next(r for r in self.waiting if r.request_id == rid)
