@@ -46,12 +46,14 @@ Sections, bottom-up (every name is defined before it is used):
 """
 from __future__ import annotations
 
+import enum
 import hashlib
 import itertools
 import math
 import random
 import struct
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,6 +112,23 @@ def _check_token_ids(token_ids: Sequence[Any]) -> None:
             raise ValueError(f"token id {t} at index {i} is outside [0, 2**63)")
 
 
+class RequestStatus(enum.IntEnum):
+    """vLLM's request states, those this project's engine uses. As in vLLM, anything after
+    PREEMPTED is finished."""
+    WAITING = enum.auto()
+    # its CPU load is in flight: it holds GPU blocks but is not scheduled until the load lands
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    RUNNING = enum.auto()
+    # back in the waiting queue with its GPU blocks freed; resumed later (recomputed or loaded)
+    PREEMPTED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()  # max_tokens reached
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+
 class Request:
     """The parts of vLLM's Request that the block pool and the connector read.
 
@@ -132,6 +151,9 @@ class Request:
         self.hash_block_size = hash_block_size
         self.max_tokens = max_tokens
         self.num_computed_tokens = 0
+        # set by the engine (MiniEngine), as vLLM's scheduler sets them
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
         # tokens scheduled but not yet produced (async scheduling); always 0 here
         self.num_output_placeholders = 0
         # vLLM: True when the request may not read KV from a connector (e.g. prompt logprobs)
@@ -468,22 +490,32 @@ class BlockPool:
             block.ref_cnt = 1
         return ret
 
+    def _check_own_blocks(self, blocks: list[KVCacheBlock], op: str) -> None:
+        """The check pass of touch() and free_blocks(): raise before any ref count changes, so
+        bad input loses nothing. vLLM trusts its callers and has no such pass (its free_blocks
+        hands a foreign block to the block's own pool instead)."""
+        for block in blocks:
+            if type(block) is not KVCacheBlock or block.pool is not self:
+                raise ValueError(f"{op}: {block!r} is not a block of this pool")
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference (a prefix hit, a pinned copy). A free cached block leaves the
         free queue, so it can no longer be evicted."""
-        blocks, leaving = list(blocks), []
-        for i, block in enumerate(blocks):
-            if type(block) is not KVCacheBlock or block.pool is not self or (
-                    block.ref_cnt == 0 and block.prev_free_block is None and not block.is_null):
-                self._undo(blocks[:i], +1)
+        blocks = list(blocks)
+        self._check_own_blocks(blocks, "touch")
+        for block in blocks:
+            # ref 0 but not linked into the queue: a block someone took out by hand
+            if block.ref_cnt == 0 and block.prev_free_block is None and not block.is_null:
                 raise ValueError(f"touch: {block!r} is not a block of this pool")
+        # vLLM's loop from here on
+        for block in blocks:
             if block.is_null:
                 continue
+            # ref_cnt=0 means this block is in the free list (i.e. eviction candidate), so
+            # remove it
             if block.ref_cnt == 0:
-                leaving.append(block)
+                self.free_block_queue.remove(block)
             block.ref_cnt += 1
-        for block in leaving:  # only once all are valid: a failed touch changes nothing
-            self.free_block_queue.remove(block)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock],
                     evict_first: bool = False) -> None:
@@ -491,31 +523,36 @@ class BlockPool:
         (first = evicted first): unhashed ones to the front, hashed ones to the back.
         evict_first=True sends hashed ones to the front too, for blocks whose contents another
         tier already holds (vLLM 0.34 uses it for lazy-mode stores; eager mode never does)."""
-        blocks, first, last, caching = list(ordered_blocks), [], [], self.enable_caching
-        for i, block in enumerate(blocks):
-            if type(block) is not KVCacheBlock or block.pool is not self:
-                self._undo(blocks[:i], -1)
-                raise ValueError(f"free_blocks: {block!r} is not a block of this pool")
-            if block.is_null:
+        blocks = list(ordered_blocks)
+        self._check_own_blocks(blocks, "free_blocks")
+        # a block listed k times drops k references, so it must hold k: count only when a
+        # block repeats (rare; a set is cheaper than a Counter on the hot path)
+        repeats = Counter(blocks) if len(set(blocks)) != len(blocks) else None
+        for block in blocks:
+            num_drops = 1 if repeats is None else repeats[block]
+            if not block.is_null and block.ref_cnt < num_drops:
+                raise ValueError(f"free_blocks: block {block.block_id} is free already "
+                                 "(a double free)")
+        # vLLM's loop from here on.
+        # Identify blocks with hash (LRU cache) and without it (never match APC)
+        blocks_to_evict_last = []
+        blocks_to_evict_first = []
+        for block in blocks:
+            if block.is_null:  # never pooled; its ref_cnt is not maintained
                 continue
-            if block.ref_cnt <= 0:
-                self._undo(blocks[:i], -1)
-                raise ValueError(f"free_blocks: block {block.block_id} is free already (a double free)")
             block.ref_cnt -= 1
-            if block.ref_cnt != 0:
-                continue
-            if block.block_hash is None or not caching or evict_first:
-                first.append(block)
-            else:
-                last.append(block)
-        self.free_block_queue.prepend_n(first)  # never a hit: reuse first (LIFO, GPU locality)
-        self.free_block_queue.append_n(last)    # cached: keep as long as possible (LRU)
-
-    @staticmethod
-    def _undo(done: list[KVCacheBlock], applied: int) -> None:
-        for b in done:  # bad input changes nothing: revert the ref counts changed so far
-            if not b.is_null:
-                b.ref_cnt -= applied
+            if block.ref_cnt == 0:
+                if block.block_hash is None or not self.enable_caching or evict_first:
+                    # LIFO reuse of non-cached blocks for better GPU locality, and of cached
+                    # ones when asked to evict them first
+                    blocks_to_evict_first.append(block)
+                else:
+                    # FIFO reuse of cached blocks for LRU eviction behavior
+                    blocks_to_evict_last.append(block)
+        # Blocks to reuse first are prepended to the front of the free queue
+        self.free_block_queue.prepend_n(blocks_to_evict_first)
+        # Blocks to reuse last are appended to the end of the free queue
+        self.free_block_queue.append_n(blocks_to_evict_last)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached key (e.g. after a weight update). Refused (False) while any block
@@ -1134,6 +1171,13 @@ class SimpleCPUOffloadScheduler:
         """True while a store is queued (finish flush) or in flight, also after a reset()."""
         return bool(self._pending_finished_stores or self._store_event_to_blocks
                     or self._abandoned_store_event_to_blocks)
+
+    def has_pending_loads(self) -> bool:
+        """True while an accepted load is not yet reported done, an aborted request's included
+        (its GPU destinations stay pinned until the workers report it). Not in vLLM's manager:
+        vLLM's scheduler tracks its own WAITING_FOR_REMOTE_KVS requests; this project's engine
+        asks here, so that it steps until every pool is free again."""
+        return bool(self._reqs_to_load or self._abandoned_reqs_to_load)
 
     def has_pending_push_work(self) -> bool:
         """The connector's name for it: an engine keeps stepping while this is True, even with no
@@ -1859,14 +1903,19 @@ class MiniEngine:
             w.register_kv_caches(self.kv_caches, num_gpu_blocks)
         if connector is not None:
             connector.bind_gpu_block_pool(self.gpu_block_pool)
-        self.waiting: list[Request] = []   # FIFO; preempted requests go to the front
+        # FIFO; a preempted request goes to the front. Requests waiting for a CPU load
+        # (WAITING_FOR_REMOTE_KVS) stay here too, holding their GPU blocks
+        self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.loading: dict[str, int] = {}  # req -> tokens computed once its load lands
+        # every request added and not yet finished or aborted, by id (vLLM's scheduler.requests)
+        self.requests: dict[str, Request] = {}
+        # request id -> its GPU block table (one group)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.num_cached_blocks: dict[str, int] = {}  # blocks registered in the GPU prefix cache
+        # request id -> how many of its blocks are registered in the GPU prefix cache
+        self.num_cached_blocks: dict[str, int] = {}
         self.stats: dict[str, RequestStats] = {}
         self._t_arrival: dict[str, float] = {}
-        self._resumed: set[str] = set()
+        # request id -> workers that reported its load done (vLLM's KVOutputAggregator)
         self._recving_counts: dict[str, int] = {}
         # reset_connector_cache() was refused: retried after every step, no CPU lookup until done
         self._connector_reset_pending = False
@@ -1875,29 +1924,39 @@ class MiniEngine:
     def add_request(self, request: Request) -> None:
         if not isinstance(request, Request):
             raise TypeError(f"add_request takes a Request, got {request!r}")
-        if request.request_id in self.stats:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        if cdiv(request.num_prompt_tokens + request.max_tokens - 1, self.block_size) > self.gpu_block_pool.num_gpu_blocks - 1:
-            raise ValueError(f"request {request.request_id!r} needs more GPU blocks than the pool has: "
+        rid = request.request_id
+        if rid in self.stats:
+            raise ValueError(f"request id {rid!r} is already in use")
+        max_num_tokens = request.num_prompt_tokens + request.max_tokens - 1
+        # the null block is not capacity
+        if cdiv(max_num_tokens, self.block_size) > self.gpu_block_pool.num_gpu_blocks - 1:
+            raise ValueError(f"request {rid!r} needs more GPU blocks than the pool has: "
                              "it could never run (vLLM rejects it up front too)")
         if request.hash_block_size != self.hash_block_size:
-            raise ValueError(f"request hash_block_size {request.hash_block_size} != engine's {self.hash_block_size}")
+            raise ValueError(f"request hash_block_size {request.hash_block_size} != engine's "
+                             f"{self.hash_block_size}")
+        request.status = RequestStatus.WAITING
         self.waiting.append(request)
-        self.stats[request.request_id] = RequestStats(prompt_tokens=request.num_prompt_tokens)
-        self._t_arrival[request.request_id] = time.perf_counter()
+        self.requests[rid] = request
+        self.stats[rid] = RequestStats(prompt_tokens=request.num_prompt_tokens)
+        self._t_arrival[rid] = time.perf_counter()
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request wherever it is (waiting, loading, running), as vLLM's abort does: the
         connector hears request_finished_all_groups, then the GPU blocks are freed. Copies in
         flight keep their own refs until they complete."""
-        req = next((r for r in self.running + self.waiting if r.request_id == request_id), None)
+        req = self.requests.get(request_id)
         if req is None:
             raise ValueError(f"abort_request: unknown or finished request id {request_id!r}")
-        (self.running if req in self.running else self.waiting).remove(req)
-        self.loading.pop(request_id, None)
-        self._resumed.discard(request_id)
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED_ABORTED
+        del self.requests[request_id]
         if self.connector is not None:
-            self.connector.request_finished_all_groups(req, ([b.block_id for b in self.req_blocks.get(request_id, [])],))
+            block_ids = [b.block_id for b in self.req_blocks.get(request_id, [])]
+            self.connector.request_finished_all_groups(req, (block_ids,))
         self._free(req)
 
     def reset_gpu_prefix_cache(self) -> bool:
@@ -1910,14 +1969,21 @@ class MiniEngine:
         leaves the retry to the caller. This engine retries after every step until it succeeds
         and, until then, looks nothing up on CPU: no entry from before the call is served.
         (Loads accepted before the call still land, as in vLLM.)"""
-        self._connector_reset_pending = self.connector is not None and not self.connector.reset()
+        if self.connector is None:
+            self._connector_reset_pending = False
+        else:
+            self._connector_reset_pending = not self.connector.reset()
         return not self._connector_reset_pending
 
     def has_unfinished_work(self) -> bool:
-        c = self.connector
-        engine_busy = self.waiting or self.running or self.loading or self._connector_reset_pending
-        return bool(engine_busy) or (c is not None and (
-            c.has_pending_push_work() or bool(c._reqs_to_load or c._abandoned_reqs_to_load)))
+        """Requests to run, or copies the connector still owes: the engine steps until every
+        pool is free again (an aborted request's load or store still has to complete)."""
+        if self.waiting or self.running or self._connector_reset_pending:
+            return True
+        connector = self.connector
+        if connector is None:
+            return False
+        return connector.has_pending_push_work() or connector.has_pending_loads()
 
     def run(self, max_steps: int = 100_000) -> dict[str, RequestStats]:
         while self.has_unfinished_work():
@@ -1929,188 +1995,280 @@ class MiniEngine:
     # --- scheduling ---------------------------------------------------------------
 
     def _allocate(self, req: Request, num_tokens: int) -> list[KVCacheBlock] | None:
-        """Grow the request's table to cover num_tokens; None (nothing taken) if the pool is short."""
+        """Grow the request's table to cover num_tokens; None (nothing taken) if the pool is
+        short."""
         blocks = self.req_blocks.setdefault(req.request_id, [])
-        need = cdiv(num_tokens, self.block_size) - len(blocks)
-        if need > self.gpu_block_pool.get_num_free_blocks():
+        num_new_blocks = cdiv(num_tokens, self.block_size) - len(blocks)
+        if num_new_blocks > self.gpu_block_pool.get_num_free_blocks():
             return None
-        new = self.gpu_block_pool.get_new_blocks(max(need, 0))
-        blocks.extend(new)
-        return new
+        new_blocks = self.gpu_block_pool.get_new_blocks(max(num_new_blocks, 0))
+        blocks.extend(new_blocks)
+        return new_blocks
 
     def _cache_blocks(self, req: Request, num_tokens: int) -> None:
         # vLLM hashes blocks at scheduling time, for tokens this step will have computed
-        full = min(num_tokens, len(req.block_hashes) * self.hash_block_size) // self.block_size
+        num_hashed_tokens = len(req.block_hashes) * self.hash_block_size
+        num_full_blocks = min(num_tokens, num_hashed_tokens) // self.block_size
         rid = req.request_id
-        self.gpu_block_pool.cache_full_blocks(req, self.req_blocks[rid], self.num_cached_blocks.get(rid, 0),
-                                              full, self.block_size, 0)
-        self.num_cached_blocks[rid] = max(full, self.num_cached_blocks.get(rid, 0))
+        num_cached_blocks = self.num_cached_blocks.get(rid, 0)
+        self.gpu_block_pool.cache_full_blocks(req, self.req_blocks[rid], num_cached_blocks,
+                                              num_full_blocks, self.block_size, 0)
+        self.num_cached_blocks[rid] = max(num_full_blocks, num_cached_blocks)
 
     def _free(self, req: Request) -> None:
         # reversed: a request's tail blocks are the least likely to be shared, so evicted first
         self.gpu_block_pool.free_blocks(reversed(self.req_blocks.pop(req.request_id, [])))
         self.num_cached_blocks.pop(req.request_id, None)
 
-    def _preempt(self, so: SchedulerOutput) -> Request:
+    def _preempt(self, scheduler_output: SchedulerOutput) -> Request:
+        """Preempt the last running request (vLLM's policy for FCFS): free its blocks, send it
+        to the front of the waiting queue, recompute it later from scratch (or from a hit)."""
         victim = self.running.pop()
+        rid = victim.request_id
         self._free(victim)
         victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
         self.waiting.insert(0, victim)
-        so.preempted_req_ids.add(victim.request_id)
-        so.num_scheduled_tokens.pop(victim.request_id, None)
-        so.new_block_ids.pop(victim.request_id, None)
-        self._resumed.add(victim.request_id)
+        # the connector hears it (its blocks may be reused at once); it was not scheduled
+        scheduler_output.preempted_req_ids.add(rid)
+        scheduler_output.num_scheduled_tokens.pop(rid, None)
+        scheduler_output.new_block_ids.pop(rid, None)
         return victim
 
     def _schedule(self) -> SchedulerOutput:
-        so, budget = SchedulerOutput(), self.max_num_batched_tokens
+        """vLLM's order: the running requests first (they keep their budget and may preempt
+        others to grow), then, if nobody was preempted, the waiting ones."""
+        scheduler_output = SchedulerOutput()
+        token_budget = self._schedule_running(scheduler_output, self.max_num_batched_tokens)
+        scheduled_running = scheduler_output.num_scheduled_tokens
+        if not scheduler_output.preempted_req_ids:
+            scheduler_output.num_scheduled_tokens = {}
+            self._schedule_waiting(scheduler_output, token_budget)
+            # listed as vLLM 0.34 sends them: new and resumed requests (whole tables) before
+            # running ones, although the running ones were scheduled first
+            scheduler_output.num_scheduled_tokens |= scheduled_running
+        return scheduler_output
+
+    def _schedule_running(self, scheduler_output: SchedulerOutput, token_budget: int) -> int:
+        """Give each running request its next chunk (a decode step is a chunk of one token),
+        growing its block table; when the GPU pool is short, preempt from the back of the
+        running list (possibly the request itself). Returns the budget left."""
         for req in list(self.running):
-            if budget == 0 or req not in self.running:
+            # a request preempted earlier in this loop is no longer running
+            if token_budget == 0 or req.status != RequestStatus.RUNNING:
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while (new := self._allocate(req, req.num_computed_tokens + n)) is None:
-                if self._preempt(so) is req:
+            rid = req.request_id
+            num_new_tokens = min(req.num_tokens - req.num_computed_tokens, token_budget)
+            num_tokens = req.num_computed_tokens + num_new_tokens
+            while (new_blocks := self._allocate(req, num_tokens)) is None:
+                if self._preempt(scheduler_output) is req:
                     break
-            if new is None:
-                continue
-            self._cache_blocks(req, req.num_computed_tokens + n)
-            so.num_scheduled_tokens[req.request_id] = n
-            if new:
-                so.new_block_ids[req.request_id] = ([b.block_id for b in new],)
-            budget -= n
-        # requests whose load landed hold GPU blocks: admit them before anything new, or a
-        # preempted request queued ahead of them could wait forever for those very blocks
-        self.waiting.sort(key=lambda r: r.request_id not in self.req_blocks or r.request_id in self.loading)
-        admitted: dict[str, int] = {}  # new and resumed requests scheduled this step -> tokens
-        while self.waiting and budget > 0 and not so.preempted_req_ids:
+            if new_blocks is None:
+                continue  # it preempted itself
+            self._cache_blocks(req, num_tokens)
+            scheduler_output.num_scheduled_tokens[rid] = num_new_tokens
+            if new_blocks:
+                scheduler_output.new_block_ids[rid] = ([b.block_id for b in new_blocks],)
+            token_budget -= num_new_tokens
+        return token_budget
+
+    def _holds_landed_load(self, req: Request) -> bool:
+        # its CPU load has landed: it holds GPU blocks and only needs the rest of its prompt
+        has_blocks = req.request_id in self.req_blocks
+        return has_blocks and req.status != RequestStatus.WAITING_FOR_REMOTE_KVS
+
+    def _schedule_waiting(self, scheduler_output: SchedulerOutput, token_budget: int) -> None:
+        """Admit waiting requests in order while the budget and the GPU pool allow: a request
+        that cannot be admitted stops the queue (FIFO; vLLM 0.34 skips past a loading request,
+        this engine waits for it, which keeps the order easy to follow)."""
+        # The admission rule: requests whose CPU load has landed go first. They hold GPU
+        # blocks; queued behind a request that needs more blocks than are free (e.g. a
+        # preempted one, sent to the front), they would wait forever for the very blocks they
+        # hold. vLLM 0.34 drains such requests first too (its kv_holding_waiting queue). The
+        # sort is stable: FIFO within each kind.
+        self.waiting.sort(key=self._holds_landed_load, reverse=True)
+        while self.waiting and token_budget > 0:
             req = self.waiting[0]
             rid = req.request_id
-            if rid in self.loading:
-                break  # FIFO: wait for its load (vLLM skips it; FIFO keeps this engine simple)
-            if rid in self.req_blocks:  # its load landed: compute the rest
-                local, ext, hit_blocks = req.num_computed_tokens, 0, []
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                break  # FIFO: wait for its load
+            if rid in self.req_blocks:
+                # its load landed: the table exists, allocate the rest and compute it
+                num_new_tokens = min(req.num_tokens - req.num_computed_tokens, token_budget)
+                num_tokens = req.num_computed_tokens + num_new_tokens
+                num_new_blocks = cdiv(num_tokens, self.block_size) - len(self.req_blocks[rid])
+                if num_new_blocks > self.gpu_block_pool.get_num_free_blocks():
+                    break  # no room: it stays first in the queue
+                self._allocate(req, num_tokens)
             else:
-                (hit_blocks,), local = find_longest_cache_hit(req.block_hashes, req.num_tokens - 1, [0],
-                                                              self.gpu_block_pool, self.block_size)
-                ext = 0
-                if self.connector is not None and not self._connector_reset_pending:
-                    # loads are always asynchronous here: the second value is always True on a hit
-                    ext = self.connector.get_num_new_matched_tokens(req, local)[0]
-            n = 0 if ext else min(req.num_tokens - local, budget)
-            # new blocks, plus hit blocks that touch() will take out of the free queue
-            need = (cdiv(local + ext + n, self.block_size) - len(self.req_blocks.get(rid, hit_blocks))
-                    + sum(b.ref_cnt == 0 for b in hit_blocks))
-            if need > self.gpu_block_pool.get_num_free_blocks():
-                break  # no room: stays waiting (the connector's pin is dropped on the next lookup)
-            if rid not in self.req_blocks:
-                self.gpu_block_pool.touch(hit_blocks)
-                self.req_blocks[rid] = list(hit_blocks)
-                self.num_cached_blocks[rid] = len(hit_blocks)
-                st = self.stats[rid]
-                if rid not in self._resumed:
-                    st.gpu_hit_tokens, st.cpu_hit_tokens = local, ext
-                req.num_computed_tokens = local
-                self._allocate(req, local + ext + n)
-                if self.connector is not None:
-                    self.connector.update_state_after_alloc(req, (self.req_blocks[rid],), ext)
-                if ext:  # WAITING_FOR_REMOTE_KVS: not scheduled until the load is reported
-                    self.loading[rid] = local + ext
-                    continue
-            else:
-                self._allocate(req, local + n)
+                num_new_tokens = self._admit_with_prefix_hit(req, token_budget)
+                if num_new_tokens is None:
+                    break  # no room: stays waiting (the connector's pin is dropped next lookup)
+                if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    continue  # not scheduled until the load is reported; the queue goes on
             self.waiting.pop(0)
             self.running.append(req)
-            self._cache_blocks(req, req.num_computed_tokens + n)
-            admitted[rid] = n
-            so.new_block_ids[rid] = ([b.block_id for b in self.req_blocks[rid]],)  # whole table
-            if rid in self._resumed:
-                so.resumed_req_ids.add(rid)
-                self._resumed.discard(rid)
-            budget -= n
-        # scheduled running-first (they keep their budget), but listed as vLLM 0.34 sends them:
-        # new and resumed requests (whole tables) before running ones
-        so.num_scheduled_tokens = admitted | so.num_scheduled_tokens
-        return so
+            self._cache_blocks(req, req.num_computed_tokens + num_new_tokens)
+            # a new or resumed request is sent with its whole block table
+            block_ids = [b.block_id for b in self.req_blocks[rid]]
+            scheduler_output.new_block_ids[rid] = (block_ids,)
+            if req.status == RequestStatus.PREEMPTED:
+                scheduler_output.resumed_req_ids.add(rid)
+            req.status = RequestStatus.RUNNING
+            scheduler_output.num_scheduled_tokens[rid] = num_new_tokens
+            token_budget -= num_new_tokens
+
+    def _admit_with_prefix_hit(self, req: Request, token_budget: int) -> int | None:
+        """A request without blocks: look its prefix up (GPU prefix cache, then the connector
+        for the tokens after it), allocate, and tell the connector (update_state_after_alloc).
+        Returns the tokens to compute this step (0 while a CPU load is pending), or None, with
+        nothing changed, when the GPU pool is short."""
+        rid = req.request_id
+        num_tokens_to_check = req.num_tokens - 1  # the last token is always recomputed
+        (hit_blocks,), num_local_tokens = find_longest_cache_hit(
+            req.block_hashes, num_tokens_to_check, [0], self.gpu_block_pool, self.block_size)
+        num_external_tokens = 0
+        if self.connector is not None and not self._connector_reset_pending:
+            # loads are always asynchronous here: the second value is True on every hit
+            num_external_tokens, _ = self.connector.get_num_new_matched_tokens(
+                req, num_local_tokens)
+        if num_external_tokens:
+            num_new_tokens = 0  # nothing to compute until the load lands
+        else:
+            num_new_tokens = min(req.num_tokens - num_local_tokens, token_budget)
+        num_tokens = num_local_tokens + num_external_tokens + num_new_tokens
+        # new blocks, plus hit blocks that touch() will take out of the free queue
+        num_evictable_hits = sum(b.ref_cnt == 0 for b in hit_blocks)
+        num_blocks_needed = cdiv(num_tokens, self.block_size) - len(hit_blocks)
+        if num_blocks_needed + num_evictable_hits > self.gpu_block_pool.get_num_free_blocks():
+            return None
+        self.gpu_block_pool.touch(hit_blocks)
+        self.req_blocks[rid] = list(hit_blocks)
+        self.num_cached_blocks[rid] = len(hit_blocks)
+        if req.status != RequestStatus.PREEMPTED:  # a resumed request keeps its first hits
+            stats = self.stats[rid]
+            stats.gpu_hit_tokens = num_local_tokens
+            stats.cpu_hit_tokens = num_external_tokens
+        self._allocate(req, num_tokens)
+        if self.connector is not None:
+            self.connector.update_state_after_alloc(req, (self.req_blocks[rid],),
+                                                    num_external_tokens)
+        # as vLLM: counted as computed already, although the loaded KV is not there yet; the
+        # request is not scheduled until the load lands, so nothing reads it before
+        req.num_computed_tokens = num_local_tokens + num_external_tokens
+        if num_external_tokens:
+            req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        return num_new_tokens
+
+    def _update_waiting_for_remote_kv(self, req: Request) -> None:
+        """Its load landed (every worker reported it): the loaded blocks become GPU prefix-cache
+        hits, and the request waits to compute the rest (as PREEMPTED if it was preempted
+        before, so that it is sent as a resumed request)."""
+        self._cache_blocks(req, req.num_computed_tokens)
+        if req.num_preemptions:
+            req.status = RequestStatus.PREEMPTED
+        else:
+            req.status = RequestStatus.WAITING
 
     # --- one step -------------------------------------------------------------------
 
     def step(self) -> None:
         """One scheduler step + one forward pass, in vLLM's order (see the class docstring)."""
         self.num_steps += 1
-        so = self._schedule()
-        meta = self.connector.build_connector_meta(so) if self.connector is not None else None
+        scheduler_output = self._schedule()
+        meta = None
+        if self.connector is not None:
+            meta = self.connector.build_connector_meta(scheduler_output)
         for w in self.workers:  # each worker = one TP rank with its own CPU mirror
             w.bind_connector_metadata(meta)
             w.handle_preemptions(meta)  # before the forward reuses a preempted request's blocks
             w.start_load_kv()           # loads target requests that do not compute this step
-        self._forward(so)
+        self._forward(scheduler_output)
         finished_recving: set[str] = set()
         worker_meta = None
         for w in self.workers:
             w.wait_for_save()  # stores read blocks confirmed by earlier steps (and finish flushes)
             _, recv = w.get_finished(set())
-            for rid in recv or ():  # a load is done once every worker (TP rank) reported it
+            # a load is done once every worker (TP rank) reported it
+            for rid in recv or ():
                 self._recving_counts[rid] = self._recving_counts.get(rid, 0) + 1
                 if self._recving_counts[rid] == len(self.workers):
                     del self._recving_counts[rid]
                     finished_recving.add(rid)
-            wm = w.build_connector_worker_meta()
-            worker_meta = wm if worker_meta is None else worker_meta.aggregate(wm) if wm else worker_meta
+            this_worker_meta = w.build_connector_worker_meta()
+            if worker_meta is None:
+                worker_meta = this_worker_meta
+            elif this_worker_meta:
+                worker_meta = worker_meta.aggregate(this_worker_meta)
             w.clear_connector_metadata()
         # as vLLM's update_from_output: finished requests first (request_finished_all_groups,
         # then their blocks are freed; in-flight copies keep their own refs), then completions
-        self._update_from_output(so)
+        self._update_from_output(scheduler_output)
         if self.connector is not None:
-            self.connector.update_connector_output(KVConnectorOutput(finished_recving, worker_meta))
+            output = KVConnectorOutput(finished_recving, worker_meta)
+            self.connector.update_connector_output(output)
         if self._connector_reset_pending:  # the reports above may have drained what refused it
             self._connector_reset_pending = not self.connector.reset()
         for rid in finished_recving:
-            if (tokens := self.loading.pop(rid, None)) is not None:
-                req = next(r for r in self.waiting if r.request_id == rid)
-                req.num_computed_tokens = tokens
-                self._cache_blocks(req, tokens)  # loaded blocks become GPU prefix-cache hits
+            req = self.requests.get(rid)
+            # an aborted request's load also reports: the connector released it already
+            if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self._update_waiting_for_remote_kv(req)
 
     def _slots(self, rid: str, start: int, end: int) -> torch.Tensor:
-        ids = torch.tensor([b.block_id for b in self.req_blocks[rid]], dtype=torch.int64)
-        pos = torch.arange(start, end)
-        return (ids[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.model.device)
+        """Flat KV slots (block_id * block_size + offset) of the request's tokens [start, end)."""
+        block_ids = torch.tensor([b.block_id for b in self.req_blocks[rid]], dtype=torch.int64)
+        positions = torch.arange(start, end)
+        block_of_position = block_ids[positions // self.block_size]
+        slots = block_of_position * self.block_size + positions % self.block_size
+        return slots.to(self.model.device)
 
-    def _forward(self, so: SchedulerOutput) -> None:
+    def _forward(self, scheduler_output: SchedulerOutput) -> None:
         # positions continue from num_computed_tokens: a loaded or GPU-hit prefix is not recomputed
         for req in self.running:
-            n = so.num_scheduled_tokens.get(req.request_id, 0)
-            if n:
-                start = req.num_computed_tokens
-                self.model.forward(self.kv_caches, req.all_token_ids[start:start + n], range(start, start + n),
-                                   self._slots(req.request_id, start, start + n))
-
-    def _update_from_output(self, so: SchedulerOutput) -> None:
-        for req in list(self.running):
-            rid, n = req.request_id, so.num_scheduled_tokens.get(req.request_id, 0)
-            if not n:
+            num_new_tokens = scheduler_output.num_scheduled_tokens.get(req.request_id, 0)
+            if not num_new_tokens:
                 continue
-            req.num_computed_tokens += n
-            st = self.stats[rid]
-            st.computed_tokens += n
+            start = req.num_computed_tokens
+            end = start + num_new_tokens
+            slots = self._slots(req.request_id, start, end)
+            self.model.forward(self.kv_caches, req.all_token_ids[start:end], range(start, end),
+                               slots)
+
+    def _update_from_output(self, scheduler_output: SchedulerOutput) -> None:
+        for req in list(self.running):
+            rid = req.request_id
+            num_new_tokens = scheduler_output.num_scheduled_tokens.get(rid, 0)
+            if not num_new_tokens:
+                continue
+            req.num_computed_tokens += num_new_tokens
+            stats = self.stats[rid]
+            stats.computed_tokens += num_new_tokens
             if req.num_computed_tokens < req.num_tokens:
                 continue  # chunked prefill: more to come
             # the whole sequence is computed: sample (from the paged KV, loaded parts included)
-            token = self.model.next_token(self.kv_caches, self._slots(rid, 0, req.num_computed_tokens))
-            if not st.output_token_ids:
-                st.ttft_s = time.perf_counter() - self._t_arrival[rid]
-            st.output_token_ids.append(token)
+            slots = self._slots(rid, 0, req.num_computed_tokens)
+            token = self.model.next_token(self.kv_caches, slots)
+            if not stats.output_token_ids:
+                stats.ttft_s = time.perf_counter() - self._t_arrival[rid]
+            stats.output_token_ids.append(token)
             req.append_output_token_ids(token)
-            if len(st.output_token_ids) >= req.max_tokens:
+            if len(stats.output_token_ids) >= req.max_tokens:
                 self._finish(req)
 
     def _finish(self, req: Request) -> None:
         rid = req.request_id
         if self.capture_kv:
             slots = self._slots(rid, 0, req.num_prompt_tokens)
-            self.stats[rid].kv = torch.stack([c.view(2, -1, self.model.num_kv_heads, self.model.head_dim)[:, slots]
-                                              for c in self.kv_caches.values()]).cpu()
+            per_layer = [cache.view(2, -1, self.model.num_kv_heads, self.model.head_dim)[:, slots]
+                         for cache in self.kv_caches.values()]
+            self.stats[rid].kv = torch.stack(per_layer).cpu()
+        req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        del self.requests[rid]
         if self.connector is not None:
-            self.connector.request_finished_all_groups(req, ([b.block_id for b in self.req_blocks[rid]],))
+            block_ids = [b.block_id for b in self.req_blocks[rid]]
+            self.connector.request_finished_all_groups(req, (block_ids,))
         self.running.remove(req)
         self._free(req)
 

@@ -43,6 +43,22 @@ def bids(blocks):
 def free_ids(pool):
     return bids(pool.free_block_queue.get_all_free_blocks())
 
+
+# MiniEngine state the tests read, in one place: a request's state is its status, as in vLLM
+def loading_requests(eng) -> dict[str, int]:
+    """Requests whose CPU load is in flight (WAITING_FOR_REMOTE_KVS) -> their computed tokens
+    (local + loaded, as vLLM counts them before the load lands)."""
+    return {r.request_id: r.num_computed_tokens for r in eng.waiting
+            if r.status == ko.RequestStatus.WAITING_FOR_REMOTE_KVS}
+
+
+def preempted_ids(eng) -> set[str]:
+    """Requests preempted and not running again yet (some of them resume through a CPU load)."""
+    waiting_for_kvs = ko.RequestStatus.WAITING_FOR_REMOTE_KVS
+    return {r.request_id for r in eng.waiting
+            if r.status == ko.RequestStatus.PREEMPTED
+            or (r.status == waiting_for_kvs and r.num_preemptions)}
+
 # ----------------------------------------------------------------------------- hashing and requests
 
 def test_hash_chain_is_deterministic_and_prefix_sensitive():
@@ -784,7 +800,7 @@ def _reset_while_a_load_is_queued(connector_cls) -> tuple[bool, bool]:
     dev.max_ops_per_call = 0
     eng.add_request(ko.Request("B", prompt_a, 16))
     eng.step()
-    assert eng.loading == {"B": 64} and eng.workers[0].load_stream.ops, "B's load should be queued"
+    assert loading_requests(eng) == {"B": 64} and eng.workers[0].load_stream.ops, "B's load should be queued"
     reset_done = conn.reset()
     eng.abort_request("B")
     eng.add_request(ko.Request("C", prompt_c, 16, max_tokens=3))
@@ -2029,7 +2045,10 @@ def check_invariants(engine: ko.MiniEngine, requests=None, *, allow_stale_store_
     running = [r.request_id for r in engine.running]
     waiting = [r.request_id for r in engine.waiting]
     assert len(set(running + waiting)) == len(running) + len(waiting), "a request is queued twice"
-    assert set(engine.loading) <= set(waiting), "a loading request is not waiting"
+    assert all(r.status == ko.RequestStatus.RUNNING for r in engine.running), "running, not RUNNING"
+    assert not any(r.status in (ko.RequestStatus.RUNNING,) or ko.RequestStatus.is_finished(r.status)
+                   for r in engine.waiting), "a waiting request is RUNNING or finished"
+    assert set(engine.requests) == set(running + waiting), "engine.requests is not running + waiting"
     assert set(engine.req_blocks) <= set(running + waiting), "a finished request still has a block table"
     for r in engine.running:
         assert ko.cdiv(r.num_computed_tokens, engine.block_size) <= len(engine.req_blocks[r.request_id])
@@ -2094,10 +2113,10 @@ def check_invariants(engine: ko.MiniEngine, requests=None, *, allow_stale_store_
             assert state.load_event is None or rid in conn._load_event_to_reqs.get(state.load_event, ()), (
                 f"sent load of {rid} is not listed under its event")
         # engine <-> connector
-        for rid in engine.loading:
+        for rid in loading_requests(engine):
             assert rid in load_states, f"{rid} waits for a load the connector does not have"
         for rid, state in conn._reqs_to_load.items():
-            assert rid in engine.loading or state.finished, f"live load of {rid}: neither loading nor finished"
+            assert rid in loading_requests(engine) or state.finished, f"live load of {rid}: neither loading nor finished"
         for rid in conn._pending_cpu_hits:
             assert rid in waiting, f"lookup pin of {rid}, which is not waiting"
     got = Counter({b.block_id: b.ref_cnt for b in gpu.blocks[1:] if b.ref_cnt})
@@ -2111,8 +2130,8 @@ def rel_check_idle(engine: ko.MiniEngine, *, allow_stale_store_counts: bool = Fa
     conn = rel_unwrap(engine.connector)
     gpu = engine.gpu_block_pool
     assert gpu.get_num_free_blocks() == gpu.num_gpu_blocks - 1, "GPU blocks still in use after the run"
-    assert not (engine.waiting or engine.running or engine.loading or engine.req_blocks
-                or engine.num_cached_blocks or engine._recving_counts or engine._resumed), "engine not idle"
+    assert not (engine.waiting or engine.running or engine.requests or engine.req_blocks
+                or engine.num_cached_blocks or engine._recving_counts), "engine not idle"
     if conn is None:
         return
     cpu = conn.cpu_block_pool
@@ -2200,7 +2219,7 @@ class RelFaultyWorker(RelProxy):
 
     def _rel_safe_recv_dup(self, rid: str) -> bool:
         conn, eng = rel_unwrap(self._rel_engine.connector), self._rel_engine
-        return not (rid in eng.loading or rid in conn._reqs_to_load or rid in conn._abandoned_reqs_to_load
+        return not (rid in loading_requests(eng) or rid in conn._reqs_to_load or rid in conn._abandoned_reqs_to_load
                     or any(r == rid for _, r in self._rel_recv))
 
     def build_connector_worker_meta(self):
@@ -2245,7 +2264,7 @@ class RelFaultyConnector(RelProxy):
         if num_external_tokens:
             assert not eng._connector_reset_pending, (
                 f"{request.request_id} was served a CPU hit while a refused reset was pending")
-            self._rel_log.resumed_with_load += request.request_id in eng._resumed
+            self._rel_log.resumed_with_load += request.request_id in preempted_ids(eng)
         return self._rel_inner.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def update_connector_output(self, connector_output: ko.KVConnectorOutput) -> None:
@@ -2402,13 +2421,14 @@ def rel_build(plan: RelPlan):
 def rel_step(run, n: int = 1) -> None:
     eng, log = run.engine, run.log
     for _ in range(n):
-        resumed_before = set(eng._resumed)
+        resumed_before = preempted_ids(eng)
         storing = {rid for rid, st_ in run.conn._reqs_to_store.items() if st_.store_events}
         cached = {b.block_id: b.block_hash for b in run.conn.cpu_block_pool.blocks if b.block_hash is not None}
         eng.step()
         log.steps += 1
-        log.preemptions += len(eng._resumed - resumed_before)
-        log.preempted_while_storing += len((eng._resumed - resumed_before) & storing)
+        newly_preempted = preempted_ids(eng) - resumed_before
+        log.preemptions += len(newly_preempted)
+        log.preempted_while_storing += len(newly_preempted & storing)
         log.cpu_evictions += any(run.conn.cpu_block_pool.blocks[i].block_hash != h for i, h in cached.items())
         log.steps_with_pins += bool(run.conn._pending_cpu_hits)
         check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
@@ -2424,14 +2444,14 @@ def rel_abort(run, k: int = 0, rid: str | None = None) -> None:
         return st_ is not None and bool(st_.store_events)
 
     if rid is None:
-        live = sorted(eng.running + eng.waiting, key=lambda r: (r.request_id not in eng.loading,
+        live = sorted(eng.running + eng.waiting, key=lambda r: (r.request_id not in loading_requests(eng),
                                                                 not storing(r.request_id)))
         if not live:
             return
         rid = live[k % len(live)].request_id
     log.aborts += 1
     log.aborts_with_pin += rid in conn._pending_cpu_hits
-    log.aborts_while_loading += rid in eng.loading
+    log.aborts_while_loading += rid in loading_requests(eng)
     log.aborts_while_storing += storing(rid)
     eng.abort_request(rid)
     run.aborted.add(rid)
@@ -2484,7 +2504,7 @@ def rel_stalled(run) -> bool:
     """Nothing runs, loads, copies or waits for a report, yet requests wait: the next step can
     only admit the head of the queue, and if it does not, nothing will ever change again."""
     eng, conn = run.engine, run.conn
-    return bool(eng.waiting) and not (eng.running or eng.loading or conn.has_pending_push_work()
+    return bool(eng.waiting) and not (eng.running or loading_requests(eng) or conn.has_pending_push_work()
                                       or conn._reqs_to_load or conn._abandoned_reqs_to_load
                                       or run.proxy.rel_holding() or any(w.rel_holding() for w in run.workers))
 
@@ -2504,7 +2524,7 @@ def rel_drain(run, max_steps: int = 3000) -> None:
     while eng.has_unfinished_work():
         assert log.steps - start < max_steps, (
             f"no progress after {max_steps} steps: waiting={[r.request_id for r in eng.waiting]} "
-            f"running={[r.request_id for r in eng.running]} loading={eng.loading} "
+            f"running={[r.request_id for r in eng.running]} loading={loading_requests(eng)} "
             f"free GPU blocks={eng.gpu_block_pool.get_num_free_blocks()}")
         before = rel_fingerprint(run) if rel_stalled(run) else None
         rel_step(run)
@@ -3532,7 +3552,7 @@ def rel_midflight():
             assert run.engine.reset_gpu_prefix_cache()
         elif op[0] == "hold":
             run.workers[op[1]].rel_hold = True
-    assert run.engine.loading and run.conn._store_event_to_blocks, "mid-flight: a load and a store in flight"
+    assert loading_requests(run.engine) and run.conn._store_event_to_blocks, "mid-flight: a load and a store in flight"
     return run
 
 
@@ -3613,7 +3633,7 @@ def test_rel_snapshot_sees_every_part(part):
         "kv": lambda: world.engine.kv_caches["layers.0"][1, 3].add_(1),
         "connector": lambda: world.conn._in_flight_store_gpu_blocks.add(13),
         "worker": lambda: rel_unwrap(world.worker).cpu_caches["layers.0.k"][7].add_(1),
-        "engine": lambda: world.engine._resumed.add("a"),
+        "engine": lambda: world.engine._recving_counts.update(a=1),
         "requests": lambda: world.c.append_output_token_ids(5),
         "spares": lambda: world.spare_conn.bind_gpu_block_pool(world.gpu),
     }[part]
