@@ -732,6 +732,18 @@ class LoadRequestState:
 
 
 @dataclass
+class PendingCPUHit:
+    """A CPU hit offered by get_num_new_matched_tokens() and not yet taken up by
+    update_state_after_alloc(). vLLM keeps the same three values as a bare tuple."""
+    # per group; each non-null block is pinned (one ref) so LRU eviction cannot take it
+    hit_blocks: tuple[list[KVCacheBlock], ...]
+    # tokens offered; the scheduler may accept fewer
+    hit_length: int
+    # the local (GPU) hit the lookup started after: where the load lands
+    num_computed_tokens: int
+
+
+@dataclass
 class StoreRequestState:
     request: Request
     # the request's GPU block table per group, accumulated from each step's new_block_ids
@@ -786,9 +798,9 @@ class SimpleCPUOffloadScheduler:
         # loads
         self._reqs_to_load: dict[str, LoadRequestState] = {}
         self._load_event_to_reqs: dict[int, list[str]] = {}  # the worker reports events, not requests
-        # req -> (hit blocks per group, hit tokens, num_computed_tokens of the lookup), pinned
-        # between get_num_new_matched_tokens() and update_state_after_alloc()
-        self._pending_cpu_hits: dict[str, tuple[tuple[list[KVCacheBlock], ...], int, int]] = {}
+        # req -> its CPU hit, pinned between get_num_new_matched_tokens() and
+        # update_state_after_alloc()
+        self._pending_cpu_hits: dict[str, PendingCPUHit] = {}
         # req -> its local (GPU) hit in tokens, from get_num_new_matched_tokens(); the CPU copies
         # of that prefix are moved to the MRU end in update_state_after_alloc() (vLLM 0.34)
         self._pending_local_hits: dict[str, int] = {}
@@ -865,7 +877,8 @@ class SimpleCPUOffloadScheduler:
             return 0, False
         # pin: LRU eviction between the two scheduler calls must not take these blocks
         self.cpu_block_pool.touch(b for grp in hit_blocks for b in grp if not b.is_null)
-        self._pending_cpu_hits[request.request_id] = (hit_blocks, hit_length, num_computed_tokens)
+        self._pending_cpu_hits[request.request_id] = PendingCPUHit(hit_blocks, hit_length,
+                                                                   num_computed_tokens)
         return hit_length, True
 
     def update_state_after_alloc(self, request: Request, blocks: tuple[list[KVCacheBlock], ...],
@@ -873,59 +886,89 @@ class SimpleCPUOffloadScheduler:
         """The scheduler allocated `blocks` (the request's GPU table per group) and accepted
         `num_external_tokens` of the offered hit (maybe fewer). Registers the request for eager
         stores and sets up its load: GPU blocks right after the local hit <- CPU hit blocks."""
-        rid, n_groups = request.request_id, len(self.group_block_sizes)
-        pending, old = self._pending_cpu_hits.get(rid), self._reqs_to_store.get(rid)
-        # validate everything before any state changes
-        if len(blocks) != n_groups:
-            raise ValueError(f"{rid}: blocks has {len(blocks)} groups, expected {n_groups}")
+        rid = request.request_id
+        # Plan: check the call, pair each GPU destination with its CPU source. A bad call
+        # raises there, before any state changes.
+        gpu_blocks, cpu_blocks = self._plan_load(request, blocks, num_external_tokens)
+        # Apply.
+        old = self._reqs_to_store.get(rid)
+        if old is not None and old.finished:
+            # the id is reused while its previous owner's stores are in flight: those complete
+            # (and cache) on their own; the new request gets its own state
+            self._cleanup_store_request(rid)
+        # Store tracking: register the request (also with 0 external tokens: it will be
+        # stored); its block ids accumulate from each step's scheduler output
+        if rid not in self._reqs_to_store:
+            num_groups = len(self.group_block_sizes)
+            self._reqs_to_store[rid] = StoreRequestState(
+                request, tuple([] for _ in range(num_groups)), [0] * num_groups)
+        if num_local_tokens := self._pending_local_hits.pop(rid, None):
+            self._refresh_cpu_lru(request, num_local_tokens)
+        pending = self._pending_cpu_hits.pop(rid, None)
+        if pending is None:
+            return
+        # pin the CPU sources for the copy, so that LRU eviction cannot take them
+        self.cpu_block_pool.touch(cpu_blocks)
+        # then drop the lookup pin (after the pin above: a source never drops to 0 refs in
+        # between); with 0 external tokens the scheduler declined the hit: only this happens
+        self._free_pending_cpu_hit(pending)
+        # pin the GPU destinations, so that they are not freed while the copy writes them
+        self._require_gpu_pool().touch(gpu_blocks)
+        if num_external_tokens:
+            gpu_block_ids = [b.block_id for b in gpu_blocks]
+            cpu_block_ids = [b.block_id for b in cpu_blocks]
+            transfer = TransferMeta(gpu_block_ids, cpu_block_ids)
+            self._reqs_to_load[rid] = LoadRequestState(request, transfer)
+
+    def _plan_load(self, request: Request, blocks: tuple[list[KVCacheBlock], ...],
+                   num_external_tokens: int) -> tuple[list[KVCacheBlock], list[KVCacheBlock]]:
+        """The planning half of update_state_after_alloc(): check the call and return the load's
+        GPU destinations and CPU sources, pairwise (both empty without a load). Pure: reads the
+        manager's state, changes nothing."""
+        rid = request.request_id
+        num_groups = len(self.group_block_sizes)
+        if len(blocks) != num_groups:
+            raise ValueError(f"{rid}: blocks has {len(blocks)} groups, expected {num_groups}")
+        old = self._reqs_to_store.get(rid)
         if old is not None and old.request is not request and not old.finished:
             raise ValueError(f"request id {rid!r} is already in use by a running request")
         _check_int("num_external_tokens", num_external_tokens, 0)
         if num_external_tokens % self.hash_block_size:
             raise ValueError(f"{rid}: num_external_tokens={num_external_tokens} is misaligned: "
-                             f"must be a non-negative multiple of hash_block_size={self.hash_block_size}")
-        gpu_blocks, cpu_blocks = [], []
-        if num_external_tokens:
-            if pending is None:
-                raise ValueError(f"{rid}: num_external_tokens={num_external_tokens} but "
-                                 "get_num_new_matched_tokens() offered no CPU hit")
-            if num_external_tokens > pending[1]:
-                raise ValueError(f"{rid}: num_external_tokens={num_external_tokens} exceeds the "
-                                 f"CPU hit of {pending[1]} tokens")
-            if rid in self._reqs_to_load:
-                raise ValueError(f"{rid}: a load is already pending for this request")
-            hit_blocks, _, num_computed = pending
-            for g, size in enumerate(self.group_block_sizes):
-                start, n_take = num_computed // size, cdiv(num_external_tokens, size)
-                if start + n_take > len(blocks[g]):
-                    raise ValueError(f"{rid}: group {g} has {len(blocks[g])} GPU blocks, too few for "
-                                     f"{num_computed} local + {num_external_tokens} external tokens")
-                # the load lands right after the local hit; null CPU slots have nothing to copy
-                for gpu_blk, cpu_blk in zip(blocks[g][start:start + n_take], hit_blocks[g][:n_take]):
-                    if not cpu_blk.is_null:
-                        gpu_blocks.append(gpu_blk)
-                        cpu_blocks.append(cpu_blk)
-            self._check_load_destinations(rid, gpu_blocks)
-            # pin the GPU destinations first: touch() rejects foreign blocks before changing anything
-            self._require_gpu_pool().touch(gpu_blocks)
-        if old is not None and old.finished:
-            # the id is reused while its previous owner's stores are in flight: those complete
-            # (and cache) on their own; the new request gets its own state
-            self._cleanup_store_request(rid)
-        if rid not in self._reqs_to_store:  # also with 0 external tokens: it will be stored
-            self._reqs_to_store[rid] = StoreRequestState(
-                request, tuple([] for _ in range(n_groups)), [0] * n_groups)
-        if num_local_tokens := self._pending_local_hits.pop(rid, None):
-            self._refresh_cpu_lru(request, num_local_tokens)
-        if self._pending_cpu_hits.pop(rid, None) is None:
-            return
-        # pin the CPU sources for the copy, then drop the lookup pin (never a 0 in between);
-        # with 0 external tokens the scheduler declined the hit: only the pin is dropped
-        self.cpu_block_pool.touch(cpu_blocks)
-        self._free_pending_cpu_hit(pending)
-        if num_external_tokens:
-            self._reqs_to_load[rid] = LoadRequestState(
-                request, TransferMeta([b.block_id for b in gpu_blocks], [b.block_id for b in cpu_blocks]))
+                             "must be a non-negative multiple of "
+                             f"hash_block_size={self.hash_block_size}")
+        if not num_external_tokens:
+            return [], []
+        pending = self._pending_cpu_hits.get(rid)
+        if pending is None:
+            raise ValueError(f"{rid}: num_external_tokens={num_external_tokens} but "
+                             "get_num_new_matched_tokens() offered no CPU hit")
+        if num_external_tokens > pending.hit_length:
+            raise ValueError(f"{rid}: num_external_tokens={num_external_tokens} exceeds the "
+                             f"CPU hit of {pending.hit_length} tokens")
+        if rid in self._reqs_to_load:
+            raise ValueError(f"{rid}: a load is already pending for this request")
+        gpu_blocks: list[KVCacheBlock] = []
+        cpu_blocks: list[KVCacheBlock] = []
+        for g, g_block_size in enumerate(self.group_block_sizes):
+            # the load lands right after the local hit, counted in this group's blocks
+            gpu_ext_start = pending.num_computed_tokens // g_block_size
+            # the scheduler may accept fewer tokens than offered: the leading blocks only
+            # (rounded up: a fine-grained hit ends inside a block)
+            n_take_g = cdiv(num_external_tokens, g_block_size)
+            group_gpu_blocks = blocks[g]
+            if gpu_ext_start + n_take_g > len(group_gpu_blocks):
+                raise ValueError(f"{rid}: group {g} has {len(group_gpu_blocks)} GPU blocks, too "
+                                 f"few for {pending.num_computed_tokens} local + "
+                                 f"{num_external_tokens} external tokens")
+            for i, cpu_blk in enumerate(pending.hit_blocks[g][:n_take_g]):
+                # a null slot (e.g. sliding window padding) has nothing to copy
+                if cpu_blk.is_null:
+                    continue
+                gpu_blocks.append(group_gpu_blocks[gpu_ext_start + i])
+                cpu_blocks.append(cpu_blk)
+        self._check_load_destinations(rid, gpu_blocks)
+        return gpu_blocks, cpu_blocks
 
     def _check_load_destinations(self, rid: str, gpu_blocks: list[KVCacheBlock]) -> None:
         """A load overwrites its destinations: each must be a block the scheduler has just
@@ -1226,8 +1269,8 @@ class SimpleCPUOffloadScheduler:
         self._in_flight_store_gpu_blocks.update(gpu_ids)
         self._gpu_block_pool.touch(self._gpu_block_pool.blocks[b] for b in gpu_ids)
 
-    def _free_pending_cpu_hit(self, pending: tuple[tuple[list[KVCacheBlock], ...], int, int]) -> None:
-        self.cpu_block_pool.free_blocks(b for grp in pending[0] for b in grp if not b.is_null)
+    def _free_pending_cpu_hit(self, pending: PendingCPUHit) -> None:
+        self.cpu_block_pool.free_blocks(b for grp in pending.hit_blocks for b in grp if not b.is_null)
 
     def _cleanup_load_request(self, rid: str) -> None:
         state = self._reqs_to_load.pop(rid, None) or self._abandoned_reqs_to_load.pop(rid, None)

@@ -2069,7 +2069,8 @@ def check_invariants(engine: ko.MiniEngine, requests=None, *, allow_stale_store_
             assert 0 not in t.gpu_block_ids and 0 not in t.cpu_block_ids, f"null block in a transfer: {t}"
             want_gpu.update(t.gpu_block_ids)
             want_cpu.update(t.cpu_block_ids)
-        for hit_blocks, _, _ in conn._pending_cpu_hits.values():
+        for pending in conn._pending_cpu_hits.values():
+            hit_blocks = pending.hit_blocks
             want_cpu.update(b.block_id for grp in hit_blocks for b in grp if not b.is_null)
         got = Counter({b.block_id: b.ref_cnt for b in cpu.blocks[1:] if b.ref_cnt})
         assert got == want_cpu, f"CPU refs not accounted for: pool has {dict(got)}, holders {dict(want_cpu)}"
@@ -4301,6 +4302,15 @@ def make_vllm_scheduler(num_gpu_blocks, num_cpu_blocks, block_size, hash_block_s
 V_EXTRA_OUTPUT_FIELDS = {"num_common_prefix_blocks": []} if V_IS_029 else {}
 
 
+def _pending_hit(v):
+    """A pending CPU hit as one comparable tuple: ours is a PendingCPUHit, vLLM's a bare tuple
+    (hit blocks per group, hit length, num_computed_tokens)."""
+    if isinstance(v, ko.PendingCPUHit):
+        v = (v.hit_blocks, v.hit_length, v.num_computed_tokens)
+    hit_blocks, hit_length, num_computed_tokens = v
+    return _ids(hit_blocks), hit_length, num_computed_tokens
+
+
 def _ids(groups):
     return [[b.block_id for b in g] for g in groups]
 
@@ -4319,7 +4329,7 @@ def manager_state(m) -> dict:
         "reqs_to_store": [(k, store(v)) for k, v in m._reqs_to_store.items()],
         "reqs_to_load": [(k, load(v)) for k, v in m._reqs_to_load.items()],
         "abandoned_reqs_to_load": [(k, load(v)) for k, v in m._abandoned_reqs_to_load.items()],
-        "pending_cpu_hits": [(k, (_ids(v[0]), *v[1:])) for k, v in m._pending_cpu_hits.items()],
+        "pending_cpu_hits": [(k, _pending_hit(v)) for k, v in m._pending_cpu_hits.items()],
         "load_event_to_reqs": [(k, list(v)) for k, v in m._load_event_to_reqs.items()],
         "store_event_to_blocks": [(k, tm(v)) for k, v in m._store_event_to_blocks.items()],
         "abandoned_store_event_to_blocks": [(k, tm(v)) for k, v in m._abandoned_store_event_to_blocks.items()],
