@@ -4304,11 +4304,10 @@ V_EXTRA_OUTPUT_FIELDS = {"num_common_prefix_blocks": []} if V_IS_029 else {}
 
 def _pending_hit(v):
     """A pending CPU hit as one comparable tuple: ours is a PendingCPUHit, vLLM's a bare tuple
-    (hit blocks per group, hit length, num_computed_tokens)."""
+    (0.34: hit blocks per group, hit length, num_computed_tokens; 0.29: the first two)."""
     if isinstance(v, ko.PendingCPUHit):
         v = (v.hit_blocks, v.hit_length, v.num_computed_tokens)
-    hit_blocks, hit_length, num_computed_tokens = v
-    return _ids(hit_blocks), hit_length, num_computed_tokens
+    return (_ids(v[0]), *v[1:])
 
 
 def _ids(groups):
