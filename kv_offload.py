@@ -177,12 +177,13 @@ class Request:
 
     def _update_block_hashes(self) -> None:
         # Hash only the chunks that became full since the last call (incremental, O(new tokens)).
-        bs, toks = self.hash_block_size, self.all_token_ids
-        start = len(self.block_hashes) * bs
-        while start + bs <= len(toks):
+        hash_block_size = self.hash_block_size
+        start = len(self.block_hashes) * hash_block_size
+        while start + hash_block_size <= len(self.all_token_ids):
             parent = self.block_hashes[-1] if self.block_hashes else None
-            self.block_hashes.append(hash_block_tokens(parent, toks[start:start + bs]))
-            start += bs
+            chunk = self.all_token_ids[start:start + hash_block_size]
+            self.block_hashes.append(hash_block_tokens(parent, chunk))
+            start += hash_block_size
 
 
 def cdiv(a: int, b: int) -> int:
@@ -246,7 +247,8 @@ class FreeKVCacheBlockQueue:
         self.fake_free_list_tail = KVCacheBlock(-1)
         chain = [self.fake_free_list_head, *blocks, self.fake_free_list_tail]
         for a, b in zip(chain, chain[1:]):
-            a.next_free_block, b.prev_free_block = b, a
+            a.next_free_block = b
+            b.prev_free_block = a
 
     def popleft(self) -> KVCacheBlock:
         if self.num_free_blocks == 0:
@@ -255,22 +257,31 @@ class FreeKVCacheBlockQueue:
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         assert 0 <= n <= self.num_free_blocks, f"popleft_n({n}) with {self.num_free_blocks} free"
-        ret, curr = [], self.fake_free_list_head.next_free_block
+        ret = []
+        curr = self.fake_free_list_head.next_free_block
         for _ in range(n):
             ret.append(curr)
             nxt = curr.next_free_block
-            curr.prev_free_block = curr.next_free_block = None
+            # a block out of the queue has no links: that is how touch() tells it is not free
+            curr.prev_free_block = None
+            curr.next_free_block = None
             curr = nxt
-        self.fake_free_list_head.next_free_block, curr.prev_free_block = curr, self.fake_free_list_head
+        # `curr` is the first block left (or the fake tail): it follows the fake head now
+        self.fake_free_list_head.next_free_block = curr
+        curr.prev_free_block = self.fake_free_list_head
         self.num_free_blocks -= n
         return ret
 
     def remove(self, block: KVCacheBlock) -> None:
-        prev, nxt = block.prev_free_block, block.next_free_block
+        prev = block.prev_free_block
+        nxt = block.next_free_block
         if prev is None or nxt is None:
             raise RuntimeError(f"remove() of a block that is not in the free queue: {block}")
-        prev.next_free_block, nxt.prev_free_block = nxt, prev
-        block.prev_free_block = block.next_free_block = None
+        # O(1) unlink from the middle: why the queue is a linked list and not a deque
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        block.prev_free_block = None
+        block.next_free_block = None
         self.num_free_blocks -= 1
 
     # A sentinel that lost its link means the queue is corrupted (a caller wrote the links):
@@ -298,14 +309,18 @@ class FreeKVCacheBlockQueue:
         # splice `blocks` (not empty), in order, between `prev` and its current successor
         nxt = prev.next_free_block
         for b in blocks:
-            prev.next_free_block, b.prev_free_block = b, prev
+            prev.next_free_block = b
+            b.prev_free_block = prev
             prev = b
-        prev.next_free_block, nxt.prev_free_block = nxt, prev
+        # close the chain: the last spliced block links to the old successor
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
         self.num_free_blocks += len(blocks)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """Front to back. O(n): for tests and pictures only."""
-        ret, curr = [], self.fake_free_list_head.next_free_block
+        ret = []
+        curr = self.fake_free_list_head.next_free_block
         while curr is not self.fake_free_list_tail:
             ret.append(curr)
             curr = curr.next_free_block
@@ -408,8 +423,9 @@ class BlockPool:
             out.append(block)
         return out
 
-    def cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_cached_blocks: int,
-                          num_full_blocks: int, block_size: int, kv_cache_group_id: int) -> None:
+    def cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock],
+                          num_cached_blocks: int, num_full_blocks: int, block_size: int,
+                          kv_cache_group_id: int) -> None:
         """Register blocks[num_cached_blocks:num_full_blocks] (now full of computed KV) under
         their block hashes. A block_size-block's hash is the last fine hash inside it, since every
         fine hash chains over its whole prefix."""
@@ -426,7 +442,8 @@ class BlockPool:
             key = request.block_hashes[(i + 1) * scale - 1] + group_suffix
             if blk.block_hash is not None:
                 # only valid case: a partial-tail entry (cache_partial_block) being promoted
-                assert blk.block_hash_num_tokens is not None and blk.block_hash_num_tokens < num_tokens, (
+                num_tokens_cached = blk.block_hash_num_tokens
+                assert num_tokens_cached is not None and num_tokens_cached < num_tokens, (
                     f"block {blk.block_id} is already cached as full: cached twice?")
                 self._remove_cached_block_hashes(blk)
             self._insert_block_hash(key, blk, num_tokens)
@@ -438,12 +455,16 @@ class BlockPool:
         gets this one as a *secondary* key; that is where GPU secondaries come from."""
         if block.is_null:
             return None
-        key = make_block_hash_with_group_id(
-            request.block_hashes[num_tokens // self.hash_block_size - 1], kv_cache_group_id)
-        cached = block.block_hash == key or self.cached_block_hash_to_block.contain(key, block.block_id)
-        if (not cached and block.block_hash is not None and block.block_hash_num_tokens is not None
-                and block.block_hash_num_tokens < num_tokens):
-            self._remove_cached_block_hashes(block)  # a longer partial entry replaces a shorter one
+        block_hash = request.block_hashes[num_tokens // self.hash_block_size - 1]
+        key = make_block_hash_with_group_id(block_hash, kv_cache_group_id)
+        cached = (block.block_hash == key
+                  or self.cached_block_hash_to_block.contain(key, block.block_id))
+        num_tokens_cached = block.block_hash_num_tokens
+        if not cached and num_tokens_cached is not None and num_tokens_cached < num_tokens:
+            # a partial entry for a longer prefix replaces a shorter one (its hash is set, as a
+            # count is only ever set alongside a hash)
+            self._remove_cached_block_hashes(block)
+
         self._insert_block_hash(key, block, num_tokens)
         return key
 
@@ -668,7 +689,8 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
 
 
-def yield_req_data(scheduler_output: SchedulerOutput) -> Iterator[tuple[str, tuple[list[int], ...] | None, bool]]:
+def yield_req_data(scheduler_output: SchedulerOutput
+                   ) -> Iterator[tuple[str, tuple[list[int], ...] | None, bool]]:
     """(req_id, new block ids or None, resumed) for every request of the step: in the order of
     num_scheduled_tokens (new and resumed requests first, then running ones, as vLLM 0.34
     yields them), then any request given blocks but no tokens. `resumed` is vLLM's
@@ -782,8 +804,9 @@ class SimpleCPUOffloadScheduler:
             raise ValueError("group_block_sizes is empty: one size per KV-cache group")
         if any(s % hbs for s in sizes) or block_size != math.lcm(*sizes):
             # vLLM's scheduler block size *is* the LCM of the group sizes (one group: its size)
-            raise ValueError(f"block sizes must nest: hash_block_size ({hbs}) must divide every group "
-                             f"block size ({sizes}), and block_size ({block_size}) must be their LCM")
+            raise ValueError(f"block sizes must nest: hash_block_size ({hbs}) must divide every "
+                             f"group block size ({sizes}), and block_size ({block_size}) must be "
+                             "their LCM")
         self.block_size = block_size          # scheduler block size: loads start on its multiples
         self.hash_block_size = hbs
         self.group_block_sizes = sizes
@@ -797,7 +820,8 @@ class SimpleCPUOffloadScheduler:
             self._groups_by_size.setdefault(s, []).append(g)
         # loads
         self._reqs_to_load: dict[str, LoadRequestState] = {}
-        self._load_event_to_reqs: dict[int, list[str]] = {}  # the worker reports events, not requests
+        # load event -> its requests: the worker reports events, not requests
+        self._load_event_to_reqs: dict[int, list[str]] = {}
         # req -> its CPU hit, pinned between get_num_new_matched_tokens() and
         # update_state_after_alloc()
         self._pending_cpu_hits: dict[str, PendingCPUHit] = {}
@@ -810,9 +834,12 @@ class SimpleCPUOffloadScheduler:
         self._store_event_to_blocks: dict[int, TransferMeta] = {}
         self._store_event_to_reqs: dict[int, list[str]] = {}
         self._abandoned_store_event_to_blocks: dict[int, TransferMeta] = {}
-        self._in_flight_store_gpu_blocks: set[int] = set()  # dedup: never copy one block twice at once
-        self._pending_finished_stores: list[TransferMeta] = []  # the fix for bug 2
-        self._store_event_pending_counts: dict[int, int] = {}  # event -> workers reported so far
+        # GPU blocks being copied to CPU: never copy one block twice at once
+        self._in_flight_store_gpu_blocks: set[int] = set()
+        # the fix for bug 2: finish flushes, sent with the next build_connector_meta()
+        self._pending_finished_stores: list[TransferMeta] = []
+        # store event -> workers that reported it so far (it completes at world_size)
+        self._store_event_pending_counts: dict[int, int] = {}
         # monotonic, never reset: the workers' high-water marks must never see an index twice
         self._load_event_counter = 0
         self._store_event_counter = 0
@@ -837,26 +864,32 @@ class SimpleCPUOffloadScheduler:
         # vLLM's hybrid coordinator looks each block-size class up in turn, capped by the length
         # the previous ones left, and repeats until the length is stable. Full attention is
         # downward-closed (a prefix of a hit is a hit), so with full-attention groups only the
-        # first pass already is that fixed point. Alignment = scheduler block: loads move whole blocks.
+        # first pass already is that fixed point. Alignment = scheduler block: loads move whole
+        # blocks.
         hits: list[list[KVCacheBlock]] = [[] for _ in self.group_block_sizes]
         hit_length = max_length
         for size, gids in self._groups_by_size.items():
-            blocks, hit_length = find_longest_cache_hit(block_hashes, hit_length, gids, self.cpu_block_pool,
-                                                        size, alignment_tokens=self.block_size)
-            for g, b in zip(gids, blocks):
-                hits[g] = b
-        for g, size in enumerate(self.group_block_sizes):  # trim groups looked up before the cap fell
+            blocks, hit_length = find_longest_cache_hit(block_hashes, hit_length, gids,
+                                                        self.cpu_block_pool, size,
+                                                        alignment_tokens=self.block_size)
+            for g, group_blocks in zip(gids, blocks):
+                hits[g] = group_blocks
+        # trim the groups looked up before the cap fell
+        for g, size in enumerate(self.group_block_sizes):
             del hits[g][cdiv(hit_length, size):]
         return tuple(hits), hit_length
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
         """Tokens beyond the local (GPU) hit that the CPU cache holds, and True if they will be
         loaded asynchronously. Pins the hit CPU blocks until update_state_after_alloc()."""
         _check_int("num_computed_tokens", num_computed_tokens, 0)
         if num_computed_tokens > request.num_tokens:
-            raise ValueError(f"num_computed_tokens={num_computed_tokens} outside [0, {request.num_tokens}]")
+            raise ValueError(f"num_computed_tokens={num_computed_tokens} outside "
+                             f"[0, {request.num_tokens}]")
         # a retry (e.g. after a failed allocation) drops the earlier pin first
-        if (stale := self._pending_cpu_hits.pop(request.request_id, None)) is not None:
+        stale = self._pending_cpu_hits.pop(request.request_id, None)
+        if stale is not None:
             self._free_pending_cpu_hit(stale)
         self._pending_local_hits.pop(request.request_id, None)
         if request.skip_reading_external_kv:
@@ -869,7 +902,9 @@ class SimpleCPUOffloadScheduler:
         if num_computed_tokens % self.block_size:
             return 0, False
         remaining = request.block_hashes[num_computed_tokens // self.hash_block_size:]
-        max_hit_len = request.num_tokens - 1 - num_computed_tokens  # the last token is always recomputed
+        # the last token is always recomputed (its logits are needed)
+        max_hit_len = request.num_tokens - 1 - num_computed_tokens
+
         if not remaining or max_hit_len <= 0:
             return 0, False
         hit_blocks, hit_length = self._find_longest_cache_hit(remaining, max_hit_len)
@@ -1048,25 +1083,34 @@ class SimpleCPUOffloadScheduler:
             store_event=store_event, store_gpu_blocks=store_gpu, store_cpu_blocks=store_cpu,
             need_flush=bool(scheduler_output.preempted_req_ids))
 
-    def _prepare_eager_store_specs(self, so: SchedulerOutput) -> tuple[list[int], list[int], list[str]]:
-        gpu_pool = self._gpu_block_pool
-        if gpu_pool is None:
+    def _prepare_eager_store_specs(self, scheduler_output: SchedulerOutput
+                                   ) -> tuple[list[int], list[int], list[str]]:
+        """This step's stores: for each scheduled request, its confirmed blocks not yet on CPU
+        (GPU source ids, CPU destination ids, the requests they belong to). Sources are pinned
+        until the copy completes; CPU destinations are allocated (may evict LRU CPU blocks)."""
+        if self._gpu_block_pool is None:
             return [], [], []
-        n_groups = len(self.group_block_sizes)
-        for rid in so.preempted_req_ids:  # its blocks are gone; it resumes with a new table
-            if (state := self._reqs_to_store.get(rid)) is not None:
-                state.block_ids, state.num_stored_blocks = tuple([] for _ in range(n_groups)), [0] * n_groups
-        all_gpu, all_cpu, req_ids = [], [], []
-        for rid, new_ids, is_full_table in yield_req_data(so):
+        gpu_pool = self._require_gpu_pool()
+        num_groups = len(self.group_block_sizes)
+        for rid in scheduler_output.preempted_req_ids:
+            # its blocks are gone; it resumes with a new table, stored from its start again
+            state = self._reqs_to_store.get(rid)
+            if state is not None:
+                state.block_ids = tuple([] for _ in range(num_groups))
+                state.num_stored_blocks = [0] * num_groups
+        all_gpu: list[int] = []
+        all_cpu: list[int] = []
+        req_ids: list[str] = []
+        for rid, new_ids, is_full_table in yield_req_data(scheduler_output):
             state = self._reqs_to_store.get(rid)
             if state is None or state.finished:
                 continue
             if is_full_table:  # a resumed (or re-sent) request: its new table replaces the old
-                state.block_ids = tuple([] for _ in range(n_groups))
-            for g, ids in enumerate((new_ids or ())[:n_groups]):
+                state.block_ids = tuple([] for _ in range(num_groups))
+            for g, ids in enumerate((new_ids or ())[:num_groups]):
                 if ids is not None:
                     state.block_ids[g].extend(ids)
-            if not so.num_scheduled_tokens.get(rid, 0):
+            if not scheduler_output.num_scheduled_tokens.get(rid, 0):
                 continue
             gpu_ids, advanced = self._select_eager_blocks_to_store(state, state.block_ids)
             if gpu_ids:
@@ -1076,20 +1120,27 @@ class SimpleCPUOffloadScheduler:
                 self._in_flight_store_gpu_blocks.update(gpu_ids)
                 # pinned until the copy completes
                 gpu_pool.touch([gpu_pool.blocks[b] for b in gpu_ids])
-            for g in range(n_groups):
+            for g in range(num_groups):
                 state.num_stored_blocks[g] += advanced[g]
+        # one entry per request, in first-seen order
         return all_gpu, all_cpu, list(dict.fromkeys(req_ids))
 
-    def _select_eager_blocks_to_store(self, state: StoreRequestState, block_ids_by_group: tuple[list[int], ...]
+    def _select_eager_blocks_to_store(self, state: StoreRequestState,
+                                      block_ids_by_group: tuple[list[int], ...]
                                       ) -> tuple[list[int], list[int]]:
         """Confirmed blocks past the request's cursors that are worth storing, up to the CPU
         pool's free blocks, over every group; and how far each cursor may advance (skipped
         blocks count). Pure: allocates, pins and advances nothing. Shared by the per-step scan
         and the finish flush, so both skip exactly the same blocks."""
-        req, gpu_blocks = state.request, self._require_gpu_pool().blocks
+        req = state.request
+        gpu_pool = self._require_gpu_pool()
+        # confirmed = computed by a forward pass that has finished
         confirmed = req.num_computed_tokens - req.num_output_placeholders
         # vLLM's hybrid coordinator only caches scheduler-block-aligned prefixes
-        cacheable = confirmed if len(self.group_block_sizes) == 1 else confirmed - confirmed % self.block_size
+        if len(self.group_block_sizes) == 1:
+            cacheable = confirmed
+        else:
+            cacheable = confirmed - confirmed % self.block_size
         num_free = self.cpu_block_pool.get_num_free_blocks()
         out: list[int] = []
         advanced = [0] * len(self.group_block_sizes)
@@ -1099,11 +1150,13 @@ class SimpleCPUOffloadScheduler:
             size = self.group_block_sizes[g]
             scale = size // self.hash_block_size
             for i in range(state.num_stored_blocks[g], min(len(ids), cacheable // size)):
-                blk = gpu_blocks[ids[i]]
+                blk = gpu_pool.blocks[ids[i]]
                 if blk.is_null and (i + 1) * scale <= len(req.block_hashes):
                     # a null slot may still have its KV cached elsewhere in the GPU pool
-                    hit = self._gpu_block_pool.get_cached_block(req.block_hashes[(i + 1) * scale - 1], [g])
-                    blk = hit[0] if hit else blk
+                    block_hash = req.block_hashes[(i + 1) * scale - 1]
+                    hit = gpu_pool.get_cached_block(block_hash, [g])
+                    if hit:
+                        blk = hit[0]
                 if not self._is_store_candidate(blk):
                     advanced[g] += 1
                     continue
@@ -1114,13 +1167,20 @@ class SimpleCPUOffloadScheduler:
         return out, advanced
 
     def _is_store_candidate(self, gpu_block: KVCacheBlock) -> bool:
-        return not (gpu_block.is_null or gpu_block.block_hash is None
-                    or gpu_block.block_id in self._in_flight_store_gpu_blocks
-                    or self.cpu_block_pool.cached_block_hash_to_block.get_one_block(gpu_block.block_hash) is not None)
+        """Worth a copy: a real block, cached on the GPU (so its KV is complete and keyed), not
+        being copied already, and not on CPU yet (its primary key misses there)."""
+        if gpu_block.is_null or gpu_block.block_hash is None:
+            return False
+        if gpu_block.block_id in self._in_flight_store_gpu_blocks:
+            return False
+        cpu_map = self.cpu_block_pool.cached_block_hash_to_block
+        return cpu_map.get_one_block(gpu_block.block_hash) is None
 
     def _allocate_cpu_blocks(self, gpu_block_ids: list[int]) -> list[int]:
-        """CPU destinations for a selection (may evict LRU CPU blocks). Hook for the pre-fix variant."""
-        return [b.block_id for b in self.cpu_block_pool.get_new_blocks(len(gpu_block_ids))]
+        """CPU destinations for a selection (may evict LRU CPU blocks). Hook for the pre-fix
+        variant."""
+        cpu_blocks = self.cpu_block_pool.get_new_blocks(len(gpu_block_ids))
+        return [b.block_id for b in cpu_blocks]
 
     # --- completions ------------------------------------------------------------
 
@@ -1134,7 +1194,8 @@ class SimpleCPUOffloadScheduler:
         finished_recving = list(connector_output.finished_recving or ())
         # validate the whole report before any state changes
         for rid in finished_recving:
-            if (load := self._reqs_to_load.get(rid)) is not None and load.load_event is None:
+            load = self._reqs_to_load.get(rid)
+            if load is not None and load.load_event is None:
                 raise ValueError(f"finished_recving names {rid!r}, whose load was never sent")
         if meta is not None and not isinstance(meta, SimpleCPUOffloadWorkerMetadata):
             raise TypeError(f"kv_connector_worker_meta must be a SimpleCPUOffloadWorkerMetadata, "
@@ -1165,18 +1226,23 @@ class SimpleCPUOffloadScheduler:
     def _process_store_event(self, event: int) -> None:
         transfer = self._store_event_to_blocks.pop(event, None)
         if transfer is None:
-            if (transfer := self._abandoned_store_event_to_blocks.pop(event, None)) is not None:
-                self._release_transfer_refs(transfer, abandoned=True)  # sent before a reset()
-            return  # else stale (from before a reset) or a duplicate report: ignore
+            abandoned = self._abandoned_store_event_to_blocks.pop(event, None)
+            if abandoned is not None:
+                # sent before a reset(): release the pins, cache nothing
+                self._release_transfer_refs(abandoned, abandoned=True)
+            # else stale (from before a reset) or a duplicate report: ignore
+            return
         self._in_flight_store_gpu_blocks.difference_update(transfer.gpu_block_ids)
         self._process_store_completion(transfer.gpu_block_ids, transfer.cpu_block_ids)
         for rid in self._store_event_to_reqs.pop(event, []):
-            if (state := self._reqs_to_store.get(rid)) is not None:
+            state = self._reqs_to_store.get(rid)
+            if state is not None:
                 state.store_events.discard(event)
                 if state.finished and not state.store_events:
                     self._cleanup_store_request(rid)
 
-    def _process_store_completion(self, gpu_block_ids: list[int], cpu_block_ids: list[int]) -> None:
+    def _process_store_completion(self, gpu_block_ids: list[int],
+                                  cpu_block_ids: list[int]) -> None:
         """Register the copied CPU blocks in the CPU prefix cache, then drop both pins."""
         gpu_pool = self._require_gpu_pool()
         cpu_blocks = [self.cpu_block_pool.blocks[b] for b in cpu_block_ids]
@@ -1197,9 +1263,14 @@ class SimpleCPUOffloadScheduler:
         # since stopped stamping; the reset stays so a future stamp cannot silently disable the
         # cache again.
         cpu_block.reset_hash()
-        self.cpu_block_pool._insert_block_hash(primary, cpu_block, gpu_block.block_hash_num_tokens)
-        for key in self._gpu_block_pool.cached_block_hashes_by_block.get(gpu_block.block_id, ()):
-            self.cpu_block_pool._insert_block_hash(key, cpu_block, None)  # as vLLM: count unknown
+        self.cpu_block_pool._insert_block_hash(primary, cpu_block,
+                                               gpu_block.block_hash_num_tokens)
+        # every fine-grained secondary key too: what 0.29 never copied
+        gpu_pool = self._require_gpu_pool()
+        secondary_keys = gpu_pool.cached_block_hashes_by_block.get(gpu_block.block_id, ())
+        for key in secondary_keys:
+            # as vLLM: a secondary key's token count is not known here
+            self.cpu_block_pool._insert_block_hash(key, cpu_block, None)
 
     def _release_transfer_refs(self, transfer: TransferMeta, abandoned: bool = False) -> None:
         """Drop a transfer's pins on both pools (CPU first, as vLLM). Caches nothing by itself:
@@ -1212,7 +1283,8 @@ class SimpleCPUOffloadScheduler:
 
     def has_pending_stores(self) -> bool:
         """True while a store is queued (finish flush) or in flight, also after a reset()."""
-        return bool(self._pending_finished_stores or self._store_event_to_blocks
+        return bool(self._pending_finished_stores
+                    or self._store_event_to_blocks
                     or self._abandoned_store_event_to_blocks)
 
     def has_pending_loads(self) -> bool:
@@ -1230,18 +1302,24 @@ class SimpleCPUOffloadScheduler:
     # --- finish and reset ----------------------------------------------------------
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
-        """(False, None): the GPU blocks may be freed at once; in-flight copies hold their own refs."""
+        """(False, None): the GPU blocks may be freed at once; in-flight copies hold their own
+        refs."""
         rid = request.request_id
         self._check_request_owns_id(request, "request_finished")
-        if (pending := self._pending_cpu_hits.pop(rid, None)) is not None:
-            self._free_pending_cpu_hit(pending)  # aborted between lookup and allocation
+        pending = self._pending_cpu_hits.pop(rid, None)
+        if pending is not None:
+            # aborted between lookup and allocation: drop the lookup pin
+            self._free_pending_cpu_hit(pending)
         self._pending_local_hits.pop(rid, None)
-        if (load := self._reqs_to_load.get(rid)) is not None:
+        load = self._reqs_to_load.get(rid)
+        if load is not None:
             if load.load_event is not None:
                 load.finished = True  # the copy may be running: release at completion
             else:
                 self._cleanup_load_request(rid)
-        if (store := self._reqs_to_store.get(rid)) is not None:
+        store = self._reqs_to_store.get(rid)
+        if store is not None:
+            # stores in flight complete (and cache) on their own; clean up after the last one
             if store.store_events:
                 store.finished = True
             else:
@@ -1255,32 +1333,41 @@ class SimpleCPUOffloadScheduler:
         self._queue_finished_eager_store(request, block_ids)
         return self.request_finished(request, block_ids=[])
 
-    def _queue_finished_eager_store(self, request: Request, block_ids: tuple[list[int], ...]) -> None:
+    def _queue_finished_eager_store(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> None:
         """The bug-2 fix: blocks confirmed in the request's last step(s) would never be seen by a
         later per-step scan. Select them the same way, allocate and pin now, send with the next
         build_connector_meta()."""
         state = self._reqs_to_store.get(request.request_id)
         if state is None or self._gpu_block_pool is None:
             return
+        gpu_pool = self._require_gpu_pool()
         gpu_ids, _ = self._select_eager_blocks_to_store(state, block_ids)
         if not gpu_ids:
             return
-        self._pending_finished_stores.append(TransferMeta(gpu_ids, self._allocate_cpu_blocks(gpu_ids)))
+        cpu_ids = self._allocate_cpu_blocks(gpu_ids)
+        self._pending_finished_stores.append(TransferMeta(gpu_ids, cpu_ids))
         self._in_flight_store_gpu_blocks.update(gpu_ids)
-        self._gpu_block_pool.touch(self._gpu_block_pool.blocks[b] for b in gpu_ids)
+        # pinned until the copy completes, as a per-step store
+        gpu_pool.touch(gpu_pool.blocks[b] for b in gpu_ids)
 
     def _free_pending_cpu_hit(self, pending: PendingCPUHit) -> None:
-        self.cpu_block_pool.free_blocks(b for grp in pending.hit_blocks for b in grp if not b.is_null)
+        hit_blocks = [b for grp in pending.hit_blocks for b in grp if not b.is_null]
+        self.cpu_block_pool.free_blocks(hit_blocks)
 
     def _cleanup_load_request(self, rid: str) -> None:
-        state = self._reqs_to_load.pop(rid, None) or self._abandoned_reqs_to_load.pop(rid, None)
+        state = self._reqs_to_load.pop(rid, None)
+        if state is None:
+            state = self._abandoned_reqs_to_load.pop(rid, None)
         if state is None:
             return  # duplicate or stale report
-        if state.load_event is not None and (reqs := self._load_event_to_reqs.get(state.load_event)) is not None:
-            if rid in reqs:
-                reqs.remove(rid)
-            if not reqs:
-                del self._load_event_to_reqs[state.load_event]
+        if state.load_event is not None:
+            reqs = self._load_event_to_reqs.get(state.load_event)
+            if reqs is not None:
+                if rid in reqs:
+                    reqs.remove(rid)
+                if not reqs:
+                    del self._load_event_to_reqs[state.load_event]
         self._release_transfer_refs(state.transfer_meta)
 
     def _cleanup_store_request(self, rid: str) -> None:
@@ -1289,7 +1376,8 @@ class SimpleCPUOffloadScheduler:
         if state is None:
             return
         for event in state.store_events:
-            if (reqs := self._store_event_to_reqs.get(event)) is not None:
+            reqs = self._store_event_to_reqs.get(event)
+            if reqs is not None:
                 if rid in reqs:
                     reqs.remove(rid)
                 if not reqs:
@@ -1299,7 +1387,8 @@ class SimpleCPUOffloadScheduler:
     def reset(self) -> bool:
         """Drop the CPU prefix cache (e.g. after a weight update). Transfers no worker has seen are
         released now; sent ones are *abandoned*: their completions release the refs and cache
-        nothing. Returns True only once the CPU cache was actually reset (nothing abandoned left)."""
+        nothing. Returns True only once the CPU cache was actually reset (nothing abandoned
+        left)."""
         for pending in self._pending_cpu_hits.values():
             self._free_pending_cpu_hit(pending)
         self._pending_cpu_hits.clear()
@@ -1317,8 +1406,10 @@ class SimpleCPUOffloadScheduler:
                 self._abandoned_reqs_to_load[rid] = self._reqs_to_load.pop(rid)
         self._reqs_to_store.clear()
         self._store_event_to_reqs.clear()
-        self._store_event_pending_counts = {e: c for e, c in self._store_event_pending_counts.items()
-                                            if e in self._abandoned_store_event_to_blocks}
+        # only the counts of abandoned events still matter: their completions release pins
+        self._store_event_pending_counts = {
+            event: count for event, count in self._store_event_pending_counts.items()
+            if event in self._abandoned_store_event_to_blocks}
         if self._abandoned_store_event_to_blocks or self._abandoned_reqs_to_load:
             return False
         return self.cpu_block_pool.reset_prefix_cache()
@@ -1326,6 +1417,8 @@ class SimpleCPUOffloadScheduler:
     # --- helpers ---------------------------------------------------------------
 
     def _require_gpu_pool(self) -> BlockPool:
+        """The one way to the GPU pool once bound (`self._gpu_block_pool is None` only asks
+        whether it is bound)."""
         assert self._gpu_block_pool is not None, "bind_gpu_block_pool() was not called"
         return self._gpu_block_pool
 
@@ -1338,10 +1431,18 @@ class SimpleCPUOffloadScheduler:
                 raise ValueError(f"{what}: request id {rid!r} belongs to another, live request "
                                  "(a stale call for an earlier request with this id?)")
 
-    def _check_gpu_block_ids(self, ids_by_group: Sequence[Sequence[int] | None], what: str) -> None:
-        n = self._gpu_block_pool.num_gpu_blocks if self._gpu_block_pool is not None else math.inf
-        if len(ids_by_group) > len(self.group_block_sizes):
-            raise ValueError(f"{what}: {len(ids_by_group)} groups, the connector has {len(self.group_block_sizes)}")
+    def _check_gpu_block_ids(self, ids_by_group: Sequence[Sequence[int] | None],
+                             what: str) -> None:
+
+        # before a pool is bound, only the type and sign of an id can be checked
+        if self._gpu_block_pool is None:
+            n = math.inf
+        else:
+            n = self._require_gpu_pool().num_gpu_blocks
+        num_groups = len(self.group_block_sizes)
+        if len(ids_by_group) > num_groups:
+            raise ValueError(f"{what}: {len(ids_by_group)} groups, the connector has "
+                             f"{num_groups}")
         for ids in ids_by_group:
             for b in ids or ():
                 if type(b) is not int:  # type(), not isinstance(): True is no block id
@@ -1383,7 +1484,7 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
             # vLLM 0.29, _prepare_eager_store_specs: `cpu_blk._block_hash = bhash` right after
             # get_new_blocks(), around the pool (0.34 made the field plain: block_hash). The
             # key is on the block, not in the map yet.
-            gpu_blocks = self._gpu_block_pool.blocks
+            gpu_blocks = self._require_gpu_pool().blocks
             for gpu_id, cpu_id in zip(gpu_block_ids, cpu_ids):
                 self.cpu_block_pool.blocks[cpu_id].block_hash = gpu_blocks[gpu_id].block_hash
         return cpu_ids
@@ -1404,7 +1505,8 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         # then recorded under that stamped primary, findable only by its fine-grained key.
         self.cpu_block_pool._insert_block_hash(gpu_block.block_hash, cpu_block,
                                                gpu_block.block_hash_num_tokens)
-        for key in self._gpu_block_pool.cached_block_hashes_by_block.get(gpu_block.block_id, ()):
+        gpu_pool = self._require_gpu_pool()
+        for key in gpu_pool.cached_block_hashes_by_block.get(gpu_block.block_id, ()):
             self.cpu_block_pool._insert_block_hash(key, cpu_block, None)
 
     def _release_transfer_refs(self, transfer: TransferMeta, abandoned: bool = False) -> None:
@@ -1428,7 +1530,7 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         confirmed_tokens = req.num_computed_tokens - req.num_output_placeholders
         aligned_tokens = confirmed_tokens // self.block_size * self.block_size
         num_free = self.cpu_block_pool.get_num_free_blocks()
-        gpu_blocks = self._gpu_block_pool.blocks
+        gpu_blocks = self._require_gpu_pool().blocks
         out: list[int] = []
         advanced = [0] * len(block_ids_by_group)
         for g, ids in enumerate(block_ids_by_group):
@@ -1441,8 +1543,10 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
                 advanced[g] += 1
         return out, advanced
 
-    def _queue_finished_eager_store(self, request: Request, block_ids: tuple[list[int], ...]) -> None:
+    def _queue_finished_eager_store(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> None:
         if not self.flush_bug:
+
             return super()._queue_finished_eager_store(request, block_ids)
         # vLLM 0.29: request_finished_all_groups() went straight to request_finished()
         # (`TODO: flush on finish`): the request's state was dropped, nothing queued
