@@ -1570,6 +1570,11 @@ def _coalesce_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple
     return [tuple(r) for r in runs]
 
 
+def _byte_rows(t: torch.Tensor):
+    """A CPU tensor [num_blocks, ...] as a numpy uint8 array [num_blocks, block_bytes] (a view)."""
+    return t.reshape(t.shape[0], -1).view(torch.uint8).numpy()
+
+
 class _SimStream:
     """A DeferredCopyEngine stream: a FIFO of copies (callables) and barriers ((stream, n): wait
     until that stream ran n ops)."""
@@ -1716,19 +1721,28 @@ class SimpleCPUOffloadWorker:
         self.cpu_caches: dict[str, torch.Tensor] = {}  # region -> [num_cpu_blocks, ...] mirror
         self.device = torch.device("cpu")
         self.copy_engine = copy_engine  # None: torch.cuda on CUDA, synchronous copies on CPU
-        self.load_stream = self.store_stream = None
-        self._load_events: list[tuple[int, Any]] = []   # (event index, torch.cuda.Event | None), FIFO
+        # set by register_kv_caches() on CUDA (or with a copy_engine); None: synchronous copies
+        self.load_stream = None
+        self.store_stream = None
+        # (event index, torch.cuda.Event | None) per direction, FIFO
+        self._load_events: list[tuple[int, Any]] = []
         self._store_events: list[tuple[int, Any]] = []
-        self._load_hwm = self._store_hwm = -1           # highest completed event per direction
-        self._last_load_event = self._last_store_event = -1  # highest event bound per direction
+        # highest completed event per direction (the high-water mark)
+        self._load_hwm = -1
+        self._store_hwm = -1
+        # highest event bound per direction: a new event must be above it
+        self._last_load_event = -1
+        self._last_store_event = -1
         self._pending_load_event_indices: set[int] = set()
         self._pending_store_event_indices: set[int] = set()
-        self._finished_recving: set[str] = set()  # loads done, not yet reported by get_finished()
+        # loads done, not yet reported by get_finished()
+        self._finished_recving: set[str] = set()
         self._completed_store_events: dict[int, int] = {}
         self._connector_metadata: SimpleCPUOffloadMetadata | None = None
         self._store_compute_done = None  # reused: copies are FIFO per stream
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_gpu_blocks: int | None = None) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor],
+                           num_gpu_blocks: int | None = None) -> None:
         """Each tensor is [num_blocks, ...] or FlashAttention-shaped (2, num_blocks, ...), which
         is split into a K and a V region. `num_gpu_blocks` settles the ambiguous case of a
         leading 2 (default: the first dimension that is not 2, else FlashAttention-shaped)."""
@@ -1736,20 +1750,28 @@ class SimpleCPUOffloadWorker:
             raise ValueError("register_kv_caches: no KV caches given")
         tensors = list(kv_caches.values())
         if any(not isinstance(t, torch.Tensor) or t.dim() < 2 for t in tensors):
-            raise ValueError("KV caches must be tensors of at least 2 dims: [num_blocks, ...] or (2, num_blocks, ...)")
+            raise ValueError("KV caches must be tensors of at least 2 dims: [num_blocks, ...] "
+                             "or (2, num_blocks, ...)")
+        device = tensors[0].device
         if num_gpu_blocks is not None:
             _check_int("num_gpu_blocks", num_gpu_blocks, 1)
         else:
-            num_gpu_blocks = next((t.shape[0] for t in tensors if t.shape[0] != 2), None) or tensors[0].shape[1]
+            # a leading dimension that is not 2 is the block count; if every tensor leads with
+            # 2, take them as FlashAttention-shaped (2, num_blocks, ...)
+            leading_dims = [t.shape[0] for t in tensors if t.shape[0] != 2]
+            num_gpu_blocks = leading_dims[0] if leading_dims else tensors[0].shape[1]
+        # Split every cache into regions of shape [num_blocks, ...]: block i is one contiguous
+        # row there, so a run of consecutive block ids is one slice copy on both sides.
         regions: dict[str, torch.Tensor] = {}
         seen: set[tuple[int, tuple[int, ...]]] = set()
         for name, t in kv_caches.items():
-            if t.device != tensors[0].device:
-                raise ValueError(f"KV cache {name!r} is on {t.device}, others on {tensors[0].device}")
-            # each region is [num_blocks, ...]: block i is one contiguous row, so a run of
-            # consecutive ids is one slice on both sides
-            if t.shape[0] != num_gpu_blocks and t.shape[0] == 2 and t.shape[1] == num_gpu_blocks:
-                parts = {f"{name}.k": t[0], f"{name}.v": t[1]}  # (2, N, ...): K and V are separate rows
+            if t.device != device:
+                raise ValueError(f"KV cache {name!r} is on {t.device}, others on {device}")
+            is_flash_layout = (t.shape[0] != num_gpu_blocks and t.shape[0] == 2
+                               and t.shape[1] == num_gpu_blocks)
+            if is_flash_layout:
+                # (2, N, ...): K and V are two separate regions
+                parts = {f"{name}.k": t[0], f"{name}.v": t[1]}
             elif t.shape[0] == num_gpu_blocks:
                 parts = {name: t}
             else:
@@ -1758,19 +1780,26 @@ class SimpleCPUOffloadWorker:
             for key, region in parts.items():
                 if not region.is_contiguous():
                     raise ValueError(f"KV cache region {key!r} is not contiguous")
+                # layers that share storage (same address and shape) are copied once
                 ident = (region.data_ptr(), tuple(region.shape))
-                if ident not in seen:  # layers sharing storage are copied once
+                if ident not in seen:
                     seen.add(ident)
                     regions[key] = region
-        pin = tensors[0].device.type == "cuda"  # pinned host memory: async DMA, no staging copy
+        # CUDA caches get pinned host mirrors: DMA reads and writes them directly, async
+        pin = device.type == "cuda"
         if pin and self.copy_engine is not None:
             raise ValueError("kv_caches are on CUDA: copy_engine simulates a device for CPU caches")
         if self.cpu_caches:
             raise ValueError("register_kv_caches: this worker's KV caches are already registered "
                              "(once per worker: see the class docstring)")
-        self.device, self.num_gpu_blocks, self.gpu_caches = tensors[0].device, num_gpu_blocks, regions
-        self.cpu_caches = {k: torch.zeros((self.num_cpu_blocks, *r.shape[1:]), dtype=r.dtype, pin_memory=pin)
-                           for k, r in regions.items()}
+        self.device = device
+        self.num_gpu_blocks = num_gpu_blocks
+        self.gpu_caches = regions
+        # one CPU mirror per region: the same row layout, num_cpu_blocks rows
+        self.cpu_caches = {}
+        for key, region in regions.items():
+            mirror_shape = (self.num_cpu_blocks, *region.shape[1:])
+            self.cpu_caches[key] = torch.zeros(mirror_shape, dtype=region.dtype, pin_memory=pin)
         if pin or self.copy_engine is not None:
             dev = self.copy_engine or torch.cuda
             # (least, greatest): 0 is the lowest, copies yield to compute
@@ -1792,7 +1821,8 @@ class SimpleCPUOffloadWorker:
                         self.num_gpu_blocks, "load")
         for what, event, last in (("load_event", metadata.load_event, self._last_load_event),
                                   ("store_event", metadata.store_event, self._last_store_event)):
-            if 0 <= event <= last:  # the high-water mark would report it once a later event is done
+            # the high-water mark would report it done once a later event is done
+            if 0 <= event <= last:
                 raise ValueError(f"{what}={event} after {what}={last}: event indices must grow")
         self._connector_metadata = metadata
         if metadata.load_event >= 0:
@@ -1824,28 +1854,35 @@ class SimpleCPUOffloadWorker:
             events.clear()
 
     def start_load_kv(self) -> None:
-        m = self._connector_metadata
-        if m is not None and m.load_cpu_blocks:
-            self._launch(m.load_cpu_blocks, m.load_gpu_blocks, is_store=False, event_idx=m.load_event)
+        metadata = self._connector_metadata
+        if metadata is not None and metadata.load_cpu_blocks:
+            self._launch(metadata.load_cpu_blocks, metadata.load_gpu_blocks, is_store=False,
+                         event_idx=metadata.load_event)
 
     def wait_for_save(self) -> None:
-        m = self._connector_metadata
-        if m is not None and m.store_gpu_blocks:
-            self._launch(m.store_gpu_blocks, m.store_cpu_blocks, is_store=True, event_idx=m.store_event)
+        metadata = self._connector_metadata
+        if metadata is not None and metadata.store_gpu_blocks:
+            self._launch(metadata.store_gpu_blocks, metadata.store_cpu_blocks, is_store=True,
+                         event_idx=metadata.store_event)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[None, set[str] | None]:
         """Non-blocking. (None, requests whose loads completed); store completions are reported
         through build_connector_worker_meta() instead (stores have no request)."""
-        m, finished_recving = self._connector_metadata, self._finished_recving
+        metadata = self._connector_metadata
+        finished_recving = self._finished_recving
         self._finished_recving = set()
         if self._pending_load_event_indices:
             hwm = self._poll(is_store=False)
-            for j in [j for j in self._pending_load_event_indices if j <= hwm]:
+            done = [j for j in self._pending_load_event_indices if j <= hwm]
+            for j in done:
                 self._pending_load_event_indices.discard(j)
-                finished_recving.update(m.load_event_to_reqs.get(j, ()) if m is not None else ())
+                # the requests of every outstanding event come with each step's metadata
+                if metadata is not None:
+                    finished_recving.update(metadata.load_event_to_reqs.get(j, ()))
         if self._pending_store_event_indices:
             hwm = self._poll(is_store=True)
-            for j in [j for j in self._pending_store_event_indices if j <= hwm]:
+            done = [j for j in self._pending_store_event_indices if j <= hwm]
+            for j in done:
                 self._pending_store_event_indices.discard(j)
                 self._completed_store_events[j] = 1
         return None, finished_recving or None
@@ -1853,16 +1890,24 @@ class SimpleCPUOffloadWorker:
     def build_connector_worker_meta(self) -> SimpleCPUOffloadWorkerMetadata | None:
         if not self._completed_store_events:
             return None
-        meta, self._completed_store_events = SimpleCPUOffloadWorkerMetadata(self._completed_store_events), {}
+        meta = SimpleCPUOffloadWorkerMetadata(self._completed_store_events)
+        self._completed_store_events = {}
         return meta
 
     # --- copies -----------------------------------------------------------------
 
-    def _launch(self, src_ids: list[int], dst_ids: list[int], is_store: bool, event_idx: int) -> None:
-        src, dst = (self.gpu_caches, self.cpu_caches) if is_store else (self.cpu_caches, self.gpu_caches)
+    def _launch(self, src_ids: list[int], dst_ids: list[int], is_store: bool,
+                event_idx: int) -> None:
+        if is_store:
+            src = self.gpu_caches
+            dst = self.cpu_caches
+        else:
+            src = self.cpu_caches
+            dst = self.gpu_caches
         runs = _coalesce_runs(src_ids, dst_ids)
         event = None
-        if self.load_stream is not None:  # CUDA, or a DeferredCopyEngine standing in for torch.cuda
+        # CUDA, or a DeferredCopyEngine standing in for torch.cuda
+        if self.load_stream is not None:
             dev = self.copy_engine or torch.cuda
             stream = self.store_stream if is_store else self.load_stream
             compute = dev.current_stream(self.device)
@@ -1889,20 +1934,25 @@ class SimpleCPUOffloadWorker:
             min_bytes = _TORCH_COPY_MIN_BYTES if torch.get_num_threads() > 1 else math.inf
             for name, s in src.items():
                 d = dst[name]
-                s_np, d_np = _byte_rows(s), _byte_rows(d)
+                s_np = _byte_rows(s)
+                d_np = _byte_rows(d)
                 for s0, d0, n in runs:
                     if n * s_np.shape[1] >= min_bytes:
                         d[d0:d0 + n].copy_(s[s0:s0 + n])
                     else:
                         d_np[d0:d0 + n] = s_np[s0:s0 + n]
-        (self._store_events if is_store else self._load_events).append((event_idx, event))
+        events = self._store_events if is_store else self._load_events
+        events.append((event_idx, event))
 
     @staticmethod
-    def _check_ids(src_ids: list[int], dst_ids: list[int], n_src: int, n_dst: int, what: str) -> None:
+    def _check_ids(src_ids: list[int], dst_ids: list[int], n_src: int, n_dst: int,
+                   what: str) -> None:
         if len(src_ids) != len(dst_ids):
-            raise ValueError(f"{what}: {len(src_ids)} source ids but {len(dst_ids)} destination ids")
+            raise ValueError(f"{what}: {len(src_ids)} source ids but {len(dst_ids)} "
+                             "destination ids")
         for ids, n, side in ((src_ids, n_src, "source"), (dst_ids, n_dst, "destination")):
-            bad = [b for b in ids if type(b) is not int or not 0 <= b < n]  # type(): True is no id
+            # type(), not isinstance(): True is no block id
+            bad = [b for b in ids if type(b) is not int or not 0 <= b < n]
             not_ints = [b for b in bad if type(b) is not int]
             if not_ints:
                 raise TypeError(f"{what}: {side} block ids {not_ints[:4]} are not ints")
@@ -1911,9 +1961,12 @@ class SimpleCPUOffloadWorker:
 
     def _poll(self, is_store: bool) -> int:
         events = self._store_events if is_store else self._load_events
+        # FIFO: stop at the first event not done; None = a CPU copy, done when issued
         while events and (events[0][1] is None or events[0][1].query()):
-            self._set_hwm(is_store, events.pop(0)[0])
+            event_idx, _ = events.pop(0)
+            self._set_hwm(is_store, event_idx)
         return self._store_hwm if is_store else self._load_hwm
+
 
     def _set_hwm(self, is_store: bool, idx: int) -> None:
         # max(): never back, or an event above it but already done would never be reported
@@ -1921,11 +1974,6 @@ class SimpleCPUOffloadWorker:
             self._store_hwm = max(self._store_hwm, idx)
         else:
             self._load_hwm = max(self._load_hwm, idx)
-
-
-def _byte_rows(t: torch.Tensor):
-    """A CPU tensor [num_blocks, ...] as a numpy uint8 array [num_blocks, block_bytes] (a view)."""
-    return t.reshape(t.shape[0], -1).view(torch.uint8).numpy()
 
 
 # -----------------------------------------------------------------------------
@@ -1939,23 +1987,34 @@ class ToyModel:
     exactly, and expected_kv() is the oracle. (A real model's KV would also depend on earlier
     tokens; for offload only "same prefix -> same KV" matters, and this has it.)"""
 
-    _MOD, _MUL = 2_147_483_629, 1_103_515_245  # a prime < 2**31, an LCG multiplier: no int64 overflow
+    # a prime < 2**31 and an LCG multiplier: every product fits in int64, no overflow
+    _MOD = 2_147_483_629
+    _MUL = 1_103_515_245
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float16,
-                 device: str | torch.device = "cpu", rounds: int = 4, vocab_size: int = 32000):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float16, device: str | torch.device = "cpu",
+                 rounds: int = 4, vocab_size: int = 32000):
         # num_layers=0: no KV at all, and an engine computing nothing would spin to its step limit
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("vocab_size", vocab_size)):
             _check_int(name, value, 1)
         _check_int("rounds", rounds, 0)
-        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        self.dtype, self.device, self.rounds, self.vocab_size = dtype, torch.device(device), rounds, vocab_size
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.rounds = rounds
+        self.vocab_size = vocab_size
         # per-feature offsets: K and V of every head get different streams
-        self._feature = torch.arange(2 * num_kv_heads * head_dim, device=self.device, dtype=torch.int64)
+        num_features = 2 * num_kv_heads * head_dim
+        self._feature = torch.arange(num_features, device=self.device, dtype=torch.int64)
 
     def compute_kv(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[num_layers, 2, n, num_kv_heads, head_dim] for n tokens at the given positions."""
-        x = (token_ids[:, None] * 7919 + positions[:, None] * 104_729 + self._feature[None, :] * 31) % self._MOD
+        # one integer per (token, feature), from the token id and its position only
+        x = token_ids[:, None] * 7919 + positions[:, None] * 104_729 + self._feature[None, :] * 31
+        x = x % self._MOD
         out = []
         for layer in range(self.num_layers):
             for _ in range(self.rounds):
@@ -1964,18 +2023,20 @@ class ToyModel:
             # k/256 with |k| <= 512: exact in float16
             out.append(((x % 1024) - 512).to(torch.float32).div_(256).to(self.dtype))
         kv = torch.stack(out)  # [L, n, 2*H*D]
-        return kv.view(self.num_layers, -1, 2, self.num_kv_heads, self.head_dim).permute(0, 2, 1, 3, 4)
+        kv = kv.view(self.num_layers, -1, 2, self.num_kv_heads, self.head_dim)
+        return kv.permute(0, 2, 1, 3, 4)
 
     def expected_kv(self, token_ids: Sequence[int]) -> torch.Tensor:
         t = torch.as_tensor(list(token_ids), dtype=torch.int64, device=self.device)
         return self.compute_kv(t, torch.arange(len(t), device=self.device))
 
-    def forward(self, kv_caches: dict[str, torch.Tensor], token_ids: Sequence[int], positions: Sequence[int],
-                slot_mapping: torch.Tensor) -> None:
+    def forward(self, kv_caches: dict[str, torch.Tensor], token_ids: Sequence[int],
+                positions: Sequence[int], slot_mapping: torch.Tensor) -> None:
         """Write the KV of the given tokens into the paged caches at `slot_mapping`
         (slot = block_id * block_size + offset); caches are (2, num_blocks, block_size, H, D)."""
-        kv = self.compute_kv(torch.as_tensor(token_ids, dtype=torch.int64, device=self.device),
-                             torch.as_tensor(positions, dtype=torch.int64, device=self.device))
+        token_tensor = torch.as_tensor(token_ids, dtype=torch.int64, device=self.device)
+        position_tensor = torch.as_tensor(positions, dtype=torch.int64, device=self.device)
+        kv = self.compute_kv(token_tensor, position_tensor)
         for layer, cache in enumerate(kv_caches.values()):
             cache.view(2, -1, self.num_kv_heads, self.head_dim)[:, slot_mapping] = kv[layer]
 
@@ -2008,20 +2069,30 @@ class MiniEngine:
     (its blocks freed, recomputed later, reported to the connector as preempted, then resumed).
     """
 
-    def __init__(self, num_gpu_blocks: int, block_size: int, max_num_batched_tokens: int, model: ToyModel,
-                 connector: SimpleCPUOffloadScheduler | None = None,
+    def __init__(self, num_gpu_blocks: int, block_size: int, max_num_batched_tokens: int,
+                 model: ToyModel, connector: SimpleCPUOffloadScheduler | None = None,
                  worker: SimpleCPUOffloadWorker | list[SimpleCPUOffloadWorker] | None = None,
                  capture_kv: bool = False):
         _check_int("num_gpu_blocks", num_gpu_blocks, 1)
         _check_int("block_size", block_size, 1)
         _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
-        if connector is not None and (connector.block_size != block_size or connector.group_block_sizes != [block_size]):
-            raise ValueError(f"connector block sizes {connector.group_block_sizes} do not match the "
-                             f"engine's single group of block_size {block_size}")
-        self.workers = worker if isinstance(worker, list) else [worker] if worker is not None else []
+        if connector is not None and (connector.block_size != block_size
+                                      or connector.group_block_sizes != [block_size]):
+            raise ValueError(f"connector block sizes {connector.group_block_sizes} do not match "
+                             f"the engine's single group of block_size {block_size}")
+
+        # one worker per TP rank
+        if isinstance(worker, list):
+            self.workers = worker
+        elif worker is not None:
+            self.workers = [worker]
+        else:
+            self.workers = []
         if self.workers and connector is None:
-            raise ValueError("a worker needs a connector: the connector's metadata tells it what to copy")
-        if connector is not None and any(w.num_cpu_blocks != connector.num_cpu_blocks for w in self.workers):
+            raise ValueError("a worker needs a connector: the connector's metadata tells it what "
+                             "to copy")
+        if connector is not None and any(w.num_cpu_blocks != connector.num_cpu_blocks
+                                         for w in self.workers):
             raise ValueError("worker and connector disagree on num_cpu_blocks")
         if connector is not None and len(self.workers) != connector.world_size:
             # a store completes on world_size reports: fewer workers never complete it, more
@@ -2039,13 +2110,19 @@ class MiniEngine:
             raise ValueError("the connector serves another engine (transfers, requests or a CPU "
                              "cache): reset() it once nothing is in flight, then build on it")
         self.hash_block_size = connector.hash_block_size if connector is not None else block_size
-        self.block_size, self.max_num_batched_tokens = block_size, max_num_batched_tokens
-        self.model, self.connector, self.capture_kv = model, connector, capture_kv
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.model = model
+        self.connector = connector
+        self.capture_kv = capture_kv
         self.gpu_block_pool = BlockPool(num_gpu_blocks, True, self.hash_block_size)
         # FlashAttention layout per layer: (2, num_blocks, block_size, num_kv_heads, head_dim)
-        self.kv_caches = {f"layers.{i}": torch.zeros(2, num_gpu_blocks, block_size, model.num_kv_heads,
-                                                     model.head_dim, dtype=model.dtype, device=model.device)
-                          for i in range(model.num_layers)}
+        cache_shape = (2, num_gpu_blocks, block_size, model.num_kv_heads, model.head_dim)
+        self.kv_caches = {}
+        for i in range(model.num_layers):
+            self.kv_caches[f"layers.{i}"] = torch.zeros(cache_shape, dtype=model.dtype,
+                                                        device=model.device)
+
         for w in self.workers:
             w.register_kv_caches(self.kv_caches, num_gpu_blocks)
         if connector is not None:
@@ -2423,9 +2500,10 @@ class MiniEngine:
 # -----------------------------------------------------------------------------
 # 8. `python kv_offload.py` (the story) and `python kv_offload.py --bench`
 
-def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: int = 8192, block_size: int = 16,
-              max_num_batched_tokens: int = 1024, device: str = "cpu", seed: int = 0,
-              num_cpu_blocks: int | None = None, max_tokens: int = 1, **scheduler_kwargs: Any) -> dict:
+def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: int = 8192,
+              block_size: int = 16, max_num_batched_tokens: int = 1024, device: str = "cpu",
+              seed: int = 0, num_cpu_blocks: int | None = None, max_tokens: int = 1,
+              **scheduler_kwargs: Any) -> dict:
     """Request A (a long prompt, prefilled in chunks), then the GPU prefix cache is dropped, then
     request B with the same prompt. Returns what happened to B, and whether its KV is exact.
     The CPU pool is as large as the GPU pool unless `num_cpu_blocks` says otherwise."""
@@ -2448,13 +2526,20 @@ def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: in
     assert engine.reset_gpu_prefix_cache(), "GPU blocks still in use after run()"
     engine.add_request(Request("B", prompt, block_size, max_tokens=max_tokens))
     b = engine.run()["B"]
-    return dict(max_hit_blocks=(prompt_tokens - 1) // block_size, cpu_blocks_registered=stored,
-                cpu_hit_tokens=b.cpu_hit_tokens, recomputed_tokens=b.computed_tokens, ttft_a_s=a.ttft_s,
-                ttft_b_s=b.ttft_s, same_output=a.output_token_ids == b.output_token_ids,
-                kv_exact=bool(torch.equal(b.kv, model.expected_kv(prompt).cpu())),  # b.kv is on CPU
-                all_free=engine.gpu_block_pool.get_num_free_blocks() == num_blocks - 1
-                and connector.cpu_block_pool.get_num_free_blocks() == num_cpu_blocks - 1,
+    kv_exact = torch.equal(b.kv, model.expected_kv(prompt).cpu())  # b.kv is on CPU
+    gpu_all_free = engine.gpu_block_pool.get_num_free_blocks() == num_blocks - 1
+    cpu_all_free = connector.cpu_block_pool.get_num_free_blocks() == num_cpu_blocks - 1
+    return dict(max_hit_blocks=(prompt_tokens - 1) // block_size,
+                cpu_blocks_registered=stored,
+                cpu_hit_tokens=b.cpu_hit_tokens,
+                recomputed_tokens=b.computed_tokens,
+                ttft_a_s=a.ttft_s,
+                ttft_b_s=b.ttft_s,
+                same_output=a.output_token_ids == b.output_token_ids,
+                kv_exact=bool(kv_exact),
+                all_free=gpu_all_free and cpu_all_free,
                 stored_per_step=stored_per_step)
+
 
 
 # The demo's columns: vLLM 0.29 as released, each of its bugs alone, the fix without its
@@ -2549,9 +2634,26 @@ def bench_manager(prompt_tokens: int = 65536, chunk: int = 4096, block_size: int
     timed("load", mgr.update_connector_output, KVConnectorOutput({"b"}))
     stored = len(mgr.cpu_block_pool.cached_block_hash_to_block)
     loaded = len(meta.load_gpu_blocks)
-    assert stored == num_blocks and loaded == hit // block_size == num_blocks - 1, "trace went wrong"
+    # the trace itself: every block stored, every block but the last (recomputed) loaded
+    assert stored == num_blocks, "trace went wrong: not every block was stored"
+    assert loaded == hit // block_size == num_blocks - 1, "trace went wrong: wrong load"
     return {"store_us_per_block": seconds["store"] / stored * 1e6,
             "load_us_per_block": seconds["load"] / loaded * 1e6}
+
+
+def _time_pairs(worker_fn, plain_fn, device: str, reps: int) -> tuple[list[float], list[float]]:
+    """Seconds per call of each, rep by rep, back to back; a first pair warms up (page faults)."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(reps + 1):
+        for fn, out in zip((worker_fn, plain_fn), times):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()  # the copies are asynchronous: time them to the end
+            out.append(time.perf_counter() - t)
+    return times[0][1:], times[1][1:]
 
 
 def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_copy: int = 512,
@@ -2560,7 +2662,8 @@ def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_cop
     device<->pinned-host copy_, on CPU torch's own copy_ (which uses every core for a large
     tensor). Interleaved: each rep times the worker, then the plain copy, so a neighbour's load
     on a shared machine hits both alike; ratio = t_plain / t_worker, median and min over reps."""
-    rows, g = [], torch.Generator().manual_seed(0)
+    rows: list[dict] = []
+    generator = torch.Generator().manual_seed(0)
     elems = block_kib * 1024 // 2  # float16 elements per block (per layer: K and V together)
     f16 = dict(dtype=torch.float16, device=device)
     per_layer = {f"l{i}": torch.zeros(2, num_blocks, elems // 2, **f16) for i in range(num_layers)}
@@ -2573,11 +2676,23 @@ def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_cop
         dev_buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         host_buf = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
         for ids_kind in ("contiguous", "scattered"):
-            gpu_ids, cpu_ids = ([list(range(1, n_copy + 1))] * 2 if ids_kind == "contiguous" else
-                                [(torch.randperm(num_blocks - 1, generator=g)[:n_copy] + 1).tolist()
-                                 for _ in range(2)])
+            if ids_kind == "contiguous":
+                # one run: a single slice copy per region
+                gpu_ids = list(range(1, n_copy + 1))
+                cpu_ids = list(range(1, n_copy + 1))
+            else:
+                # random ids (never the null block 0): one copy per block
+                gpu_perm = torch.randperm(num_blocks - 1, generator=generator)
+                gpu_ids = (gpu_perm[:n_copy] + 1).tolist()
+                cpu_perm = torch.randperm(num_blocks - 1, generator=generator)
+                cpu_ids = (cpu_perm[:n_copy] + 1).tolist()
             for direction in ("store", "load"):
-                src, dst = (dev_buf, host_buf) if direction == "store" else (host_buf, dev_buf)
+                if direction == "store":
+                    src = dev_buf
+                    dst = host_buf
+                else:
+                    src = host_buf
+                    dst = dev_buf
                 event = len(rows)  # event indices must grow per direction
                 if direction == "store":
                     meta = SimpleCPUOffloadMetadata(store_event=event, store_gpu_blocks=gpu_ids,
@@ -2605,21 +2720,6 @@ def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_cop
     return rows
 
 
-def _time_pairs(worker_fn, plain_fn, device: str, reps: int) -> tuple[list[float], list[float]]:
-    """Seconds per call of each, rep by rep, back to back; a first pair warms up (page faults)."""
-    times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(reps + 1):
-        for fn, out in zip((worker_fn, plain_fn), times):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            fn()
-            if device == "cuda":
-                torch.cuda.synchronize()  # the copies are asynchronous: time them to the end
-            out.append(time.perf_counter() - t)
-    return times[0][1:], times[1][1:]
-
-
 def _print_copy_rows(devices: list[str]) -> None:
     print(f"{'device':7}{'layout':24}{'ids':12}{'dir':7}{'KiB/blk':>8}{'worker GB/s':>13}"
           f"{'plain GB/s':>12}{'ratio (min)':>14}")
@@ -2644,7 +2744,9 @@ def gpu_check(fuzz_examples: int = 200) -> int:
         return 2
     tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_kv_offload.py")
     # KV_OFFLOAD_REQUIRE_CUDA: a CUDA case fails instead of skipping
-    env = dict(os.environ, KV_OFFLOAD_REQUIRE_CUDA="1", KV_OFFLOAD_FUZZ_EXAMPLES=str(fuzz_examples))
+    env = dict(os.environ, KV_OFFLOAD_REQUIRE_CUDA="1",
+               KV_OFFLOAD_FUZZ_EXAMPLES=str(fuzz_examples))
+
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     rc = subprocess.call([*pytest, "-k", "cuda", tests], env=env)
     print()
@@ -2652,46 +2754,57 @@ def gpu_check(fuzz_examples: int = 200) -> int:
     return rc
 
 
+def _run_demo(prompt_tokens: int) -> None:
+    """`python kv_offload.py`: the story in every variant, then the capacity cliff."""
+    # one thread: torch's default (one per core) slows the toy model 10-50x on a busy box
+    torch.set_num_threads(1)
+    print(f"Request A: {prompt_tokens}-token prompt, chunked prefill (1024 tokens/step), "
+          "1 output token.\nGPU prefix cache dropped. Request B: the same prompt.\n"
+          "Columns: vLLM 0.29 (both bugs), each bug alone, the fix without reset_hash(), "
+          "the fix.\n")
+    time_formats = {"ttft_a_s": "{:.3f}", "ttft_b_s": "{:.3f}"}
+    rows = {}
+    start = time.perf_counter()
+    for name, (cls, kwargs) in STORY_VARIANTS.items():
+        print(f"  running {name!r} ...", end="", flush=True)
+        rows[name] = run_story(cls, prompt_tokens, **kwargs)
+        print(f" done ({time.perf_counter() - start:.1f} s elapsed)")
+    print()
+    _print_table(rows, time_formats)
+    # what made every lookup miss in the issue's report: not the registration, but a CPU
+    # pool smaller than the prompt (LRU evicts block 0 first), in every version
+    num_cpu_blocks = prompt_tokens // 16 * 7 // 8
+    print(f"\nThe same, with a CPU pool of {num_cpu_blocks} blocks for the prompt's "
+          f"{prompt_tokens // 16} (block 0 is evicted first):")
+    small = {}
+    for name in ("0.29 (both)", "fixed"):
+        cls, kwargs = STORY_VARIANTS[name]
+        small[name] = run_story(cls, prompt_tokens, num_cpu_blocks=num_cpu_blocks, **kwargs)
+    _print_table(small, time_formats)
+    print(f"\ndone in {time.perf_counter() - start:.1f} s. Notebook: walkthrough.ipynb, "
+          "steps 4-7 tell why each column looks the way it does.")
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bench", action="store_true", help="manager and copy benchmarks instead of the story")
-    p.add_argument("--gpu-check", action="store_true",
-                   help="the CUDA test cases, a CUDA fuzz, then the CUDA copy bench")
-    p.add_argument("--prompt-tokens", type=int, default=8192,
-                   help="prompt length of the demo's (and --bench's TTFT) requests (default 8192)")
-    args = p.parse_args(argv)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bench", action="store_true",
+                        help="manager and copy benchmarks instead of the story")
+    parser.add_argument("--gpu-check", action="store_true",
+                        help="the CUDA test cases, a CUDA fuzz, then the CUDA copy bench")
+    parser.add_argument("--prompt-tokens", type=int, default=8192,
+                        help="prompt length of the demo's (and --bench's TTFT) requests "
+                             "(default 8192)")
+    args = parser.parse_args(argv)
     if args.gpu_check:
         raise SystemExit(gpu_check())
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     if not args.bench:
-        # one thread: torch's default (one per core) slows the toy model 10-50x on a busy box
-        torch.set_num_threads(1)
-        print(f"Request A: {args.prompt_tokens}-token prompt, chunked prefill (1024 tokens/step), "
-              "1 output token.\nGPU prefix cache dropped. Request B: the same prompt.\n"
-              "Columns: vLLM 0.29 (both bugs), each bug alone, the fix without reset_hash(), "
-              "the fix.\n")
-        rows = {}
-        start = time.perf_counter()
-        for name, (cls, kwargs) in STORY_VARIANTS.items():
-            print(f"  running {name!r} ...", end="", flush=True)
-            rows[name] = run_story(cls, args.prompt_tokens, **kwargs)
-            print(f" done ({time.perf_counter() - start:.1f} s elapsed)")
-        print()
-        _print_table(rows, {"ttft_a_s": "{:.3f}", "ttft_b_s": "{:.3f}"})
-        # what made every lookup miss in the issue's report: not the registration, but a CPU
-        # pool smaller than the prompt (LRU evicts block 0 first), in every version
-        num_cpu_blocks = args.prompt_tokens // 16 * 7 // 8
-        print(f"\nThe same, with a CPU pool of {num_cpu_blocks} blocks for the prompt's "
-              f"{args.prompt_tokens // 16} (block 0 is evicted first):")
-        small = {}
-        for name in ("0.29 (both)", "fixed"):
-            cls, kwargs = STORY_VARIANTS[name]
-            small[name] = run_story(cls, args.prompt_tokens, num_cpu_blocks=num_cpu_blocks, **kwargs)
-        _print_table(small, {"ttft_a_s": "{:.3f}", "ttft_b_s": "{:.3f}"})
-        print(f"\ndone in {time.perf_counter() - start:.1f} s. Notebook: walkthrough.ipynb, "
-              "steps 4-7 tell why each column looks the way it does.")
+        _run_demo(args.prompt_tokens)
         return
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        devices.append("cuda")
     # the manager is pure Python: one thread, as when it is compared with vLLM's (README, Speed)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -2713,6 +2826,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {d}: vLLM 0.29 {pre['ttft_b_s']:.3f} s ({pre['recomputed_tokens']} tokens "
               f"computed, {pre['cpu_hit_tokens']} loaded), fixed {fix['ttft_b_s']:.3f} s "
               f"({fix['recomputed_tokens']} computed, {fix['cpu_hit_tokens']} loaded)")
+
 
 if __name__ == "__main__":
     main()
