@@ -1610,7 +1610,9 @@ class _SimEvent:
     """A DeferredCopyEngine event: done once the stream of its last record() ran to that mark."""
 
     def __init__(self, engine: DeferredCopyEngine) -> None:
-        self.engine, self.mark = engine, None
+        self.engine = engine
+        # (stream, ops queued there at record()); None = never recorded (done, as in CUDA)
+        self.mark = None
 
     def record(self, stream: _SimStream) -> None:
         self.mark = stream.mark()
@@ -1641,7 +1643,8 @@ class _QueueCopies(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is not torch.Tensor.copy_:
             return func(*args, **(kwargs or {}))
-        dst, src = args[0], args[1]
+        dst = args[0]
+        src = args[1]
         self.stream.ops.append(lambda: dst.copy_(src))  # reads src when it runs, as DMA does
         return dst
 
@@ -1661,7 +1664,9 @@ class DeferredCopyEngine:
     """
 
     def __init__(self, seed: int = 0, max_ops_per_call: int = 2):
-        self.rng, self.max_ops_per_call = random.Random(seed), max_ops_per_call
+        self.rng = random.Random(seed)
+        self.max_ops_per_call = max_ops_per_call
+
         self.streams: list[_SimStream] = []
         self.compute = self.Stream()
 
