@@ -34,7 +34,9 @@ But it leaves out:
     fine-grained *partial-tail* stores (vLLM enables them only with Mamba "align" groups);
   - cuMemcpyBatchAsync and its background thread: the worker copies with torch slice copies on
     low-priority streams (runs of consecutive ids coalesced), the same ordering rules;
-  - vLLM's config objects: sizes are plain constructor arguments.
+  - vLLM's config objects: sizes are plain constructor arguments;
+  - most of vLLM's scheduler: MiniEngine keeps its request states and call order, but one KV-cache
+    group, one FIFO waiting queue (landed loads first) and no async scheduling.
 And where vLLM asserts, logs or fails later on bad input, this raises ValueError (TypeError for a
 wrong type) before changing any state (the README's "Differences from vLLM" lists every place).
 
