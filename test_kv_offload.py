@@ -36,14 +36,109 @@ from hypothesis import strategies as st
 import kv_offload as ko
 
 
-def bids(blocks):
-    return [b.block_id for b in blocks]
+# ---- Shared helpers -------------------------------------------------------------------------------
+# One of each: a block-id helper, a pool-state snapshot (both libraries' pools), and the accessors
+# of module internals below.
+
+def block_ids(blocks) -> list:
+    """The ids of a list of blocks (None stays None: a free-list link that is unset)."""
+    return [None if b is None else b.block_id for b in blocks]
 
 
-def free_ids(pool):
-    return bids(pool.free_block_queue.get_all_free_blocks())
+def table_ids(table) -> tuple[list, ...]:
+    """Block ids per KV-cache group of a table (one list of blocks per group)."""
+    return tuple(block_ids(group) for group in table)
 
-# ----------------------------------------------------------------------------- hashing and requests
+
+def free_ids(pool) -> list:
+    return block_ids(pool.free_block_queue.get_all_free_blocks())
+
+
+def map_contents(m) -> dict:
+    """key -> block ids in insertion order. vLLM 0.34 (and ours) keep one id per key in `_cache`
+    and every id of a key of several blocks in `_dup_ids` (the two must agree: every `_dup_ids`
+    key is in `_cache`, naming its first id); before 0.34 vLLM kept a bare block or a
+    {block_id: block} dict per key."""
+    if not hasattr(m, "_dup_ids"):
+        return {key: [b.block_id for b in v.values()] if isinstance(v, dict) else [v.block_id]
+                for key, v in m._cache.items()}
+    for key, dup_ids in m._dup_ids.items():
+        assert len(dup_ids) > 1 and m._cache.get(key) == next(iter(dup_ids)), (
+            f"map key {key.hex()[:8]}: _cache={m._cache.get(key)} disagrees with "
+            f"_dup_ids={list(dup_ids)}")
+    return {key: list(m._dup_ids.get(key, [block_id])) for key, block_id in m._cache.items()}
+
+
+def pool_state(pool) -> dict:
+    """Everything observable of a BlockPool (ours or vLLM's): ref counts, the free queue (order
+    and links), every block's keys, the hash map in insertion order, the usage."""
+    blocks = pool.blocks
+    return {
+        "num_free": pool.get_num_free_blocks(),
+        "free_queue": free_ids(pool),
+        "ref_cnt": [b.ref_cnt for b in blocks],
+        "block_hash": [b.block_hash for b in blocks],
+        "block_hash_num_tokens": [b.block_hash_num_tokens for b in blocks],
+        "links": [tuple(block_ids([b.prev_free_block, b.next_free_block])) for b in blocks],
+        "is_null": [b.is_null for b in blocks],
+        "null_block": pool.null_block.block_id,
+        "secondaries": {k: set(v) for k, v in pool.cached_block_hashes_by_block.items()},
+        "hash_map": map_contents(pool.cached_block_hash_to_block),
+        "hash_map_len": len(pool.cached_block_hash_to_block),
+        "usage": round(pool.get_usage(), 9),
+    }
+
+
+# ---- Accessors of engine and manager internals ---------------------------------------------------
+# Every read of these private fields goes through here, so that a change of the module's
+# bookkeeping is followed in one place.
+
+def loading_requests(eng) -> dict:
+    # MiniEngine: request id -> tokens computed once its CPU load lands (WAITING_FOR_REMOTE_KVS)
+    return eng.loading
+
+
+def preempted_waiting_ids(eng) -> set:
+    # MiniEngine: ids of preempted requests waiting to resume (PREEMPTED)
+    return eng._resumed
+
+
+def recving_counts(eng) -> dict:
+    # MiniEngine: per request, the workers that reported its load so far
+    return eng._recving_counts
+
+
+def connector_reset_pending(eng) -> bool:
+    # MiniEngine: a refused connector reset that the engine retries after each step
+    return eng._connector_reset_pending
+
+
+def pending_cpu_hits(conn) -> dict:
+    # manager (ours or vLLM's): request id -> its lookup pin as a tuple (blocks per group, hit
+    # tokens[, num_computed_tokens]: vLLM 0.29 has no third field)
+    return {rid: tuple(hit) for rid, hit in conn._pending_cpu_hits.items()}
+
+
+def pending_cpu_hit_blocks(conn) -> dict:
+    # manager: request id -> the CPU blocks (per group) its lookup pin holds
+    return {rid: hit[0] for rid, hit in pending_cpu_hits(conn).items()}
+
+
+def live_loads(conn) -> dict:
+    # manager (ours or vLLM's): request id -> its load state, for loads prepared or sent
+    return conn._reqs_to_load
+
+
+def abandoned_loads(conn) -> dict:
+    # manager (ours or vLLM's): request id -> a sent load that reset() abandoned
+    return conn._abandoned_reqs_to_load
+
+
+# ==================================================================================================
+# Part 1 — the reader's tests
+# ==================================================================================================
+
+# ---- 1.1 Hashing and requests --------------------------------------------------------------------
 
 def test_hash_chain_is_deterministic_and_prefix_sensitive():
     """sha256 chain: same tokens -> same bytes (no per-process seed); a changed token changes
@@ -76,7 +171,7 @@ def test_group_id_key_roundtrip():
     assert ko.get_block_hash(key) == b"\x01" * 32 and ko.get_group_id(key) == 258
 
 
-# ----------------------------------------------------------------------------- block pool
+# ---- 1.2 Block pool ------------------------------------------------------------------------------
 
 def test_null_block_and_fifo_allocation():
     """Block 0 is the null block: out of the queue from the start; allocation goes in id order."""
@@ -84,7 +179,7 @@ def test_null_block_and_fifo_allocation():
     assert pool.null_block.block_id == 0 and pool.null_block.is_null
     assert free_ids(pool) == [1, 2, 3, 4, 5] and pool.get_num_free_blocks() == 5
     blocks = pool.get_new_blocks(3)
-    assert bids(blocks) == [1, 2, 3] and all(b.ref_cnt == 1 and b.block_hash is None for b in blocks)
+    assert block_ids(blocks) == [1, 2, 3] and all(b.ref_cnt == 1 and b.block_hash is None for b in blocks)
     assert pool.get_usage() == pytest.approx(3 / 5)
     pool.touch([pool.null_block]); pool.free_blocks([pool.null_block])  # silently skipped
     assert pool.null_block.ref_cnt == 0 and free_ids(pool) == [4, 5]
@@ -129,7 +224,7 @@ def test_lru_eviction_order_and_touch_removes_from_queue():
     pool.touch([blocks[2]])                              # block 3 hit by another request
     assert free_ids(pool) == [4, 2, 1] and blocks[2].ref_cnt == 1
     new = pool.get_new_blocks(1)
-    assert bids(new) == [4] and new[0].block_hash is None            # evicted lazily, now
+    assert block_ids(new) == [4] and new[0].block_hash is None            # evicted lazily, now
     assert pool.get_cached_block(req.block_hashes[3], [0]) is None  # its key is gone
     assert pool.get_cached_block(req.block_hashes[2], [0]) == [blocks[2]]
     pool.free_blocks([blocks[2]])
@@ -263,10 +358,10 @@ def test_caching_disabled_prepends_everything():
 def test_free_queue_primitives():
     blocks = [ko.KVCacheBlock(i) for i in range(5)]
     q = ko.FreeKVCacheBlockQueue(blocks)
-    assert q.popleft() is blocks[0] and bids(q.popleft_n(2)) == [1, 2]
+    assert q.popleft() is blocks[0] and block_ids(q.popleft_n(2)) == [1, 2]
     q.remove(blocks[4])
     q.prepend_n([blocks[1], blocks[2]]); q.append(blocks[4]); q.append_n([blocks[0]])
-    assert bids(q.get_all_free_blocks()) == [1, 2, 3, 4, 0] and q.num_free_blocks == 5
+    assert block_ids(q.get_all_free_blocks()) == [1, 2, 3, 4, 0] and q.num_free_blocks == 5
     with pytest.raises(RuntimeError):
         q.remove(ko.KVCacheBlock(9))
     empty = ko.FreeKVCacheBlockQueue([])
@@ -293,7 +388,7 @@ def test_free_queue_asserts_on_a_corrupted_sentinel():
     assert q.num_free_blocks == 0 and blocks[1].prev_free_block is None
 
 
-# ----------------------------------------------------------------------------- find_longest_cache_hit
+# ---- 1.3 find_longest_cache_hit ------------------------------------------------------------------
 
 def _cached_pool(tokens, block_size, hash_block_size, n_blocks):
     pool = ko.BlockPool(n_blocks + 2, True, hash_block_size)
@@ -341,7 +436,7 @@ def test_multi_group_lookup_requires_every_group():
     assert n == 4 and hits == ([g0[0]], [g1[0]])
 
 
-# ----------------------------------------------------------------------------- copy worker
+# ---- 1.4 Copy worker -----------------------------------------------------------------------------
 
 # "deferred": CPU caches, the worker's CUDA branch on ko.DeferredCopyEngine (copies run later,
 # out of step); "cuda" skips without a GPU, except under KV_OFFLOAD_REQUIRE_CUDA (--gpu-check)
@@ -457,172 +552,7 @@ def test_worker_reports_an_event_with_nothing_to_copy_at_once(device):
     assert w.get_finished(set())[1] == (None if device == "cpu" else {"r0"})
 
 
-# ----------------------------------------------------------------------------- toy model and engine
-
-def _story_engine(connector_cls=ko.SimpleCPUOffloadScheduler, num_gpu_blocks=300, num_cpu_blocks=300,
-                  block_size=16, budget=512, device="cpu", workers=1, **kw):
-    model = ko.ToyModel(2, 2, 16, device="cpu" if device == "deferred" else device)
-    conn = connector_cls(num_cpu_blocks, block_size, **kw)
-    ws = [make_worker(num_cpu_blocks, device, seed=i) for i in range(workers)]
-    eng = ko.MiniEngine(num_gpu_blocks, block_size, budget, model, conn, ws if workers > 1 else ws[0], capture_kv=True)
-    return eng, conn, model
-
-
-def _prompt(n, seed=0):
-    return torch.randint(0, 32000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _run_a_then_b(eng, prompt, block_size=16):
-    """Request A runs; its GPU prefix cache is dropped; B sends the same prompt. B's stats."""
-    eng.add_request(ko.Request("A", prompt, block_size))
-    eng.run()
-    assert eng.reset_gpu_prefix_cache()
-    eng.add_request(ko.Request("B", prompt, block_size))
-    return eng.run()["B"]
-
-
-def _assert_all_free(eng, conn):
-    assert eng.gpu_block_pool.get_num_free_blocks() == eng.gpu_block_pool.num_gpu_blocks - 1
-    assert conn.cpu_block_pool.get_num_free_blocks() == conn.num_cpu_blocks - 1
-    assert not conn.has_pending_push_work() and not conn._reqs_to_load and not conn._reqs_to_store
-
-
-def test_toy_model_is_chunking_invariant():
-    """KV of a token depends on (id, position) only: chunked writes equal one-shot expected_kv."""
-    m = ko.ToyModel(2, 2, 8)
-    toks = _prompt(40)
-    whole = m.expected_kv(toks)
-    parts = torch.cat([m.compute_kv(torch.tensor(toks[i:i + 7]), torch.arange(i, min(i + 7, 40)))
-                       for i in range(0, 40, 7)], dim=2)
-    assert torch.equal(whole, parts) and whole.shape == (2, 2, 40, 2, 8) and whole.dtype == torch.float16
-    assert not torch.equal(whole[:, :, 0], m.expected_kv([toks[1]])[:, :, 0])
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("variant", ["fixed", "registration_bug", "skip_reset_hash", "flush_bug"])
-def test_repeated_prompt_end_to_end(device, variant):
-    """A 3000-token prompt, 512-token chunks, block 16. Fixed: B loads (3000-1)//16 = 187 blocks
-    = 2992 tokens and computes 8; its KV equals expected_kv bit for bit, outputs match, pools
-    end all-free. Registration bug (vLLM 0.29): the stamped primary keys do reach the map, and
-    with hash_block_size == block_size no lookup needs a secondary key -> 2992 as fixed. The
-    reset_hash trap: no primary key is registered -> B recomputes all 3000. Flush bug: the last
-    chunk's blocks (2560..2991, confirmed in A's last step) never reach CPU -> 2560 loaded."""
-    cls, kw = ((ko.SimpleCPUOffloadScheduler, {}) if variant == "fixed" else
-               (ko.PreFixCPUOffloadScheduler, {"registration_bug": variant == "registration_bug",
-                                               "skip_reset_hash": variant == "skip_reset_hash",
-                                               "flush_bug": variant == "flush_bug"}))
-    eng, conn, model = _story_engine(cls, device=device, **kw)
-    prompt = _prompt(3000)
-    eng.add_request(ko.Request("A", prompt, 16))
-    eng.run()
-    assert eng.reset_gpu_prefix_cache()
-    eng.add_request(ko.Request("B", prompt, 16))
-    st = eng.run()
-    a, b = st["A"], st["B"]
-    expected_hit = {"fixed": 2992, "registration_bug": 2992, "skip_reset_hash": 0, "flush_bug": 2560}[variant]
-    assert b.cpu_hit_tokens == expected_hit and b.computed_tokens == 3000 - expected_hit
-    assert a.output_token_ids == b.output_token_ids and len(b.output_token_ids) == 1
-    # captured KV is on CPU: compare on one device
-    assert torch.equal(b.kv, model.expected_kv(prompt).cpu()) and torch.equal(a.kv, b.kv)
-    _assert_all_free(eng, conn)
-
-
-def test_shared_prefix_decode_and_gpu_hits():
-    """Three requests share 1000 tokens (62 whole blocks of 16), then differ. r1 arrives after r0
-    finished, GPU cache intact: 992 tokens hit on GPU and the CPU lookup (from 992 on) finds
-    nothing more. After the GPU cache is dropped, r2 loads those 62 blocks (992 tokens) from CPU."""
-    eng, conn, model = _story_engine()
-    shared = _prompt(1000)
-    reqs = [ko.Request(f"r{i}", shared + _prompt(100, seed=i + 1), 16, max_tokens=5) for i in range(3)]
-    eng.add_request(reqs[0]); eng.run()
-    eng.add_request(reqs[1]); eng.run()
-    assert eng.reset_gpu_prefix_cache()
-    eng.add_request(reqs[2]); st = eng.run()
-    assert (st["r1"].gpu_hit_tokens, st["r1"].cpu_hit_tokens) == (992, 0)
-    assert (st["r2"].gpu_hit_tokens, st["r2"].cpu_hit_tokens) == (0, 992)
-    _assert_all_free(eng, conn)
-
-
-@pytest.mark.parametrize("device", ["cpu", "deferred"])
-def test_gpu_preemption_recomputes_and_stays_exact(device):
-    """A GPU pool too small for three 600-token prompts at once forces preemption; every request
-    still ends with KV equal to expected_kv and the pools drain."""
-    eng, conn, model = _story_engine(num_gpu_blocks=60, budget=256, device=device)
-    prompts = [_prompt(600, seed=s) for s in range(3)]
-    for i, p in enumerate(prompts):
-        eng.add_request(ko.Request(f"r{i}", p, 16, max_tokens=3))
-    st = eng.run()
-    assert sum(s.computed_tokens for s in st.values()) > 3 * 602   # something was recomputed
-    for i, p in enumerate(prompts):
-        assert torch.equal(st[f"r{i}"].kv, model.expected_kv(p))
-    _assert_all_free(eng, conn)
-
-
-def test_engine_lists_new_and_resumed_requests_before_running_ones():
-    """vLLM 0.34 sends new and resumed requests (whole tables) first, then running ones, and
-    MiniEngine lists num_scheduled_tokens that way. Block 16, budget 32. Step 1: A (40 tokens)
-    computes 32 in GPU blocks 1, 2. Step 2: running A is scheduled first (8 tokens, block 3),
-    then B (24 tokens, whole table 4, 5) is admitted with the 24 left, but listed first."""
-    eng, conn, _ = _story_engine(num_gpu_blocks=16, budget=32)
-    seen = []
-    build = conn.build_connector_meta
-
-    def recording_build(so):
-        seen.append(so)
-        return build(so)
-
-    conn.build_connector_meta = recording_build
-    eng.add_request(ko.Request("A", _prompt(40), 16))
-    eng.step()
-    eng.add_request(ko.Request("B", _prompt(24, seed=1), 16))
-    eng.step()
-    so = seen[-1]
-    assert list(so.num_scheduled_tokens.items()) == [("B", 24), ("A", 8)]
-    assert so.new_block_ids == {"A": ([3],), "B": ([4, 5],)} and so.resumed_req_ids == set()
-    yielded = [(rid, ids) for rid, ids, _ in ko.yield_req_data(so)]
-    assert yielded == [("B", ([4, 5],)), ("A", ([3],))]
-
-
-def test_engine_lists_resumed_requests_first_under_preemption():
-    """In the preemption run above, each step lists every request that was running when the step
-    began after all the others (new and resumed ones), and resumed ones carry whole tables."""
-    eng, conn, _ = _story_engine(num_gpu_blocks=60, budget=256)
-    checked = Counter()
-    schedule = eng._schedule
-
-    def recording_schedule():
-        running_at_start = [r.request_id for r in eng.running]
-        so = schedule()
-        order = list(so.num_scheduled_tokens)
-        running = [rid for rid in order if rid in running_at_start]
-        assert order[len(order) - len(running):] == running, (order, running_at_start)
-        for rid in so.resumed_req_ids:
-            assert rid not in running
-            assert list(so.new_block_ids[rid][0]) == bids(eng.req_blocks[rid])
-        checked["resumed"] += len(so.resumed_req_ids)
-        checked["mixed"] += 0 < len(running) < len(order)
-        return so
-
-    eng._schedule = recording_schedule
-    for i in range(3):
-        eng.add_request(ko.Request(f"r{i}", _prompt(600, seed=i), 16, max_tokens=3))
-    eng.run()
-    assert checked["resumed"] > 0 and checked["mixed"] > 0, checked
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_two_workers_world_size_2(device):
-    """Two TP workers: a store completes only once both reported it; the story still holds."""
-    eng, conn, model = _story_engine(workers=2, world_size=2, device=device)
-    prompt = _prompt(1000)
-    eng.add_request(ko.Request("A", prompt, 16)); eng.run()
-    assert eng.reset_gpu_prefix_cache()
-    eng.add_request(ko.Request("B", prompt, 16)); st = eng.run()
-    assert st["B"].cpu_hit_tokens == 992 and torch.equal(st["B"].kv, model.expected_kv(prompt).cpu())
-    _assert_all_free(eng, conn)
-
-
-# ----------------------------------------------------------------------------- copy worker on an asynchronous device
+# ---- 1.5 Copy worker on an asynchronous device ---------------------------------------------------
 # ko.DeferredCopyEngine stands in for torch.cuda: copies are queued and run later, out of step
 # with the compute stream, reading their source when they run. These races cannot happen with
 # CPU copies that finish inside the step. Each scenario runs once on the real worker and once
@@ -764,7 +694,7 @@ class _ResetDropsQueuedLoads(ko.SimpleCPUOffloadScheduler):
     never sent, and releases its pins at once."""
 
     def reset(self) -> bool:
-        for state in self._reqs_to_load.values():
+        for state in live_loads(self).values():
             state.load_event = None
         return super().reset()
 
@@ -784,15 +714,15 @@ def _reset_while_a_load_is_queued(connector_cls) -> tuple[bool, bool]:
     dev.max_ops_per_call = 0
     eng.add_request(ko.Request("B", prompt_a, 16))
     eng.step()
-    assert eng.loading == {"B": 64} and eng.workers[0].load_stream.ops, "B's load should be queued"
+    assert loading_requests(eng) == {"B": 64} and eng.workers[0].load_stream.ops, "B's load should be queued"
     reset_done = conn.reset()
     eng.abort_request("B")
     eng.add_request(ko.Request("C", prompt_c, 16, max_tokens=3))
     eng.step()  # C starts only if B's 4 blocks are free again: 2 others are
     dev.run()   # B's load lands now
     dev.max_ops_per_call = 2
-    st = eng.run()
-    return reset_done, torch.equal(st["C"].kv, model.expected_kv(prompt_c))
+    stats = eng.run()
+    return reset_done, torch.equal(stats["C"].kv, model.expected_kv(prompt_c))
 
 
 def test_async_reset_while_a_load_is_queued():
@@ -831,137 +761,13 @@ def test_async_copies_are_reported_only_after_they_ran(worker_cls):
     assert torch.equal(b.kv, model.expected_kv(prompt)) == (worker_cls is ko.SimpleCPUOffloadWorker)
 
 
-# ----------------------------------------------------------------------------- the GPU check (--gpu-check)
-# What a GPU is needed for runs there; here, every piece that can run on CPU does.
-
-STEP_CALLS = ("bind_connector_metadata", "start_load_kv", "wait_for_save", "get_finished",
-              "build_connector_worker_meta", "clear_connector_metadata")
-
-
-def sync_checked(worker, set_mode=None):
-    """Run the worker's per-step calls under torch.cuda.set_sync_debug_mode("error"), so that a
-    hidden CPU-GPU sync in any of them raises. handle_preemptions is left out: a need_flush
-    waits for every copy by design."""
-    set_mode = set_mode or torch.cuda.set_sync_debug_mode
-
-    def checked(call):
-        def run(*args):
-            set_mode("error")
-            try:
-                return call(*args)
-            finally:
-                set_mode("default")
-        return run
-
-    for name in STEP_CALLS:
-        setattr(worker, name, checked(getattr(worker, name)))
-    return worker
-
-
-def _story_with_sync_check(device, set_mode=None, plant_sync=False):
-    eng, conn, model = _story_engine(device=device)
-    w = eng.workers[0]
-    if plant_sync:  # planted: the worker reads KV on the host, a sync, before each store
-        store = w.wait_for_save
-
-        def wait_for_save():
-            next(iter(w.gpu_caches.values()))[0].sum().item()
-            store()
-        w.wait_for_save = wait_for_save
-    sync_checked(w, set_mode)
-    prompt = _prompt(1000)
-    b = _run_a_then_b(eng, prompt)
-    assert b.cpu_hit_tokens == 992 and torch.equal(b.kv, model.expected_kv(prompt).cpu())
-
-
-@pytest.mark.parametrize("device", [CUDA])
-def test_worker_step_has_no_hidden_sync(device):
-    """The story (1000 tokens: 62 blocks stored, then loaded) with every per-step worker call
-    under set_sync_debug_mode("error"): stores, loads and polls never make the CPU wait for the
-    GPU. The check is live: a planted `.item()` before each store raises."""
-    _story_with_sync_check(device)
-    with pytest.raises(RuntimeError, match="synchronizing"):
-        _story_with_sync_check(device, plant_sync=True)
-
-
-def test_sync_check_covers_every_copy_and_poll():
-    """The CPU half of test_worker_step_has_no_hidden_sync, on the deferred engine with a stand-in
-    for set_sync_debug_mode: every copy the worker issues and every event it polls happens while
-    the mode is "error", and the mode is back to "default" between calls."""
-    mode, seen = ["default"], Counter()
-    launch, poll = ko.SimpleCPUOffloadWorker._launch, ko.SimpleCPUOffloadWorker._poll
-
-    def spy_launch(self, *args, **kwargs):
-        seen["copy", mode[0]] += 1
-        return launch(self, *args, **kwargs)
-
-    def spy_poll(self, is_store):
-        seen["poll", mode[0]] += 1
-        return poll(self, is_store)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ko.SimpleCPUOffloadWorker, "_launch", spy_launch)
-        mp.setattr(ko.SimpleCPUOffloadWorker, "_poll", spy_poll)
-        _story_with_sync_check("deferred", set_mode=lambda m: mode.__setitem__(0, m))
-    assert set(seen) == {("copy", "error"), ("poll", "error")} and mode == ["default"]
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU answer")
-def test_gpu_check_fails_without_a_gpu(capsys):
-    """No GPU: --gpu-check must not pass by skipping everything."""
-    with pytest.raises(SystemExit) as exit_:
-        ko.main(["--gpu-check"])
-    assert exit_.value.code == 2 and "no CUDA device" in capsys.readouterr().out
-
-
-def test_gpu_check_runs_the_gpu_cases_then_the_gpu_bench(monkeypatch):
-    """With a stand-in GPU: the check runs pytest -k cuda on this file with 200 fuzz examples and
-    skips turned into failures, prints the CUDA bench rows, and exits with pytest's status."""
-    import subprocess
-    calls = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(subprocess, "call", lambda argv, env: calls.append((argv, env)) or 1)
-    monkeypatch.setattr(ko, "_print_copy_rows", lambda devices: calls.append(devices))
-    with pytest.raises(SystemExit) as exit_:
-        ko.main(["--gpu-check"])
-    (argv, env), devices = calls
-    assert exit_.value.code == 1 and devices == ["cuda"]
-    assert argv[argv.index("-k") + 1] == "cuda" and argv[-1].endswith("test_kv_offload.py")
-    assert env["KV_OFFLOAD_REQUIRE_CUDA"] == "1" and env["KV_OFFLOAD_FUZZ_EXAMPLES"] == "200"
-
-
-def test_gpu_check_selects_every_gpu_case():
-    """What `-k cuda` collects under KV_OFFLOAD_REQUIRE_CUDA: the CUDA parameter of every device-
-    parametrized test (worker copies, end to end, two workers, reliability scenarios, the fuzz,
-    the sync check) and nothing else; and a selected case fails, not skips, without a GPU."""
-    import subprocess
-    import sys
-    env = dict(os.environ, KV_OFFLOAD_REQUIRE_CUDA="1")
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
-                          "-k", "cuda", __file__], env=env, capture_output=True, text=True).stdout
-    ids = [line for line in out.splitlines() if "::" in line]
-    names = {i.split("::")[1].split("[")[0] for i in ids}
-    assert {"test_worker_copies_exact_blocks_both_directions", "test_repeated_prompt_end_to_end",
-            "test_two_workers_world_size_2", "test_rel_fuzz_random_schedules", "test_worker_step_has_no_hidden_sync",
-            "test_rel_abort_while_its_load_is_in_flight", "test_rel_reset_while_a_store_and_a_load_are_in_flight",
-            "test_rel_world_size_2_one_worker_lags"} <= names
-    assert all("cuda" in i.split("[")[1] for i in ids), ids
-    if not torch.cuda.is_available():
-        one = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                              "-k", "cuda and worker_copies and flash and contiguous", __file__],
-                             env=env, capture_output=True, text=True).stdout
-        assert "1 failed" in one and "skipped" not in one, one
-
-
-# ===============================================================================================
-# Manager scenarios: vLLM's tests/v1/simple_kv_offload/test_scheduler.py in spirit, and the seven tests of PR #53532
+# ---- 1.6 Manager scenarios: the harness ----------------------------------------------------------
+# vLLM's tests/v1/simple_kv_offload/test_scheduler.py in spirit (1.6-1.12), then PR #53532's (1.13)
 BS = 16  # tokens per block unless a test says otherwise
 # registration_bug: vLLM 0.29's registration; skip_reset_hash: the fix without reset_hash() (the trap)
 VARIANTS = ("fixed", "registration_bug", "skip_reset_hash", "flush_bug")
 
 
-# -----------------------------------------------------------------------------
-# harness
 
 
 def make_scheduler(variant: str, **kw) -> ko.SimpleCPUOffloadScheduler:
@@ -970,11 +776,6 @@ def make_scheduler(variant: str, **kw) -> ko.SimpleCPUOffloadScheduler:
     return ko.PreFixCPUOffloadScheduler(**kw, registration_bug=variant == "registration_bug",
                                         skip_reset_hash=variant == "skip_reset_hash",
                                         flush_bug=variant == "flush_bug")
-
-
-def ids(table) -> tuple[list[int], ...]:
-    """Block ids per group of a table of KVCacheBlocks."""
-    return tuple([b.block_id for b in grp] for grp in table)
 
 
 def assert_variant(variant: str, observed, fixed, **bugged) -> None:
@@ -1035,7 +836,7 @@ class Harness:
         """One build_connector_meta; `new_blocks` maps req_id -> table of KVCacheBlocks."""
         out = ko.SchedulerOutput(
             num_scheduled_tokens=dict(sched_tokens or {}),
-            new_block_ids={rid: ids(t) for rid, t in (new_blocks or {}).items()},
+            new_block_ids={rid: table_ids(t) for rid, t in (new_blocks or {}).items()},
             resumed_req_ids=set(resumed), preempted_req_ids=set(preempted))
         return self.sched.build_connector_meta(out)
 
@@ -1054,7 +855,7 @@ class Harness:
 
     def finish(self, req, table):
         """The request ends: the connector's finish hook, then the engine frees its blocks."""
-        assert self.sched.request_finished_all_groups(req, ids(table)) == (False, None)
+        assert self.sched.request_finished_all_groups(req, table_ids(table)) == (False, None)
         for grp in table:
             self.gpu.free_blocks(reversed(grp))
 
@@ -1088,36 +889,12 @@ class Harness:
     def state(self):
         s = self.sched
         return dict(cpu=pool_state(self.cpu), gpu=pool_state(self.gpu),
-                    to_store=sorted(s._reqs_to_store), to_load=sorted(s._reqs_to_load),
+                    to_store=sorted(s._reqs_to_store), to_load=sorted(live_loads(s)),
                     in_flight=set(s._in_flight_store_gpu_blocks),
                     queued=[(list(t.gpu_block_ids), list(t.cpu_block_ids)) for t in s._pending_finished_stores])
 
 
-def map_entries(pool: ko.BlockPool) -> dict[bytes, list[ko.KVCacheBlock]]:
-    """key -> blocks of the prefix-cache map. The map holds one block id per key in `_cache`
-    and, for a key cached by several blocks, all their ids in `_dup_ids` (as vLLM 0.34 does);
-    the two must agree: every `_dup_ids` key is in `_cache`, naming its first id."""
-    m = pool.cached_block_hash_to_block
-    for key, dup_ids in m._dup_ids.items():
-        assert len(dup_ids) > 1 and m._cache.get(key) == next(iter(dup_ids)), (
-            f"map key {key.hex()[:8]}: _cache={m._cache.get(key)} disagrees with "
-            f"_dup_ids={list(dup_ids)}")
-    return {key: [pool.blocks[i] for i in m._dup_ids.get(key, [block_id])]
-            for key, block_id in m._cache.items()}
-
-
-def pool_state(pool: ko.BlockPool) -> tuple:
-    """Ref counts, free-queue order, the hash map (insertion order per key), every block's keys."""
-    return (tuple(b.ref_cnt for b in pool.blocks),
-            tuple(b.block_id for b in pool.free_block_queue.get_all_free_blocks()),
-            pool.free_block_queue.num_free_blocks,
-            tuple(sorted((k, tuple(b.block_id for b in v)) for k, v in map_entries(pool).items())),
-            tuple(sorted((i, tuple(sorted(keys))) for i, keys in pool.cached_block_hashes_by_block.items())),
-            tuple((b.block_hash, b.block_hash_num_tokens) for b in pool.blocks))
-
-
-# -----------------------------------------------------------------------------
-# store -> lookup -> load
+# ---- 1.7 Manager: store -> lookup -> load --------------------------------------------------------
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -1129,7 +906,7 @@ def test_store_lookup_load_roundtrip(variant):
     req = h.request(2 * BS + 1)  # 33 tokens: 2 full blocks + 1
     meta, (table,) = h.prefill((req, 33))
     # fresh CPU pool: free queue [1..7]; the two stored blocks land in CPU blocks 1 and 2
-    assert (meta.store_gpu_blocks, meta.store_cpu_blocks) == (ids(table)[0][:2], [1, 2])
+    assert (meta.store_gpu_blocks, meta.store_cpu_blocks) == (table_ids(table)[0][:2], [1, 2])
     # registration: both keys in the CPU map. Cap 33-1=32 keeps both blocks: hit 32.
     # The trap: the copy ran but guard 1 kept both primaries out of the map: hit 0.
     assert_variant(variant, (h.in_cpu(req), h.probe(req)), ([True, True], 32),
@@ -1141,7 +918,7 @@ def test_store_lookup_load_roundtrip(variant):
     table2 = h.alloc(req2, 33, cache=False, confirm=False)  # 3 GPU blocks: 2 loaded + 1 computed
     h.sched.update_state_after_alloc(req2, table2, 32)
     meta2 = h.step({req2.request_id: 1}, {req2.request_id: table2})
-    assert (meta2.load_gpu_blocks, meta2.load_cpu_blocks) == (ids(table2)[0][:2], [1, 2])
+    assert (meta2.load_gpu_blocks, meta2.load_cpu_blocks) == (table_ids(table2)[0][:2], [1, 2])
     assert meta2.load_event_to_reqs == {meta2.load_event: [req2.request_id]}
     # pinned during the copy: CPU 1 ref (load), GPU 2 refs (request + load)
     assert [h.cpu.blocks[i].ref_cnt for i in (1, 2)] == [1, 1]
@@ -1149,7 +926,7 @@ def test_store_lookup_load_roundtrip(variant):
     h.complete_load(req2.request_id)
     assert [h.cpu.blocks[i].ref_cnt for i in (1, 2)] == [0, 0]
     assert [b.ref_cnt for b in table2[0]] == [1, 1, 1]
-    assert req2.request_id not in h.sched._reqs_to_load
+    assert req2.request_id not in live_loads(h.sched)
 
 
 @pytest.mark.parametrize("extra, expected_hit", [(0, 16), (1, 32), (15, 32)])
@@ -1199,7 +976,7 @@ def test_partial_gpu_prefix_plus_cpu_load():
     table2 = h.alloc(req2, 6 * BS, prev=table2, cache=False, confirm=False)  # | ext(2) | new(2) |
     h.sched.update_state_after_alloc(req2, table2, 2 * BS)  # accepts 32 of the 64 offered
     meta2 = h.step({req2.request_id: 2 * BS + 1}, {req2.request_id: table2})
-    assert (meta2.load_gpu_blocks, meta2.load_cpu_blocks) == (ids(table2)[0][2:4], cpu_of[2:4])
+    assert (meta2.load_gpu_blocks, meta2.load_cpu_blocks) == (table_ids(table2)[0][2:4], cpu_of[2:4])
     # the two offered-but-declined blocks lost the lookup pin; the loaded two keep the load pin
     assert [h.cpu.blocks[i].ref_cnt for i in cpu_of] == [0, 0, 1, 1, 0, 0]
 
@@ -1225,8 +1002,7 @@ def test_load_event_to_reqs_lists_every_outstanding_load():
     assert (meta3.load_event, meta3.load_event_to_reqs) == (-1, {e1: [twins[1]]})
 
 
-# -----------------------------------------------------------------------------
-# CPU pool: LRU, duplicates, in-flight dedup
+# ---- 1.8 Manager: CPU pool (LRU, duplicates, in-flight dedup) ------------------------------------
 
 
 def _fill_four(h):
@@ -1350,7 +1126,7 @@ def test_in_flight_store_dedup_across_steps():
     h = Harness()
     req = h.request(33)
     meta1, (table,) = h.prefill((req, 33), complete=False)
-    assert set(h.sched._in_flight_store_gpu_blocks) == set(ids(table)[0][:2])
+    assert set(h.sched._in_flight_store_gpu_blocks) == set(table_ids(table)[0][:2])
     assert [b.ref_cnt for b in table[0][:2]] == [2, 2]  # request + store pin
     twin = h.twin(req)  # GPU prefix hit: reuses the same GPU blocks
     h.gpu.touch(table[0][:2])
@@ -1364,8 +1140,7 @@ def test_in_flight_store_dedup_across_steps():
     assert [b.ref_cnt for b in table[0][:2]] == [2, 2]  # request + twin; the store pin is gone
 
 
-# -----------------------------------------------------------------------------
-# request lifecycle: deferred cleanup, lookup pins
+# ---- 1.9 Manager: request lifecycle (deferred cleanup, lookup pins) ------------------------------
 
 
 def _start_load(h, req):
@@ -1387,11 +1162,11 @@ def test_finish_during_load_defers_cleanup():
     twin, table = _start_load(h, req)
     assert h.sched.request_finished(twin, []) == (False, None)
     h.gpu.free_blocks(table[0])  # engine frees; the loaded GPU blocks keep the load pin
-    assert twin.request_id in h.sched._reqs_to_load
+    assert twin.request_id in live_loads(h.sched)
     assert [b.ref_cnt for b in table[0]] == [1, 1, 0]
     assert [h.cpu.blocks[i].ref_cnt for i in meta.store_cpu_blocks] == [1, 1]
     h.complete_load(twin.request_id)
-    assert twin.request_id not in h.sched._reqs_to_load
+    assert twin.request_id not in live_loads(h.sched)
     assert [b.ref_cnt for b in table[0]] == [0, 0, 0]
     assert [h.cpu.blocks[i].ref_cnt for i in meta.store_cpu_blocks] == [0, 0]
 
@@ -1427,7 +1202,7 @@ def test_lookup_pin_survives_eviction_pressure():
     table = h.alloc(b, 33, cache=False, confirm=False)
     h.sched.update_state_after_alloc(b, table, 32)
     meta_b = h.step({b.request_id: 1}, {b.request_id: table})
-    assert (meta_b.load_gpu_blocks, meta_b.load_cpu_blocks) == (ids(table)[0][:2], [1, 2])
+    assert (meta_b.load_gpu_blocks, meta_b.load_cpu_blocks) == (table_ids(table)[0][:2], [1, 2])
 
 
 def test_lookup_pin_released_by_relookup_zero_alloc_and_finish():
@@ -1471,8 +1246,7 @@ def test_store_completes_after_world_size_reports(aggregate):
     assert not h.sched.has_pending_stores()
 
 
-# -----------------------------------------------------------------------------
-# block tables: null blocks, chunked prefill, preemption
+# ---- 1.10 Manager: block tables (null blocks, chunked prefill, preemption) -----------------------
 
 
 def test_null_blocks_never_in_transfer_lists():
@@ -1504,13 +1278,13 @@ def test_chunked_prefill_reads_live_block_ids():
     t1 = h.alloc(req, 2 * BS)
     h.sched.update_state_after_alloc(req, t1, 0)
     meta1 = h.step({req.request_id: 2 * BS}, {req.request_id: t1})
-    assert meta1.store_gpu_blocks == ids(t1)[0]
+    assert meta1.store_gpu_blocks == table_ids(t1)[0]
     h.complete_store(meta1.store_event)
     t2 = h.alloc(req, 4 * BS, prev=t1)
     h.sched.update_state_after_alloc(req, t2, 0)  # idempotent registration
     assert list(h.sched._reqs_to_store).count(req.request_id) == 1
     meta2 = h.step({req.request_id: 2 * BS}, {req.request_id: (t2[0][2:],)})
-    assert meta2.store_gpu_blocks == ids(t2)[0][2:4]
+    assert meta2.store_gpu_blocks == table_ids(t2)[0][2:4]
 
 
 def test_preemption_resets_table_and_cursor():
@@ -1529,7 +1303,7 @@ def test_preemption_resets_table_and_cursor():
     t2 = h.alloc(req, 3 * BS)  # resumed: fresh GPU blocks, 48 tokens recomputed
     meta2 = h.step({req.request_id: 1}, {req.request_id: t2}, resumed={req.request_id})
     # cursor reset -> all 3 blocks stored (no reset: only block 2; stale table: old ids)
-    assert meta2.store_gpu_blocks == ids(t2)[0]
+    assert meta2.store_gpu_blocks == table_ids(t2)[0]
 
 
 def test_resumed_table_replaces_old_block_ids():
@@ -1545,8 +1319,7 @@ def test_resumed_table_replaces_old_block_ids():
     assert meta2.store_gpu_blocks == [t2[0][2].block_id]
 
 
-# -----------------------------------------------------------------------------
-# several KV-cache groups
+# ---- 1.11 Manager: several KV-cache groups -------------------------------------------------------
 
 
 def test_two_groups_same_size_store_and_load():
@@ -1554,7 +1327,7 @@ def test_two_groups_same_size_store_and_load():
     h = Harness(group_block_sizes=[BS, BS])
     req = h.request(33)
     meta, (table,) = h.prefill((req, 33))
-    g0, g1 = ids(table)
+    g0, g1 = table_ids(table)
     assert sorted(meta.store_gpu_blocks) == sorted(g0[:2] + g1[:2])
     assert (h.in_cpu(req, 0), h.in_cpu(req, 1)) == ([True] * 2, [True] * 2)
     cpu_of = dict(zip(meta.store_gpu_blocks, meta.store_cpu_blocks))
@@ -1564,7 +1337,7 @@ def test_two_groups_same_size_store_and_load():
     h.sched.update_state_after_alloc(twin, t2, 32)
     meta2 = h.step({twin.request_id: 1}, {twin.request_id: t2})
     # destination block i of group g receives the CPU copy of source block i of group g
-    want = {d: cpu_of[s] for g in (0, 1) for s, d in zip(ids(table)[g][:2], ids(t2)[g][:2])}
+    want = {d: cpu_of[s] for g in (0, 1) for s, d in zip(table_ids(table)[g][:2], table_ids(t2)[g][:2])}
     assert dict(zip(meta2.load_gpu_blocks, meta2.load_cpu_blocks)) == want
 
 
@@ -1600,206 +1373,10 @@ def test_groups_store_only_scheduler_block_aligned_prefix():
     meta, (table,) = h.prefill((req, 49))
     # 49 confirmed -> round down to 32 (vLLM HybridKVCacheCoordinator._align_cacheable):
     # group 16 stores blocks 0,1 (not 2), group 32 stores block 0
-    assert sorted(meta.store_gpu_blocks) == sorted(ids(table)[0][:2] + ids(table)[1][:1])
+    assert sorted(meta.store_gpu_blocks) == sorted(table_ids(table)[0][:2] + table_ids(table)[1][:1])
 
 
-# -----------------------------------------------------------------------------
-# the seven tests PR #53532 added
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_eager_store_preserves_secondary_block_hashes(variant):
-    """A stored block is found under its primary key and its fine-grained secondaries. vLLM 0.29
-    inserted the primary only: whole blocks hit (64), the fine-grained probe misses (0). The
-    trap registers the secondaries under the stamped primary but not the primary: b finds f0
-    (16), and a's whole-block walk misses at block 0, so it too falls back to f0 (16)."""
-    h = Harness(variant, block_size=32, hash_block_size=16)
-    a = h.request(4 * 16 + 1)  # 65 tokens: fine hashes f0..f3, two 32-blocks keyed f1 and f3
-    table = h.alloc(a, 65)
-    sec = [ko.make_block_hash_with_group_id(a.block_hashes[i], 0) for i in (0, 2)]
-    for blk, key in zip(table[0], sec):  # interior boundaries at 16 and 48 tokens
-        h.gpu._insert_block_hash(key, blk, None)
-    h.sched.update_state_after_alloc(a, table, 0)
-    meta = h.step({a.request_id: 1}, {a.request_id: table})
-    h.complete_store(meta.store_event)
-    cpu0, cpu1 = meta.store_cpu_blocks
-    secondaries = {b: set(h.cpu.cached_block_hashes_by_block.get(b, ())) for b in (cpu0, cpu1)}
-    # b shares only a's first 16 tokens: its first 32-block misses (f1 differs), the
-    # fine-grained probe finds f0 as the secondary key of CPU block cpu0 -> 16 tokens
-    b = h.request(tokens=a.all_token_ids[:16] + list(range(7, 27)))  # 36 tokens
-    _, fine_hit = ko.find_longest_cache_hit(b.block_hashes, 35, [0], h.cpu, 32)
-    _, full_hit = ko.find_longest_cache_hit(a.block_hashes, 64, [0], h.cpu, 32)
-    assert_variant(variant, (secondaries, fine_hit, full_hit),
-                   ({cpu0: {sec[0]}, cpu1: {sec[1]}}, 16, 64),
-                   registration_bug=({cpu0: set(), cpu1: set()}, 0, 64),
-                   skip_reset_hash=({cpu0: {sec[0]}, cpu1: {sec[1]}}, 16, 16))
-
-
-def _prefill_then_finish(h, *reqs_tokens):
-    """Requests whose prefill ran in their last step: nothing confirmed was stored before finishing."""
-    tables = [h.alloc(r, n, confirm=False) for r, n in reqs_tokens]
-    for (r, _), t in zip(reqs_tokens, tables):
-        h.sched.update_state_after_alloc(r, t, 0)
-    meta = h.step({r.request_id: n for r, n in reqs_tokens},
-                  {r.request_id: t for (r, _), t in zip(reqs_tokens, tables)})
-    assert meta.store_event == -1  # nothing confirmed yet
-    for (r, n), t in zip(reqs_tokens, tables):
-        r.num_computed_tokens = n  # the forward pass ran; the request ends now
-        h.finish(r, t)
-    return tables
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_finished_eager_stores_are_batched(variant):
-    """Two finish-time flushes and a running request's store go out as one store event."""
-    h = Harness(variant)
-    c = h.request(33)
-    tc = h.alloc(c, 33)  # running request with 2 confirmed blocks
-    h.sched.update_state_after_alloc(c, tc, 0)
-    a, b = h.request(33), h.request(33)
-    ta, tb = _prefill_then_finish(h, (a, 33), (b, 33))  # queue a -> CPU 1,2 and b -> CPU 3,4
-    meta = h.step({c.request_id: 1}, {c.request_id: tc})  # c's blocks get CPU 5,6 now
-    pairs = dict(zip(meta.store_gpu_blocks, meta.store_cpu_blocks))
-    ga, gb, gc = ids(ta)[0], ids(tb)[0], ids(tc)[0]
-    fixed_pairs = {ga[0]: 1, ga[1]: 2, gb[0]: 3, gb[1]: 4, gc[0]: 5, gc[1]: 6}
-    assert meta.store_event >= 0
-    h.complete_store(meta.store_event)
-    # a, b, c all 33 tokens -> hit 32 each once stored and registered
-    assert_variant(variant, (pairs, [h.probe(r) for r in (a, b, c)]),
-                   (fixed_pairs, [32, 32, 32]),
-                   skip_reset_hash=(fixed_pairs, [0, 0, 0]),
-                   flush_bug=({gc[0]: 1, gc[1]: 2}, [0, 0, 32]))
-    # the flushed GPU blocks were freed by the engine at finish; the completion drops the pin
-    assert [blk.ref_cnt for blk in ta[0] + tb[0]] == [0] * 6
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_finished_eager_store_skips_existing_cpu_cache_entries(variant):
-    """The flush skips blocks already in the CPU cache (the trap: the empty map makes it copy them again)."""
-    h = Harness(variant)
-    x = h.request(33)
-    h.prefill((x, 33))  # x's blocks 0,1 on CPU (1, 2)
-    a = h.request(tokens=x.all_token_ids[:32] + list(range(5, 22)))  # 49 tokens, shares 2 blocks
-    (ta,) = _prefill_then_finish(h, (a, 49))
-    g = ids(ta)[0]
-    # confirmed 49 -> 3 full blocks; 0 and 1 are cached -> only block 2 queued: 7 - 1 = 6 free
-    # (cached ref-0 blocks count as free). The trap: the map is empty, all 3 are copied again
-    # (4 free); pre-fix flush: nothing queued (7 free).
-    assert_variant(variant, (h.queued_flush_gpu_ids(), h.cpu.get_num_free_blocks()),
-                   ([g[2]], 6), skip_reset_hash=(g[:3], 4), flush_bug=([], 7))
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_finished_eager_store_skips_in_flight_blocks(variant):
-    """The flush skips GPU blocks whose store is already in flight."""
-    h = Harness(variant)
-    x = h.request(33)
-    meta_x, (tx,) = h.prefill((x, 33), complete=False)  # x's blocks 0,1 in flight
-    a = h.twin(x)
-    a.append_output_token_ids(list(range(5, 21)))  # grows to 49 tokens: 3 full blocks
-    h.gpu.touch(tx[0][:2])  # GPU prefix hit on x's two blocks
-    ta = (tx[0][:2] + h.gpu.get_new_blocks(2),)
-    h.gpu.cache_full_blocks(a, ta[0], 2, 3, BS, 0)
-    h.sched.update_state_after_alloc(a, ta, 0)
-    a.num_computed_tokens = 49
-    h.finish(a, ta)
-    assert_variant(variant, h.queued_flush_gpu_ids(), [ta[0][2].block_id], flush_bug=[])
-    assert set(h.sched._in_flight_store_gpu_blocks) >= set(ids(tx)[0][:2])
-
-
-def test_queued_flush_counts_as_in_flight():
-    """Blocks queued by a finish flush are not stored again by a request that shares them."""
-    h = Harness()
-    a = h.request(33)
-    (ta,) = _prefill_then_finish(h, (a, 33))  # a's blocks 0,1 queued (pinned), a freed
-    shared = ta[0][:2]
-    b = h.twin(a)
-    h.gpu.touch(shared)  # b's GPU prefix hit
-    b.num_computed_tokens = 32
-    h.sched.update_state_after_alloc(b, (shared,), 0)
-    meta = h.step({b.request_id: 1}, {b.request_id: (shared,)})
-    # one copy per block: the flush's; b's scan skips them as in flight (CPU 1, 2 from the flush)
-    assert sorted(zip(meta.store_gpu_blocks, meta.store_cpu_blocks)) == [(shared[0].block_id, 1),
-                                                                        (shared[1].block_id, 2)]
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_registration_survives_stamped_destination(variant):
-    """A CPU block already carrying its key as primary is still registered (reset_hash() first).
-    vLLM 0.29's direct insert registered it too; the fix without reset_hash() does not."""
-    h = Harness(variant)
-    req = h.request(33)
-    meta, _ = h.prefill((req, 33), complete=False)
-    for g, c in zip(meta.store_gpu_blocks, meta.store_cpu_blocks):  # vLLM 0.29's stamp
-        h.cpu.blocks[c].block_hash = h.gpu.blocks[g].block_hash
-    h.complete_store(meta.store_event)
-    assert_variant(variant, h.in_cpu(req), [True, True], skip_reset_hash=[False, False])
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_finished_eager_store_is_reported_pending_before_metadata_build(variant):
-    """has_pending_stores / has_pending_push_work are True from the finish until the flush completes."""
-    h = Harness(variant)
-    a = h.request(33)
-    _prefill_then_finish(h, (a, 33))
-    pending = lambda: (h.sched.has_pending_stores(), h.sched.has_pending_push_work())  # noqa: E731
-    seen = [pending()]                      # queued, not yet sent
-    meta = h.step()
-    seen.append(pending())                  # sent, in flight
-    if meta.store_event >= 0:
-        h.complete_store(meta.store_event)
-    seen.append(pending())                  # done
-    assert_variant(variant, (seen, len(meta.store_gpu_blocks)),
-                   ([(True, True), (True, True), (False, False)], 2),
-                   flush_bug=([(False, False)] * 3, 0))
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_finished_eager_store_covers_all_groups(variant):
-    """The flush stores the remaining confirmed blocks of every KV-cache group."""
-    h = Harness(variant, num_cpu_blocks=8, block_size=32, hash_block_size=16, group_block_sizes=[16, 32])
-    a = h.request(65)
-    (t,) = _prefill_then_finish(h, (a, 65))
-    g0, g1 = ids(t)
-    # confirmed 65: group 16 -> 4 full blocks, group 32 -> 2 full blocks = 6 (of 7 usable)
-    queued = sorted(h.queued_flush_gpu_ids())
-    meta = h.step()
-    if meta.store_event >= 0:
-        h.complete_store(meta.store_event)
-    assert_variant(variant, (queued, h.probe(a)), (sorted(g0[:4] + g1[:2]), 64),
-                   skip_reset_hash=(sorted(g0[:4] + g1[:2]), 0), flush_bug=([], 0))
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_finished_eager_store_respects_cpu_capacity(variant):
-    """The flush stops at CPU capacity instead of raising: 2 usable CPU blocks -> 2 of 4 blocks."""
-    h = Harness(variant, num_cpu_blocks=3)
-    a = h.request(65)
-    (ta,) = _prefill_then_finish(h, (a, 65))
-    g = ids(ta)[0]
-    assert_variant(variant, (h.queued_flush_gpu_ids(), h.cpu.get_num_free_blocks()),
-                   (g[:2], 0), flush_bug=([], 2))
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_reset_releases_pending_finished_eager_stores(variant):
-    """reset() releases a queued (never sent) flush at once: GPU and CPU refs back, reset succeeds."""
-    h = Harness(variant, num_gpu_blocks=16)
-    a = h.request(33)
-    (ta,) = _prefill_then_finish(h, (a, 33))
-    queued = len(h.sched._pending_finished_stores)
-    refs = [b.ref_cnt for b in ta[0]]  # flushed blocks keep only the store pin after the finish
-    assert h.sched.reset() is True
-    assert_variant(variant, (queued, refs), (1, [1, 1, 0]), flush_bug=(0, [0, 0, 0]))
-    assert [b.ref_cnt for b in ta[0]] == [0, 0, 0]
-    assert (h.gpu.get_num_free_blocks(), h.cpu.get_num_free_blocks()) == (15, 7)
-    assert (len(h.cpu.cached_block_hash_to_block), h.sched.has_pending_push_work()) == (0, False)
-    assert h.gpu.reset_prefix_cache()
-    assert h.step().store_event == -1  # nothing left to send
-
-
-# -----------------------------------------------------------------------------
-# reset() with transfers in flight
+# ---- 1.12 Manager: reset() with transfers in flight ----------------------------------------------
 
 
 def test_reset_waits_for_sent_store():
@@ -1863,8 +1440,624 @@ def test_stale_completions_after_reset_are_ignored():
     assert h.in_cpu(x) == [True, True]
 
 
-# ===============================================================================================
-# Reliability: invariants after every step, random schedules with injected faults, the bad-input catalogue
+# ---- 1.13 The seven tests PR #53532 added --------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_eager_store_preserves_secondary_block_hashes(variant):
+    """A stored block is found under its primary key and its fine-grained secondaries. vLLM 0.29
+    inserted the primary only: whole blocks hit (64), the fine-grained probe misses (0). The
+    trap registers the secondaries under the stamped primary but not the primary: b finds f0
+    (16), and a's whole-block walk misses at block 0, so it too falls back to f0 (16)."""
+    h = Harness(variant, block_size=32, hash_block_size=16)
+    a = h.request(4 * 16 + 1)  # 65 tokens: fine hashes f0..f3, two 32-blocks keyed f1 and f3
+    table = h.alloc(a, 65)
+    sec = [ko.make_block_hash_with_group_id(a.block_hashes[i], 0) for i in (0, 2)]
+    for blk, key in zip(table[0], sec):  # interior boundaries at 16 and 48 tokens
+        h.gpu._insert_block_hash(key, blk, None)
+    h.sched.update_state_after_alloc(a, table, 0)
+    meta = h.step({a.request_id: 1}, {a.request_id: table})
+    h.complete_store(meta.store_event)
+    cpu0, cpu1 = meta.store_cpu_blocks
+    secondaries = {b: set(h.cpu.cached_block_hashes_by_block.get(b, ())) for b in (cpu0, cpu1)}
+    # b shares only a's first 16 tokens: its first 32-block misses (f1 differs), the
+    # fine-grained probe finds f0 as the secondary key of CPU block cpu0 -> 16 tokens
+    b = h.request(tokens=a.all_token_ids[:16] + list(range(7, 27)))  # 36 tokens
+    _, fine_hit = ko.find_longest_cache_hit(b.block_hashes, 35, [0], h.cpu, 32)
+    _, full_hit = ko.find_longest_cache_hit(a.block_hashes, 64, [0], h.cpu, 32)
+    assert_variant(variant, (secondaries, fine_hit, full_hit),
+                   ({cpu0: {sec[0]}, cpu1: {sec[1]}}, 16, 64),
+                   registration_bug=({cpu0: set(), cpu1: set()}, 0, 64),
+                   skip_reset_hash=({cpu0: {sec[0]}, cpu1: {sec[1]}}, 16, 16))
+
+
+def _prefill_then_finish(h, *reqs_tokens):
+    """Requests whose prefill ran in their last step: nothing confirmed was stored before finishing."""
+    tables = [h.alloc(r, n, confirm=False) for r, n in reqs_tokens]
+    for (r, _), t in zip(reqs_tokens, tables):
+        h.sched.update_state_after_alloc(r, t, 0)
+    meta = h.step({r.request_id: n for r, n in reqs_tokens},
+                  {r.request_id: t for (r, _), t in zip(reqs_tokens, tables)})
+    assert meta.store_event == -1  # nothing confirmed yet
+    for (r, n), t in zip(reqs_tokens, tables):
+        r.num_computed_tokens = n  # the forward pass ran; the request ends now
+        h.finish(r, t)
+    return tables
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_finished_eager_stores_are_batched(variant):
+    """Two finish-time flushes and a running request's store go out as one store event."""
+    h = Harness(variant)
+    c = h.request(33)
+    tc = h.alloc(c, 33)  # running request with 2 confirmed blocks
+    h.sched.update_state_after_alloc(c, tc, 0)
+    a, b = h.request(33), h.request(33)
+    ta, tb = _prefill_then_finish(h, (a, 33), (b, 33))  # queue a -> CPU 1,2 and b -> CPU 3,4
+    meta = h.step({c.request_id: 1}, {c.request_id: tc})  # c's blocks get CPU 5,6 now
+    pairs = dict(zip(meta.store_gpu_blocks, meta.store_cpu_blocks))
+    ga, gb, gc = table_ids(ta)[0], table_ids(tb)[0], table_ids(tc)[0]
+    fixed_pairs = {ga[0]: 1, ga[1]: 2, gb[0]: 3, gb[1]: 4, gc[0]: 5, gc[1]: 6}
+    assert meta.store_event >= 0
+    h.complete_store(meta.store_event)
+    # a, b, c all 33 tokens -> hit 32 each once stored and registered
+    assert_variant(variant, (pairs, [h.probe(r) for r in (a, b, c)]),
+                   (fixed_pairs, [32, 32, 32]),
+                   skip_reset_hash=(fixed_pairs, [0, 0, 0]),
+                   flush_bug=({gc[0]: 1, gc[1]: 2}, [0, 0, 32]))
+    # the flushed GPU blocks were freed by the engine at finish; the completion drops the pin
+    assert [blk.ref_cnt for blk in ta[0] + tb[0]] == [0] * 6
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_finished_eager_store_skips_existing_cpu_cache_entries(variant):
+    """The flush skips blocks already in the CPU cache (the trap: the empty map makes it copy them again)."""
+    h = Harness(variant)
+    x = h.request(33)
+    h.prefill((x, 33))  # x's blocks 0,1 on CPU (1, 2)
+    a = h.request(tokens=x.all_token_ids[:32] + list(range(5, 22)))  # 49 tokens, shares 2 blocks
+    (ta,) = _prefill_then_finish(h, (a, 49))
+    g = table_ids(ta)[0]
+    # confirmed 49 -> 3 full blocks; 0 and 1 are cached -> only block 2 queued: 7 - 1 = 6 free
+    # (cached ref-0 blocks count as free). The trap: the map is empty, all 3 are copied again
+    # (4 free); pre-fix flush: nothing queued (7 free).
+    assert_variant(variant, (h.queued_flush_gpu_ids(), h.cpu.get_num_free_blocks()),
+                   ([g[2]], 6), skip_reset_hash=(g[:3], 4), flush_bug=([], 7))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_finished_eager_store_skips_in_flight_blocks(variant):
+    """The flush skips GPU blocks whose store is already in flight."""
+    h = Harness(variant)
+    x = h.request(33)
+    meta_x, (tx,) = h.prefill((x, 33), complete=False)  # x's blocks 0,1 in flight
+    a = h.twin(x)
+    a.append_output_token_ids(list(range(5, 21)))  # grows to 49 tokens: 3 full blocks
+    h.gpu.touch(tx[0][:2])  # GPU prefix hit on x's two blocks
+    ta = (tx[0][:2] + h.gpu.get_new_blocks(2),)
+    h.gpu.cache_full_blocks(a, ta[0], 2, 3, BS, 0)
+    h.sched.update_state_after_alloc(a, ta, 0)
+    a.num_computed_tokens = 49
+    h.finish(a, ta)
+    assert_variant(variant, h.queued_flush_gpu_ids(), [ta[0][2].block_id], flush_bug=[])
+    assert set(h.sched._in_flight_store_gpu_blocks) >= set(table_ids(tx)[0][:2])
+
+
+def test_queued_flush_counts_as_in_flight():
+    """Blocks queued by a finish flush are not stored again by a request that shares them."""
+    h = Harness()
+    a = h.request(33)
+    (ta,) = _prefill_then_finish(h, (a, 33))  # a's blocks 0,1 queued (pinned), a freed
+    shared = ta[0][:2]
+    b = h.twin(a)
+    h.gpu.touch(shared)  # b's GPU prefix hit
+    b.num_computed_tokens = 32
+    h.sched.update_state_after_alloc(b, (shared,), 0)
+    meta = h.step({b.request_id: 1}, {b.request_id: (shared,)})
+    # one copy per block: the flush's; b's scan skips them as in flight (CPU 1, 2 from the flush)
+    assert sorted(zip(meta.store_gpu_blocks, meta.store_cpu_blocks)) == [(shared[0].block_id, 1),
+                                                                        (shared[1].block_id, 2)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_registration_survives_stamped_destination(variant):
+    """A CPU block already carrying its key as primary is still registered (reset_hash() first).
+    vLLM 0.29's direct insert registered it too; the fix without reset_hash() does not."""
+    h = Harness(variant)
+    req = h.request(33)
+    meta, _ = h.prefill((req, 33), complete=False)
+    for g, c in zip(meta.store_gpu_blocks, meta.store_cpu_blocks):  # vLLM 0.29's stamp
+        h.cpu.blocks[c].block_hash = h.gpu.blocks[g].block_hash
+    h.complete_store(meta.store_event)
+    assert_variant(variant, h.in_cpu(req), [True, True], skip_reset_hash=[False, False])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_finished_eager_store_is_reported_pending_before_metadata_build(variant):
+    """has_pending_stores / has_pending_push_work are True from the finish until the flush completes."""
+    h = Harness(variant)
+    a = h.request(33)
+    _prefill_then_finish(h, (a, 33))
+    pending = lambda: (h.sched.has_pending_stores(), h.sched.has_pending_push_work())  # noqa: E731
+    seen = [pending()]                      # queued, not yet sent
+    meta = h.step()
+    seen.append(pending())                  # sent, in flight
+    if meta.store_event >= 0:
+        h.complete_store(meta.store_event)
+    seen.append(pending())                  # done
+    assert_variant(variant, (seen, len(meta.store_gpu_blocks)),
+                   ([(True, True), (True, True), (False, False)], 2),
+                   flush_bug=([(False, False)] * 3, 0))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_finished_eager_store_covers_all_groups(variant):
+    """The flush stores the remaining confirmed blocks of every KV-cache group."""
+    h = Harness(variant, num_cpu_blocks=8, block_size=32, hash_block_size=16, group_block_sizes=[16, 32])
+    a = h.request(65)
+    (t,) = _prefill_then_finish(h, (a, 65))
+    g0, g1 = table_ids(t)
+    # confirmed 65: group 16 -> 4 full blocks, group 32 -> 2 full blocks = 6 (of 7 usable)
+    queued = sorted(h.queued_flush_gpu_ids())
+    meta = h.step()
+    if meta.store_event >= 0:
+        h.complete_store(meta.store_event)
+    assert_variant(variant, (queued, h.probe(a)), (sorted(g0[:4] + g1[:2]), 64),
+                   skip_reset_hash=(sorted(g0[:4] + g1[:2]), 0), flush_bug=([], 0))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_finished_eager_store_respects_cpu_capacity(variant):
+    """The flush stops at CPU capacity instead of raising: 2 usable CPU blocks -> 2 of 4 blocks."""
+    h = Harness(variant, num_cpu_blocks=3)
+    a = h.request(65)
+    (ta,) = _prefill_then_finish(h, (a, 65))
+    g = table_ids(ta)[0]
+    assert_variant(variant, (h.queued_flush_gpu_ids(), h.cpu.get_num_free_blocks()),
+                   (g[:2], 0), flush_bug=([], 2))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_reset_releases_pending_finished_eager_stores(variant):
+    """reset() releases a queued (never sent) flush at once: GPU and CPU refs back, reset succeeds."""
+    h = Harness(variant, num_gpu_blocks=16)
+    a = h.request(33)
+    (ta,) = _prefill_then_finish(h, (a, 33))
+    queued = len(h.sched._pending_finished_stores)
+    refs = [b.ref_cnt for b in ta[0]]  # flushed blocks keep only the store pin after the finish
+    assert h.sched.reset() is True
+    assert_variant(variant, (queued, refs), (1, [1, 1, 0]), flush_bug=(0, [0, 0, 0]))
+    assert [b.ref_cnt for b in ta[0]] == [0, 0, 0]
+    assert (h.gpu.get_num_free_blocks(), h.cpu.get_num_free_blocks()) == (15, 7)
+    assert (len(h.cpu.cached_block_hash_to_block), h.sched.has_pending_push_work()) == (0, False)
+    assert h.gpu.reset_prefix_cache()
+    assert h.step().store_event == -1  # nothing left to send
+
+
+# ---- 1.14 End to end: toy model and engine -------------------------------------------------------
+
+def _story_engine(connector_cls=ko.SimpleCPUOffloadScheduler, num_gpu_blocks=300, num_cpu_blocks=300,
+                  block_size=16, budget=512, device="cpu", workers=1, **kw):
+    model = ko.ToyModel(2, 2, 16, device="cpu" if device == "deferred" else device)
+    conn = connector_cls(num_cpu_blocks, block_size, **kw)
+    ws = [make_worker(num_cpu_blocks, device, seed=i) for i in range(workers)]
+    eng = ko.MiniEngine(num_gpu_blocks, block_size, budget, model, conn, ws if workers > 1 else ws[0], capture_kv=True)
+    return eng, conn, model
+
+
+def _prompt(n, seed=0):
+    return torch.randint(0, 32000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _run_a_then_b(eng, prompt, block_size=16):
+    """Request A runs; its GPU prefix cache is dropped; B sends the same prompt. B's stats."""
+    eng.add_request(ko.Request("A", prompt, block_size))
+    eng.run()
+    assert eng.reset_gpu_prefix_cache()
+    eng.add_request(ko.Request("B", prompt, block_size))
+    return eng.run()["B"]
+
+
+def _assert_all_free(eng, conn):
+    assert eng.gpu_block_pool.get_num_free_blocks() == eng.gpu_block_pool.num_gpu_blocks - 1
+    assert conn.cpu_block_pool.get_num_free_blocks() == conn.num_cpu_blocks - 1
+    assert not conn.has_pending_push_work() and not live_loads(conn) and not conn._reqs_to_store
+
+
+def test_toy_model_is_chunking_invariant():
+    """KV of a token depends on (id, position) only: chunked writes equal one-shot expected_kv."""
+    m = ko.ToyModel(2, 2, 8)
+    toks = _prompt(40)
+    whole = m.expected_kv(toks)
+    parts = torch.cat([m.compute_kv(torch.tensor(toks[i:i + 7]), torch.arange(i, min(i + 7, 40)))
+                       for i in range(0, 40, 7)], dim=2)
+    assert torch.equal(whole, parts) and whole.shape == (2, 2, 40, 2, 8) and whole.dtype == torch.float16
+    assert not torch.equal(whole[:, :, 0], m.expected_kv([toks[1]])[:, :, 0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", ["fixed", "registration_bug", "skip_reset_hash", "flush_bug"])
+def test_repeated_prompt_end_to_end(device, variant):
+    """A 3000-token prompt, 512-token chunks, block 16. Fixed: B loads (3000-1)//16 = 187 blocks
+    = 2992 tokens and computes 8; its KV equals expected_kv bit for bit, outputs match, pools
+    end all-free. Registration bug (vLLM 0.29): the stamped primary keys do reach the map, and
+    with hash_block_size == block_size no lookup needs a secondary key -> 2992 as fixed. The
+    reset_hash trap: no primary key is registered -> B recomputes all 3000. Flush bug: the last
+    chunk's blocks (2560..2991, confirmed in A's last step) never reach CPU -> 2560 loaded."""
+    cls, kw = ((ko.SimpleCPUOffloadScheduler, {}) if variant == "fixed" else
+               (ko.PreFixCPUOffloadScheduler, {"registration_bug": variant == "registration_bug",
+                                               "skip_reset_hash": variant == "skip_reset_hash",
+                                               "flush_bug": variant == "flush_bug"}))
+    eng, conn, model = _story_engine(cls, device=device, **kw)
+    prompt = _prompt(3000)
+    eng.add_request(ko.Request("A", prompt, 16))
+    eng.run()
+    assert eng.reset_gpu_prefix_cache()
+    eng.add_request(ko.Request("B", prompt, 16))
+    stats = eng.run()
+    a, b = stats["A"], stats["B"]
+    expected_hit = {"fixed": 2992, "registration_bug": 2992, "skip_reset_hash": 0, "flush_bug": 2560}[variant]
+    assert b.cpu_hit_tokens == expected_hit and b.computed_tokens == 3000 - expected_hit
+    assert a.output_token_ids == b.output_token_ids and len(b.output_token_ids) == 1
+    # captured KV is on CPU: compare on one device
+    assert torch.equal(b.kv, model.expected_kv(prompt).cpu()) and torch.equal(a.kv, b.kv)
+    _assert_all_free(eng, conn)
+
+
+def test_shared_prefix_decode_and_gpu_hits():
+    """Three requests share 1000 tokens (62 whole blocks of 16), then differ. r1 arrives after r0
+    finished, GPU cache intact: 992 tokens hit on GPU and the CPU lookup (from 992 on) finds
+    nothing more. After the GPU cache is dropped, r2 loads those 62 blocks (992 tokens) from CPU."""
+    eng, conn, model = _story_engine()
+    shared = _prompt(1000)
+    reqs = [ko.Request(f"r{i}", shared + _prompt(100, seed=i + 1), 16, max_tokens=5) for i in range(3)]
+    eng.add_request(reqs[0]); eng.run()
+    eng.add_request(reqs[1]); eng.run()
+    assert eng.reset_gpu_prefix_cache()
+    eng.add_request(reqs[2]); stats = eng.run()
+    assert (stats["r1"].gpu_hit_tokens, stats["r1"].cpu_hit_tokens) == (992, 0)
+    assert (stats["r2"].gpu_hit_tokens, stats["r2"].cpu_hit_tokens) == (0, 992)
+    _assert_all_free(eng, conn)
+
+
+@pytest.mark.parametrize("device", ["cpu", "deferred"])
+def test_gpu_preemption_recomputes_and_stays_exact(device):
+    """A GPU pool too small for three 600-token prompts at once forces preemption; every request
+    still ends with KV equal to expected_kv and the pools drain."""
+    eng, conn, model = _story_engine(num_gpu_blocks=60, budget=256, device=device)
+    prompts = [_prompt(600, seed=s) for s in range(3)]
+    for i, p in enumerate(prompts):
+        eng.add_request(ko.Request(f"r{i}", p, 16, max_tokens=3))
+    stats = eng.run()
+    assert sum(s.computed_tokens for s in stats.values()) > 3 * 602   # something was recomputed
+    for i, p in enumerate(prompts):
+        assert torch.equal(stats[f"r{i}"].kv, model.expected_kv(p))
+    _assert_all_free(eng, conn)
+
+
+def test_engine_lists_new_and_resumed_requests_before_running_ones():
+    """vLLM 0.34 sends new and resumed requests (whole tables) first, then running ones, and
+    MiniEngine lists num_scheduled_tokens that way. Block 16, budget 32. Step 1: A (40 tokens)
+    computes 32 in GPU blocks 1, 2. Step 2: running A is scheduled first (8 tokens, block 3),
+    then B (24 tokens, whole table 4, 5) is admitted with the 24 left, but listed first."""
+    eng, conn, _ = _story_engine(num_gpu_blocks=16, budget=32)
+    seen = []
+    build = conn.build_connector_meta
+
+    def recording_build(scheduler_output):
+        seen.append(scheduler_output)
+        return build(scheduler_output)
+
+    conn.build_connector_meta = recording_build
+    eng.add_request(ko.Request("A", _prompt(40), 16))
+    eng.step()
+    eng.add_request(ko.Request("B", _prompt(24, seed=1), 16))
+    eng.step()
+    scheduler_output = seen[-1]
+    assert list(scheduler_output.num_scheduled_tokens.items()) == [("B", 24), ("A", 8)]
+    assert scheduler_output.new_block_ids == {"A": ([3],), "B": ([4, 5],)} and scheduler_output.resumed_req_ids == set()
+    yielded = [(rid, ids) for rid, ids, _ in ko.yield_req_data(scheduler_output)]
+    assert yielded == [("B", ([4, 5],)), ("A", ([3],))]
+
+
+def test_engine_lists_resumed_requests_first_under_preemption():
+    """In the preemption run above, each step lists every request that was running when the step
+    began after all the others (new and resumed ones), and resumed ones carry whole tables."""
+    eng, conn, _ = _story_engine(num_gpu_blocks=60, budget=256)
+    checked = Counter()
+    schedule = eng._schedule
+
+    def recording_schedule():
+        running_at_start = [r.request_id for r in eng.running]
+        scheduler_output = schedule()
+        order = list(scheduler_output.num_scheduled_tokens)
+        running = [rid for rid in order if rid in running_at_start]
+        assert order[len(order) - len(running):] == running, (order, running_at_start)
+        for rid in scheduler_output.resumed_req_ids:
+            assert rid not in running
+            assert list(scheduler_output.new_block_ids[rid][0]) == block_ids(eng.req_blocks[rid])
+        checked["resumed"] += len(scheduler_output.resumed_req_ids)
+        checked["mixed"] += 0 < len(running) < len(order)
+        return scheduler_output
+
+    eng._schedule = recording_schedule
+    for i in range(3):
+        eng.add_request(ko.Request(f"r{i}", _prompt(600, seed=i), 16, max_tokens=3))
+    eng.run()
+    assert checked["resumed"] > 0 and checked["mixed"] > 0, checked
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_workers_world_size_2(device):
+    """Two TP workers: a store completes only once both reported it; the story still holds."""
+    eng, conn, model = _story_engine(workers=2, world_size=2, device=device)
+    prompt = _prompt(1000)
+    eng.add_request(ko.Request("A", prompt, 16)); eng.run()
+    assert eng.reset_gpu_prefix_cache()
+    eng.add_request(ko.Request("B", prompt, 16)); stats = eng.run()
+    assert stats["B"].cpu_hit_tokens == 992 and torch.equal(stats["B"].kv, model.expected_kv(prompt).cpu())
+    _assert_all_free(eng, conn)
+
+
+# ---- 1.15 End to end: the GPU check (--gpu-check) ------------------------------------------------
+# What a GPU is needed for runs there; here, every piece that can run on CPU does.
+
+STEP_CALLS = ("bind_connector_metadata", "start_load_kv", "wait_for_save", "get_finished",
+              "build_connector_worker_meta", "clear_connector_metadata")
+
+
+def sync_checked(worker, set_mode=None):
+    """Run the worker's per-step calls under torch.cuda.set_sync_debug_mode("error"), so that a
+    hidden CPU-GPU sync in any of them raises. handle_preemptions is left out: a need_flush
+    waits for every copy by design."""
+    set_mode = set_mode or torch.cuda.set_sync_debug_mode
+
+    def checked(call):
+        def run(*args):
+            set_mode("error")
+            try:
+                return call(*args)
+            finally:
+                set_mode("default")
+        return run
+
+    for name in STEP_CALLS:
+        setattr(worker, name, checked(getattr(worker, name)))
+    return worker
+
+
+def _story_with_sync_check(device, set_mode=None, plant_sync=False):
+    eng, conn, model = _story_engine(device=device)
+    w = eng.workers[0]
+    if plant_sync:  # planted: the worker reads KV on the host, a sync, before each store
+        store = w.wait_for_save
+
+        def wait_for_save():
+            next(iter(w.gpu_caches.values()))[0].sum().item()
+            store()
+        w.wait_for_save = wait_for_save
+    sync_checked(w, set_mode)
+    prompt = _prompt(1000)
+    b = _run_a_then_b(eng, prompt)
+    assert b.cpu_hit_tokens == 992 and torch.equal(b.kv, model.expected_kv(prompt).cpu())
+
+
+@pytest.mark.parametrize("device", [CUDA])
+def test_worker_step_has_no_hidden_sync(device):
+    """The story (1000 tokens: 62 blocks stored, then loaded) with every per-step worker call
+    under set_sync_debug_mode("error"): stores, loads and polls never make the CPU wait for the
+    GPU. The check is live: a planted `.item()` before each store raises."""
+    _story_with_sync_check(device)
+    with pytest.raises(RuntimeError, match="synchronizing"):
+        _story_with_sync_check(device, plant_sync=True)
+
+
+def test_sync_check_covers_every_copy_and_poll():
+    """The CPU half of test_worker_step_has_no_hidden_sync, on the deferred engine with a stand-in
+    for set_sync_debug_mode: every copy the worker issues and every event it polls happens while
+    the mode is "error", and the mode is back to "default" between calls."""
+    mode, seen = ["default"], Counter()
+    launch, poll = ko.SimpleCPUOffloadWorker._launch, ko.SimpleCPUOffloadWorker._poll
+
+    def spy_launch(self, *args, **kwargs):
+        seen["copy", mode[0]] += 1
+        return launch(self, *args, **kwargs)
+
+    def spy_poll(self, is_store):
+        seen["poll", mode[0]] += 1
+        return poll(self, is_store)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ko.SimpleCPUOffloadWorker, "_launch", spy_launch)
+        mp.setattr(ko.SimpleCPUOffloadWorker, "_poll", spy_poll)
+        _story_with_sync_check("deferred", set_mode=lambda m: mode.__setitem__(0, m))
+    assert set(seen) == {("copy", "error"), ("poll", "error")} and mode == ["default"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU answer")
+def test_gpu_check_fails_without_a_gpu(capsys):
+    """No GPU: --gpu-check must not pass by skipping everything."""
+    with pytest.raises(SystemExit) as exit_:
+        ko.main(["--gpu-check"])
+    assert exit_.value.code == 2 and "no CUDA device" in capsys.readouterr().out
+
+
+def test_gpu_check_runs_the_gpu_cases_then_the_gpu_bench(monkeypatch):
+    """With a stand-in GPU: the check runs pytest -k cuda on this file with 200 fuzz examples and
+    skips turned into failures, prints the CUDA bench rows, and exits with pytest's status."""
+    import subprocess
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(subprocess, "call", lambda argv, env: calls.append((argv, env)) or 1)
+    monkeypatch.setattr(ko, "_print_copy_rows", lambda devices: calls.append(devices))
+    with pytest.raises(SystemExit) as exit_:
+        ko.main(["--gpu-check"])
+    (argv, env), devices = calls
+    assert exit_.value.code == 1 and devices == ["cuda"]
+    assert argv[argv.index("-k") + 1] == "cuda" and argv[-1].endswith("test_kv_offload.py")
+    assert env["KV_OFFLOAD_REQUIRE_CUDA"] == "1" and env["KV_OFFLOAD_FUZZ_EXAMPLES"] == "200"
+
+
+def test_gpu_check_selects_every_gpu_case():
+    """What `-k cuda` collects under KV_OFFLOAD_REQUIRE_CUDA: the CUDA parameter of every device-
+    parametrized test (worker copies, end to end, two workers, reliability scenarios, the fuzz,
+    the sync check) and nothing else; and a selected case fails, not skips, without a GPU."""
+    import subprocess
+    import sys
+    env = dict(os.environ, KV_OFFLOAD_REQUIRE_CUDA="1")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
+                          "-k", "cuda", __file__], env=env, capture_output=True, text=True).stdout
+    ids = [line for line in out.splitlines() if "::" in line]
+    names = {i.split("::")[1].split("[")[0] for i in ids}
+    assert {"test_worker_copies_exact_blocks_both_directions", "test_repeated_prompt_end_to_end",
+            "test_two_workers_world_size_2", "test_rel_fuzz_random_schedules", "test_worker_step_has_no_hidden_sync",
+            "test_rel_abort_while_its_load_is_in_flight", "test_rel_reset_while_a_store_and_a_load_are_in_flight",
+            "test_rel_world_size_2_one_worker_lags"} <= names
+    assert all("cuda" in i.split("[")[1] for i in ids), ids
+    if not torch.cuda.is_available():
+        one = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                              "-k", "cuda and worker_copies and flash and contiguous", __file__],
+                             env=env, capture_output=True, text=True).stdout
+        assert "1 failed" in one and "skipped" not in one, one
+
+
+# ---- 1.16 The notebook and the README ------------------------------------------------------------
+# The notebook executes headless, and its key claims hold through kv_offload
+NOTEBOOK = pathlib.Path(ko.__file__).resolve().parent / "walkthrough.ipynb"
+
+
+def _nb_text(cell) -> str:
+    """All stream and text/plain output of one executed code cell."""
+    parts = []
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "stream":
+            parts.append(out["text"])
+        elif "text/plain" in out.get("data", {}):
+            parts.append(out["data"]["text/plain"])
+    return "".join(parts)
+
+
+def _nb_tagged(nb, tag: str) -> str:
+    cells = [c for c in nb.cells if c.cell_type == "code" and tag in c.get("metadata", {}).get("tags", [])]
+    assert len(cells) == 1, f"expected exactly one notebook cell tagged {tag!r}, found {len(cells)}"
+    return _nb_text(cells[0])
+
+
+@pytest.fixture(scope="module")
+def executed_notebook():
+    """walkthrough.ipynb executed headless, top to bottom (cwd = the repository root)."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("ipykernel")
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+    try:
+        KernelSpecManager().get_kernel_spec("python3")
+    except NoSuchKernel:
+        pytest.skip("no python3 Jupyter kernel installed")
+    if not NOTEBOOK.exists():
+        pytest.fail(f"{NOTEBOOK} is missing")
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    # raises CellExecutionError (naming the cell and the traceback) as soon as a cell fails
+    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    return nb
+
+
+def test_notebook_executes_without_errors(executed_notebook):
+    errors = [o for c in executed_notebook.cells if c.cell_type == "code"
+              for o in c.outputs if o.get("output_type") == "error"]
+    assert not errors, f"notebook cell raised: {errors[0].get('ename')}: {errors[0].get('evalue')}"
+    pngs = sum("image/png" in o.get("data", {}) for c in executed_notebook.cells if c.cell_type == "code"
+               for o in c.outputs)
+    assert pngs >= 3, f"the notebook drew {pngs} pictures, expected at least 3"
+
+
+def test_notebook_claims_in_its_outputs(executed_notebook):
+    """The numbers the prose relies on, read from the freshly executed notebook (each derived in
+    the module's tests: 97 tokens = 6 blocks of 16 + 1, cap 96; blocks of 8 hashed every 4;
+    a 64-block prompt against CPU pools around 64 blocks; 217 blocks at 7 per step)."""
+    nb = executed_notebook
+    claims = {  # tag of the cell -> what its output must say
+        "claim-029": [r"0.29: len\(cached_block_hash_to_block\) = 6; cached_block_hashes_by_block = \{\}",
+                      r"0.29 lookup for the same prompt: 96 hit tokens"],
+        "claim-fine": [r"0.29 +CPU secondary keys: 0; fine-grained hit: 8 hit tokens",
+                       r"fixed +CPU secondary keys: 1; fine-grained hit: 12 hit tokens"],
+        "claim-capacity": [r"0.29 .*56: 0, 57: 896,.* 72: 896\}", r"fixed .*64: 0, 65: 1008,.* 72: 1008\}"],
+        "claim-trap": [r"0.29 +map entries: 6; lookup for the same prompt: 96 hit tokens",
+                       r"no reset_hash +map entries: 0; lookup for the same prompt: 0 hit tokens",
+                       r"fixed +map entries: 6; lookup for the same prompt: 96 hit tokens"],
+        "claim-bug2": [r"flush bug +31 steps, 210 of 217", r"fixed +32 steps, 217 of 217"],
+    }
+    for tag, patterns in claims.items():
+        text = _nb_tagged(nb, tag)
+        for pattern in patterns:
+            assert re.search(pattern, text), (tag, pattern, text)
+    story = _nb_tagged(nb, "claim-story").splitlines()
+    expected = {"0.29": "1024 tokens computed, 3072 loaded", "no reset_hash": "4096 tokens computed,    0 loaded",
+                "fixed": "  16 tokens computed, 4080 loaded"}
+    for name, counts in expected.items():
+        line = next(line for line in story if line.startswith(name + " "))
+        assert counts in line, line
+        assert "same output token as A: True" in line and "KV equals expected_kv: True" in line
+
+
+README = pathlib.Path(ko.__file__).resolve().parent / "README.md"
+
+
+def _readme_table(text: str, header_start: str) -> dict[str, dict[str, str]]:
+    """Rows of one of the README's demo tables: row name -> {column: cell}."""
+    lines = text[text.index(header_start):].splitlines()
+    columns = re.split(r"\s{2,}", lines[1].strip())
+    rows = {}
+    for line in lines[2:]:
+        cells = re.split(r"\s{2,}", line.strip())
+        if len(cells) != len(columns) + 1:
+            break
+        rows[cells[0]] = dict(zip(columns, cells[1:]))
+    return rows
+
+
+def test_readme_numbers_match_the_code():
+    """Every count the README prints comes from the code as it is now: the demo's two tables
+    (each non-timing row, each column) and the number of tests in the file map."""
+    text = README.read_text()
+    main_table = _readme_table(text, "```\n                            0.29 (both)")
+    small_table = _readme_table(text, "The same, with a CPU pool of 448 blocks")
+    assert len(main_table) >= 6 and len(small_table) == 3, (main_table, small_table)
+    for name, (cls, kwargs) in ko.STORY_VARIANTS.items():
+        r = ko.run_story(cls, 8192, **kwargs)
+        for row, cells in main_table.items():
+            assert cells[name] == str(r[row]), (name, row, cells[name], r[row])
+        if name in small_table["cpu_hit_tokens"]:
+            r = ko.run_story(cls, 8192, num_cpu_blocks=448, **kwargs)
+            for row, cells in small_table.items():
+                assert cells[name] == str(r[row]), (name, row, cells[name], r[row])
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
+                                "no:cacheprovider", __file__], capture_output=True, text=True).stdout
+    num_tests = int(re.search(r"(\d+) tests collected", collected).group(1))
+    assert f"| {num_tests} tests (CPU;" in text, f"the README's file map should say {num_tests} tests"
+
+
+def test_notebook_is_committed_with_outputs():
+    """Readers open it on the web before running anything: every code cell must carry its output."""
+    nbformat = pytest.importorskip("nbformat")
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and all(c.execution_count is not None for c in code), "notebook saved without executing it"
+    assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), "cells were not run top to bottom"
+    pngs = sum("image/png" in o.get("data", {}) for c in code for o in c.outputs)
+    assert pngs >= 3, f"committed notebook has {pngs} pictures, expected at least 3"
+    assert not any(o.get("output_type") == "error" for c in code for o in c.outputs)
+    too_long = [len(c.source.splitlines()) for c in code if len(c.source.splitlines()) > 15]
+    assert not too_long, f"code cells of {too_long} lines: keep notebook cells to 15 lines or fewer"
+    assert "import kv_offload as ko" in code[0].source
+
+
+# ==================================================================================================
+# Part 2 — reliability
+# ==================================================================================================
+# Invariants after every step, random schedules with injected faults, the bad-input catalogue.
 # Quick profile in CI (300 derandomized schedules per device: cpu, deferred); long:
 # KV_OFFLOAD_FUZZ_EXAMPLES=3000 python -m pytest -k fuzz, which prints its seed; replay a run
 # with the same KV_OFFLOAD_FUZZ_EXAMPLES and KV_OFFLOAD_FUZZ_SEED=<the seed>.
@@ -1885,8 +2078,7 @@ def test_stale_completions_after_reset_are_ignored():
 REL_BS = 4  # tokens per block in every schedule: prompts of tens of tokens span a handful of blocks
 
 
-# -----------------------------------------------------------------------------
-# Invariants (check_invariants is the entry point other tests call)
+# ---- 2.1 Invariants (check_invariants is the entry point other tests call) -----------------------
 
 def rel_unwrap(obj):
     """The real connector / worker behind fault-injection proxies (or obj itself)."""
@@ -1925,7 +2117,8 @@ def rel_check_pool(pool: ko.BlockPool, name: str) -> None:
             assert b.prev_free_block is None and b.next_free_block is None, f"{name}: used block {i} still linked"
     for b in free:
         assert pool.blocks[b.block_id] is b, f"{name}: free list holds a foreign block {b.block_id}"
-    entries = map_entries(pool)
+    contents = map_contents(pool.cached_block_hash_to_block)
+    entries = {key: [pool.blocks[i] for i in ids] for key, ids in contents.items()}
     secondary = pool.cached_block_hashes_by_block
     for key, blocks in entries.items():  # every map key points at a block that carries it
         assert blocks, f"{name}: empty map entry"
@@ -2029,7 +2222,7 @@ def check_invariants(engine: ko.MiniEngine, requests=None, *, allow_stale_store_
     running = [r.request_id for r in engine.running]
     waiting = [r.request_id for r in engine.waiting]
     assert len(set(running + waiting)) == len(running) + len(waiting), "a request is queued twice"
-    assert set(engine.loading) <= set(waiting), "a loading request is not waiting"
+    assert set(loading_requests(engine)) <= set(waiting), "a loading request is not waiting"
     assert set(engine.req_blocks) <= set(running + waiting), "a finished request still has a block table"
     for r in engine.running:
         assert ko.cdiv(r.num_computed_tokens, engine.block_size) <= len(engine.req_blocks[r.request_id])
@@ -2042,7 +2235,7 @@ def check_invariants(engine: ko.MiniEngine, requests=None, *, allow_stale_store_
         live = list(conn._store_event_to_blocks.values())
         queued = list(conn._pending_finished_stores)
         abandoned = list(conn._abandoned_store_event_to_blocks.values())
-        load_states = {**conn._abandoned_reqs_to_load, **conn._reqs_to_load}
+        load_states = {**abandoned_loads(conn), **live_loads(conn)}
         loads = [s.transfer_meta for s in load_states.values()]
         want_cpu = Counter()
         for t in live + queued + abandoned + loads:
@@ -2050,7 +2243,7 @@ def check_invariants(engine: ko.MiniEngine, requests=None, *, allow_stale_store_
             assert 0 not in t.gpu_block_ids and 0 not in t.cpu_block_ids, f"null block in a transfer: {t}"
             want_gpu.update(t.gpu_block_ids)
             want_cpu.update(t.cpu_block_ids)
-        for hit_blocks, _, _ in conn._pending_cpu_hits.values():
+        for hit_blocks in pending_cpu_hit_blocks(conn).values():
             want_cpu.update(b.block_id for grp in hit_blocks for b in grp if not b.is_null)
         got = Counter({b.block_id: b.ref_cnt for b in cpu.blocks[1:] if b.ref_cnt})
         assert got == want_cpu, f"CPU refs not accounted for: pool has {dict(got)}, holders {dict(want_cpu)}"
@@ -2094,11 +2287,11 @@ def check_invariants(engine: ko.MiniEngine, requests=None, *, allow_stale_store_
             assert state.load_event is None or rid in conn._load_event_to_reqs.get(state.load_event, ()), (
                 f"sent load of {rid} is not listed under its event")
         # engine <-> connector
-        for rid in engine.loading:
+        for rid in loading_requests(engine):
             assert rid in load_states, f"{rid} waits for a load the connector does not have"
-        for rid, state in conn._reqs_to_load.items():
-            assert rid in engine.loading or state.finished, f"live load of {rid}: neither loading nor finished"
-        for rid in conn._pending_cpu_hits:
+        for rid, state in live_loads(conn).items():
+            assert rid in loading_requests(engine) or state.finished, f"live load of {rid}: neither loading nor finished"
+        for rid in pending_cpu_hits(conn):
             assert rid in waiting, f"lookup pin of {rid}, which is not waiting"
     got = Counter({b.block_id: b.ref_cnt for b in gpu.blocks[1:] if b.ref_cnt})
     assert got == want_gpu, f"GPU refs not accounted for: pool has {dict(got)}, holders {dict(want_gpu)}"
@@ -2111,17 +2304,18 @@ def rel_check_idle(engine: ko.MiniEngine, *, allow_stale_store_counts: bool = Fa
     conn = rel_unwrap(engine.connector)
     gpu = engine.gpu_block_pool
     assert gpu.get_num_free_blocks() == gpu.num_gpu_blocks - 1, "GPU blocks still in use after the run"
-    assert not (engine.waiting or engine.running or engine.loading or engine.req_blocks
-                or engine.num_cached_blocks or engine._recving_counts or engine._resumed), "engine not idle"
+    assert not (engine.waiting or engine.running or loading_requests(engine) or engine.req_blocks
+                or engine.num_cached_blocks or recving_counts(engine) or preempted_waiting_ids(engine)), "engine not idle"
     if conn is None:
         return
     cpu = conn.cpu_block_pool
     assert cpu.get_num_free_blocks() == cpu.num_gpu_blocks - 1, "CPU blocks still in use after the run"
     assert not conn.has_pending_push_work() and not conn.has_pending_stores(), "push work left after the run"
     leftovers = {name: getattr(conn, name) for name in (
-        "_reqs_to_load", "_abandoned_reqs_to_load", "_load_event_to_reqs", "_pending_cpu_hits", "_reqs_to_store",
-        "_store_event_to_blocks", "_store_event_to_reqs", "_abandoned_store_event_to_blocks",
-        "_in_flight_store_gpu_blocks", "_pending_finished_stores")}
+        "_load_event_to_reqs", "_reqs_to_store", "_store_event_to_blocks", "_store_event_to_reqs",
+        "_abandoned_store_event_to_blocks", "_in_flight_store_gpu_blocks", "_pending_finished_stores")}
+    leftovers.update(live_loads=live_loads(conn), abandoned_loads=abandoned_loads(conn),
+                     pending_cpu_hits=pending_cpu_hits(conn))
     if not allow_stale_store_counts:
         leftovers["_store_event_pending_counts"] = conn._store_event_pending_counts
     left = {k: v for k, v in leftovers.items() if v}
@@ -2131,8 +2325,7 @@ def rel_check_idle(engine: ko.MiniEngine, *, allow_stale_store_counts: bool = Fa
                     or w._store_events or w._completed_store_events), "worker has copies or reports left"
 
 
-# -----------------------------------------------------------------------------
-# Fault injection in the worker -> manager channel (no change to the module: proxies)
+# ---- 2.2 Fault injection in the worker -> manager channel (proxies) ------------------------------
 
 @dataclass(frozen=True)
 class RelFaults:
@@ -2200,7 +2393,7 @@ class RelFaultyWorker(RelProxy):
 
     def _rel_safe_recv_dup(self, rid: str) -> bool:
         conn, eng = rel_unwrap(self._rel_engine.connector), self._rel_engine
-        return not (rid in eng.loading or rid in conn._reqs_to_load or rid in conn._abandoned_reqs_to_load
+        return not (rid in loading_requests(eng) or rid in live_loads(conn) or rid in abandoned_loads(conn)
                     or any(r == rid for _, r in self._rel_recv))
 
     def build_connector_worker_meta(self):
@@ -2243,9 +2436,9 @@ class RelFaultyConnector(RelProxy):
         within the step, and the request then no longer looks like one that loads."""
         eng = self._rel_engine
         if num_external_tokens:
-            assert not eng._connector_reset_pending, (
+            assert not connector_reset_pending(eng), (
                 f"{request.request_id} was served a CPU hit while a refused reset was pending")
-            self._rel_log.resumed_with_load += request.request_id in eng._resumed
+            self._rel_log.resumed_with_load += request.request_id in preempted_waiting_ids(eng)
         return self._rel_inner.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def update_connector_output(self, connector_output: ko.KVConnectorOutput) -> None:
@@ -2313,8 +2506,7 @@ class RelFaultyConnector(RelProxy):
         return bool(self._rel_held)
 
 
-# -----------------------------------------------------------------------------
-# Schedules: a plan, the driver that runs it, and the hypothesis strategy that draws plans
+# ---- 2.3 Random schedules: a plan, its driver, the strategies, the fuzz --------------------------
 
 @dataclass(frozen=True)
 class RelPlan:
@@ -2402,15 +2594,16 @@ def rel_build(plan: RelPlan):
 def rel_step(run, n: int = 1) -> None:
     eng, log = run.engine, run.log
     for _ in range(n):
-        resumed_before = set(eng._resumed)
-        storing = {rid for rid, st_ in run.conn._reqs_to_store.items() if st_.store_events}
+        resumed_before = set(preempted_waiting_ids(eng))
+        storing = {rid for rid, state in run.conn._reqs_to_store.items() if state.store_events}
         cached = {b.block_id: b.block_hash for b in run.conn.cpu_block_pool.blocks if b.block_hash is not None}
         eng.step()
         log.steps += 1
-        log.preemptions += len(eng._resumed - resumed_before)
-        log.preempted_while_storing += len((eng._resumed - resumed_before) & storing)
+        preempted = preempted_waiting_ids(eng) - resumed_before
+        log.preemptions += len(preempted)
+        log.preempted_while_storing += len(preempted & storing)
         log.cpu_evictions += any(run.conn.cpu_block_pool.blocks[i].block_hash != h for i, h in cached.items())
-        log.steps_with_pins += bool(run.conn._pending_cpu_hits)
+        log.steps_with_pins += bool(pending_cpu_hits(run.conn))
         check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
 
 
@@ -2420,18 +2613,18 @@ def rel_abort(run, k: int = 0, rid: str | None = None) -> None:
     eng, conn, log = run.engine, run.conn, run.log
 
     def storing(rid):
-        st_ = conn._reqs_to_store.get(rid)
-        return st_ is not None and bool(st_.store_events)
+        state = conn._reqs_to_store.get(rid)
+        return state is not None and bool(state.store_events)
 
     if rid is None:
-        live = sorted(eng.running + eng.waiting, key=lambda r: (r.request_id not in eng.loading,
+        live = sorted(eng.running + eng.waiting, key=lambda r: (r.request_id not in loading_requests(eng),
                                                                 not storing(r.request_id)))
         if not live:
             return
         rid = live[k % len(live)].request_id
     log.aborts += 1
-    log.aborts_with_pin += rid in conn._pending_cpu_hits
-    log.aborts_while_loading += rid in eng.loading
+    log.aborts_with_pin += rid in pending_cpu_hits(conn)
+    log.aborts_while_loading += rid in loading_requests(eng)
     log.aborts_while_storing += storing(rid)
     eng.abort_request(rid)
     run.aborted.add(rid)
@@ -2460,7 +2653,7 @@ def rel_run_plan(plan: RelPlan, max_steps: int = 3000, *, before_reset=None):
             rel_abort(run, *((0, op[1]) if isinstance(op[1], str) else (op[1],)))
         elif kind in ("reset", "reset_connector"):
             log.resets += 1
-            log.resets_with_pins += bool(run.conn._pending_cpu_hits)
+            log.resets_with_pins += bool(pending_cpu_hits(run.conn))
             log.resets_with_queued_flush += bool(run.conn._pending_finished_stores)
             reset = eng.reset_connector_cache if kind == "reset" else run.proxy.reset
             log.resets_refused += not reset()
@@ -2484,8 +2677,8 @@ def rel_stalled(run) -> bool:
     """Nothing runs, loads, copies or waits for a report, yet requests wait: the next step can
     only admit the head of the queue, and if it does not, nothing will ever change again."""
     eng, conn = run.engine, run.conn
-    return bool(eng.waiting) and not (eng.running or eng.loading or conn.has_pending_push_work()
-                                      or conn._reqs_to_load or conn._abandoned_reqs_to_load
+    return bool(eng.waiting) and not (eng.running or loading_requests(eng) or conn.has_pending_push_work()
+                                      or live_loads(conn) or abandoned_loads(conn)
                                       or run.proxy.rel_holding() or any(w.rel_holding() for w in run.workers))
 
 
@@ -2504,7 +2697,7 @@ def rel_drain(run, max_steps: int = 3000) -> None:
     while eng.has_unfinished_work():
         assert log.steps - start < max_steps, (
             f"no progress after {max_steps} steps: waiting={[r.request_id for r in eng.waiting]} "
-            f"running={[r.request_id for r in eng.running]} loading={eng.loading} "
+            f"running={[r.request_id for r in eng.running]} loading={loading_requests(eng)} "
             f"free GPU blocks={eng.gpu_block_pool.get_num_free_blocks()}")
         before = rel_fingerprint(run) if rel_stalled(run) else None
         rel_step(run)
@@ -2739,8 +2932,7 @@ def test_rel_fuzz_random_schedules(device, pytestconfig):
     assert not rare, f"rare windows reached in < 5% of {len(logs)} schedules: {rare}"
 
 
-# -----------------------------------------------------------------------------
-# Scripted interleavings: each one is reached on every CI run (the log says so), not by chance
+# ---- 2.4 Scripted interleavings (each reached on every run, not by chance) -----------------------
 
 REL_DEVICES = DEVICES
 REL_BASE_A = tuple(range(1, 21))        # 20 tokens: 5 blocks, 4 of them a CPU hit (cap: num_tokens - 1)
@@ -2878,8 +3070,7 @@ def test_rel_one_block_cpu_pool():
     assert run.log.cpu_evictions >= 1
 
 
-# -----------------------------------------------------------------------------
-# Failures the generator found, kept as named regression tests
+# ---- 2.5 Failures the generator found, kept as regression tests ----------------------------------
 
 # RB-1 (fixed) as the generator first found it (shrunk): 9 usable GPU blocks, budget 2. r2 (11 tokens,
 # 3 outputs) runs while r3 (r1's 28-token prompt) gets 24 tokens from the GPU and CPU caches (a load)
@@ -2933,7 +3124,7 @@ def test_rel_rb1_minimal_engine_run_finishes():
     assert [len(stats[r].output_token_ids) for r in "abc"] == [1, 3, 1]
 
 
-# -----------------------------------------------------------------------------
+# ---- 2.6 The bad-input catalogue -----------------------------------------------------------------
 # Bad-input catalogue: every bad call of the public API, in one table. Each must raise a
 # ValueError (a TypeError for a wrong type) whose message names the argument and the value,
 # leave a full snapshot of every object unchanged, and leave a world that still finishes its
@@ -3404,8 +3595,7 @@ def test_bad_call_catalogue_covers_every_layer():
     assert set(layers) == {"pool", "manager", "worker", "engine"} and min(layers.values()) >= 10, layers
 
 
-# -----------------------------------------------------------------------------
-# Module bugs found here, now fixed, with a behaviour to show (see the RB-n legend above)
+# ---- 2.7 Module bugs found here, now fixed (see the RB-n legend in Part 2) -----------------------
 
 def rel_manager(num_gpu_blocks=20, num_cpu_blocks=10, world_size=1):
     gpu = ko.BlockPool(num_gpu_blocks, True, REL_BS)
@@ -3510,8 +3700,7 @@ def test_rel_rejected_copy_is_never_reported_complete(direction):
     assert done == ({1} if direction == "store" else {"ok"}), f"reported complete: {done}"
 
 
-# -----------------------------------------------------------------------------
-# The checker checks: each planted corruption is caught (a checker that passes everything proves nothing)
+# ---- 2.8 The checker checks: each planted corruption is caught -----------------------------------
 
 def rel_midflight():
     """A run stopped mid-flight: A stored; the GPU cache dropped; B prefilling with a store whose
@@ -3532,7 +3721,7 @@ def rel_midflight():
             assert run.engine.reset_gpu_prefix_cache()
         elif op[0] == "hold":
             run.workers[op[1]].rel_hold = True
-    assert run.engine.loading and run.conn._store_event_to_blocks, "mid-flight: a load and a store in flight"
+    assert loading_requests(run.engine) and run.conn._store_event_to_blocks, "mid-flight: a load and a store in flight"
     return run
 
 
@@ -3580,8 +3769,8 @@ def _plant_corrupt_gpu_kv(run):
 
 
 def _plant_lost_load(run):
-    rid = next(iter(run.conn._reqs_to_load))
-    del run.conn._reqs_to_load[rid]
+    rid = next(iter(live_loads(run.conn)))
+    del live_loads(run.conn)[rid]
 
 
 @pytest.mark.parametrize("plant, message", [
@@ -3613,7 +3802,7 @@ def test_rel_snapshot_sees_every_part(part):
         "kv": lambda: world.engine.kv_caches["layers.0"][1, 3].add_(1),
         "connector": lambda: world.conn._in_flight_store_gpu_blocks.add(13),
         "worker": lambda: rel_unwrap(world.worker).cpu_caches["layers.0.k"][7].add_(1),
-        "engine": lambda: world.engine._resumed.add("a"),
+        "engine": lambda: world.engine.waiting.append(world.c),
         "requests": lambda: world.c.append_output_token_ids(5),
         "spares": lambda: world.spare_conn.bind_gpu_block_pool(world.gpu),
     }[part]
@@ -3621,141 +3810,10 @@ def test_rel_snapshot_sees_every_part(part):
     assert before[part] != rel_snapshot(world)[part]
 
 
-# ===============================================================================================
-# The notebook: it executes headless, and its key claims hold through kv_offload
-NOTEBOOK = pathlib.Path(ko.__file__).resolve().parent / "walkthrough.ipynb"
-
-
-def _nb_text(cell) -> str:
-    """All stream and text/plain output of one executed code cell."""
-    parts = []
-    for out in cell.get("outputs", []):
-        if out.get("output_type") == "stream":
-            parts.append(out["text"])
-        elif "text/plain" in out.get("data", {}):
-            parts.append(out["data"]["text/plain"])
-    return "".join(parts)
-
-
-def _nb_tagged(nb, tag: str) -> str:
-    cells = [c for c in nb.cells if c.cell_type == "code" and tag in c.get("metadata", {}).get("tags", [])]
-    assert len(cells) == 1, f"expected exactly one notebook cell tagged {tag!r}, found {len(cells)}"
-    return _nb_text(cells[0])
-
-
-@pytest.fixture(scope="module")
-def executed_notebook():
-    """walkthrough.ipynb executed headless, top to bottom (cwd = the repository root)."""
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    pytest.importorskip("matplotlib")
-    pytest.importorskip("ipykernel")
-    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
-    try:
-        KernelSpecManager().get_kernel_spec("python3")
-    except NoSuchKernel:
-        pytest.skip("no python3 Jupyter kernel installed")
-    if not NOTEBOOK.exists():
-        pytest.fail(f"{NOTEBOOK} is missing")
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    # raises CellExecutionError (naming the cell and the traceback) as soon as a cell fails
-    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
-                            resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
-    return nb
-
-
-def test_notebook_executes_without_errors(executed_notebook):
-    errors = [o for c in executed_notebook.cells if c.cell_type == "code"
-              for o in c.outputs if o.get("output_type") == "error"]
-    assert not errors, f"notebook cell raised: {errors[0].get('ename')}: {errors[0].get('evalue')}"
-    pngs = sum("image/png" in o.get("data", {}) for c in executed_notebook.cells if c.cell_type == "code"
-               for o in c.outputs)
-    assert pngs >= 3, f"the notebook drew {pngs} pictures, expected at least 3"
-
-
-def test_notebook_claims_in_its_outputs(executed_notebook):
-    """The numbers the prose relies on, read from the freshly executed notebook (each derived in
-    the module's tests: 97 tokens = 6 blocks of 16 + 1, cap 96; blocks of 8 hashed every 4;
-    a 64-block prompt against CPU pools around 64 blocks; 217 blocks at 7 per step)."""
-    nb = executed_notebook
-    claims = {  # tag of the cell -> what its output must say
-        "claim-029": [r"0.29: len\(cached_block_hash_to_block\) = 6; cached_block_hashes_by_block = \{\}",
-                      r"0.29 lookup for the same prompt: 96 hit tokens"],
-        "claim-fine": [r"0.29 +CPU secondary keys: 0; fine-grained hit: 8 hit tokens",
-                       r"fixed +CPU secondary keys: 1; fine-grained hit: 12 hit tokens"],
-        "claim-capacity": [r"0.29 .*56: 0, 57: 896,.* 72: 896\}", r"fixed .*64: 0, 65: 1008,.* 72: 1008\}"],
-        "claim-trap": [r"0.29 +map entries: 6; lookup for the same prompt: 96 hit tokens",
-                       r"no reset_hash +map entries: 0; lookup for the same prompt: 0 hit tokens",
-                       r"fixed +map entries: 6; lookup for the same prompt: 96 hit tokens"],
-        "claim-bug2": [r"flush bug +31 steps, 210 of 217", r"fixed +32 steps, 217 of 217"],
-    }
-    for tag, patterns in claims.items():
-        text = _nb_tagged(nb, tag)
-        for pattern in patterns:
-            assert re.search(pattern, text), (tag, pattern, text)
-    story = _nb_tagged(nb, "claim-story").splitlines()
-    expected = {"0.29": "1024 tokens computed, 3072 loaded", "no reset_hash": "4096 tokens computed,    0 loaded",
-                "fixed": "  16 tokens computed, 4080 loaded"}
-    for name, counts in expected.items():
-        line = next(line for line in story if line.startswith(name + " "))
-        assert counts in line, line
-        assert "same output token as A: True" in line and "KV equals expected_kv: True" in line
-
-
-README = pathlib.Path(ko.__file__).resolve().parent / "README.md"
-
-
-def _readme_table(text: str, header_start: str) -> dict[str, dict[str, str]]:
-    """Rows of one of the README's demo tables: row name -> {column: cell}."""
-    lines = text[text.index(header_start):].splitlines()
-    columns = re.split(r"\s{2,}", lines[1].strip())
-    rows = {}
-    for line in lines[2:]:
-        cells = re.split(r"\s{2,}", line.strip())
-        if len(cells) != len(columns) + 1:
-            break
-        rows[cells[0]] = dict(zip(columns, cells[1:]))
-    return rows
-
-
-def test_readme_numbers_match_the_code():
-    """Every count the README prints comes from the code as it is now: the demo's two tables
-    (each non-timing row, each column) and the number of tests in the file map."""
-    text = README.read_text()
-    main_table = _readme_table(text, "```\n                            0.29 (both)")
-    small_table = _readme_table(text, "The same, with a CPU pool of 448 blocks")
-    assert len(main_table) >= 6 and len(small_table) == 3, (main_table, small_table)
-    for name, (cls, kwargs) in ko.STORY_VARIANTS.items():
-        r = ko.run_story(cls, 8192, **kwargs)
-        for row, cells in main_table.items():
-            assert cells[name] == str(r[row]), (name, row, cells[name], r[row])
-        if name in small_table["cpu_hit_tokens"]:
-            r = ko.run_story(cls, 8192, num_cpu_blocks=448, **kwargs)
-            for row, cells in small_table.items():
-                assert cells[name] == str(r[row]), (name, row, cells[name], r[row])
-    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
-                                "no:cacheprovider", __file__], capture_output=True, text=True).stdout
-    num_tests = int(re.search(r"(\d+) tests collected", collected).group(1))
-    assert f"| {num_tests} tests (CPU;" in text, f"the README's file map should say {num_tests} tests"
-
-
-def test_notebook_is_committed_with_outputs():
-    """Readers open it on the web before running anything: every code cell must carry its output."""
-    nbformat = pytest.importorskip("nbformat")
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    assert code and all(c.execution_count is not None for c in code), "notebook saved without executing it"
-    assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), "cells were not run top to bottom"
-    pngs = sum("image/png" in o.get("data", {}) for c in code for o in c.outputs)
-    assert pngs >= 3, f"committed notebook has {pngs} pictures, expected at least 3"
-    assert not any(o.get("output_type") == "error" for c in code for o in c.outputs)
-    too_long = [len(c.source.splitlines()) for c in code if len(c.source.splitlines()) > 15]
-    assert not too_long, f"code cells of {too_long} lines: keep notebook cells to 15 lines or fewer"
-    assert "import kv_offload as ko" in code[0].source
-
-
-# ===============================================================================================
-# Differential tests against vLLM 0.34 itself (skipped without it). To run them:
+# ==================================================================================================
+# Part 3 — the vLLM differential
+# ==================================================================================================
+# Against vLLM 0.34 itself (skipped without it). To run them:
 #   pip download --no-deps vllm==0.34.0; unzip its vllm/ folder outside the repo; put it on
 #   PYTHONPATH; pip install the pure-Python modules its imports ask for (README: Comparing with vLLM).
 
@@ -3811,38 +3869,6 @@ needs_vllm = pytest.mark.skipif(VLLM_MISSING is not None, reason=str(VLLM_MISSIN
 DIFF_SEEDS = int(os.environ.get("KV_OFFLOAD_DIFF_SEEDS") or 4)
 
 
-def _bid(b):
-    return None if b is None else b.block_id
-
-
-def map_contents(m) -> dict:
-    """key -> block ids in insertion order. vLLM 0.34 (and ours) keep one id per key in `_cache`
-    and every id of a key of several blocks in `_dup_ids`; before 0.34 vLLM kept a bare block
-    or a {block_id: block} dict per key."""
-    if hasattr(m, "_dup_ids"):
-        return {key: list(m._dup_ids.get(key, [block_id])) for key, block_id in m._cache.items()}
-    return {key: [b.block_id for b in v.values()] if isinstance(v, dict) else [v.block_id]
-            for key, v in m._cache.items()}
-
-
-def vpool_state(pool) -> dict:
-    blocks = pool.blocks
-    return {
-        "num_free": pool.get_num_free_blocks(),
-        "free_queue": [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
-        "ref_cnt": [b.ref_cnt for b in blocks],
-        "block_hash": [b.block_hash for b in blocks],
-        "block_hash_num_tokens": [b.block_hash_num_tokens for b in blocks],
-        "links": [(_bid(b.prev_free_block), _bid(b.next_free_block)) for b in blocks],
-        "is_null": [b.is_null for b in blocks],
-        "null_block": pool.null_block.block_id,
-        "secondaries": {k: set(v) for k, v in pool.cached_block_hashes_by_block.items()},
-        "hash_map": map_contents(pool.cached_block_hash_to_block),
-        "hash_map_len": len(pool.cached_block_hash_to_block),
-        "usage": round(pool.get_usage(), 9),
-    }
-
-
 def _short(v):
     if isinstance(v, bytes):
         return v.hex()[:12]
@@ -3887,16 +3913,7 @@ def call_both(what: str, f_ours, f_vllm):
     return res[0], res[1], exc[0]
 
 
-# =============================================================================
-# Hash chains with a lot of shared prefixes
-
-def make_hashes(tokens: list[int], hbs: int) -> list[bytes]:
-    out, parent = [], None
-    for i in range(len(tokens) // hbs):
-        parent = ko.hash_block_tokens(parent, tokens[i * hbs:(i + 1) * hbs])
-        out.append(parent)
-    return out
-
+# ---- 3.2 Hash chains with a lot of shared prefixes -----------------------------------------------
 
 class TokenSource:
     """Prompts over a tiny alphabet built on a few shared stems, so prefixes collide often."""
@@ -3913,8 +3930,7 @@ class TokenSource:
         return stem[:keep] + [rng.randrange(self.alphabet) for _ in range(n - keep)]
 
 
-# =============================================================================
-# a) FreeKVCacheBlockQueue and BlockPool
+# ---- 3.3 FreeKVCacheBlockQueue and BlockPool -----------------------------------------------------
 
 @needs_vllm
 @pytest.mark.parametrize("seed", range(6))
@@ -3955,8 +3971,8 @@ def test_free_queue_differential(seed):
         assert_same(oq.num_free_blocks, vq.num_free_blocks, what + " num_free_blocks")
         assert_same([b.block_id for b in oq.get_all_free_blocks()],
                     [b.block_id for b in vq.get_all_free_blocks()], what + " order")
-        assert_same([(_bid(b.prev_free_block), _bid(b.next_free_block)) for b in ob],
-                    [(_bid(b.prev_free_block), _bid(b.next_free_block)) for b in vb], what + " links")
+        assert_same([tuple(block_ids([b.prev_free_block, b.next_free_block])) for b in ob],
+                    [tuple(block_ids([b.prev_free_block, b.next_free_block])) for b in vb], what + " links")
 
 
 def v_find_longest_cache_hit(block_hashes, max_length, group_ids, pool, block_size, alignment_tokens):
@@ -3987,7 +4003,7 @@ class PoolPair:
         self.vllm = VBlockPool(n, caching, hbs)
 
     def check(self, what: str) -> None:
-        assert_same(vpool_state(self.ours), vpool_state(self.vllm), what)
+        assert_same(pool_state(self.ours), pool_state(self.vllm), what)
 
     def ob(self, ids):
         return [self.ours.blocks[i] for i in ids]
@@ -4019,7 +4035,7 @@ class PoolTrace:
                 f"op#{self.ops} {op}")
 
     def new_hashes(self) -> list[bytes]:
-        h = make_hashes(self.tokens.prompt(6 * self.bs), self.hbs)
+        h = ko.Request("p", self.tokens.prompt(6 * self.bs), self.hbs).block_hashes
         self.known_keys.extend(h)
         return h
 
@@ -4168,7 +4184,7 @@ class PoolTrace:
 
     def op_lookup(self):
         rng, p = self.rng, self.pair
-        hashes = make_hashes(self.tokens.prompt(6 * self.bs), self.hbs)
+        hashes = ko.Request("p", self.tokens.prompt(6 * self.bs), self.hbs).block_hashes
         max_len = rng.randint(0, len(hashes) * self.hbs + self.hbs)
         aligns = [None, self.hbs, self.bs] if self.scale > 1 else [None, self.bs]
         compare_lookup(p, hashes, max_len, rng.choice([[0], [1], [0, 1]]), self.bs, rng.choice(aligns),
@@ -4221,8 +4237,7 @@ def test_block_pool_differential(seed, n, caching, hbs, bs):
     trace.run(400)
 
 
-# =============================================================================
-# b) find_longest_cache_hit on random pools
+# ---- 3.4 find_longest_cache_hit on random pools --------------------------------------------------
 
 @needs_vllm
 @pytest.mark.parametrize("hbs,bs", [(2, 2), (2, 4), (1, 4), (2, 8)])
@@ -4233,7 +4248,7 @@ def test_find_longest_cache_hit_differential(seed, hbs, bs):
     for _ in range(6):  # build a pool with full keys, partial entries and secondaries ...
         trace.run(40)
         for _ in range(60):  # ... then probe it
-            hashes = make_hashes(trace.tokens.prompt(6 * bs), hbs)
+            hashes = ko.Request("p", trace.tokens.prompt(6 * bs), hbs).block_hashes
             if rng.random() < 0.3 and trace.reqs:  # a prefix that is in the pool for sure
                 hashes = rng.choice(trace.reqs).hashes
             max_len = rng.randint(0, len(hashes) * hbs + bs)
@@ -4244,8 +4259,7 @@ def test_find_longest_cache_hit_differential(seed, hbs, bs):
                            f"max_length={max_len} align={align} groups={gids}")
 
 
-# =============================================================================
-# c) SimpleCPUOffloadScheduler, driven like vLLM's scheduler drives it
+# ---- 3.5 SimpleCPUOffloadScheduler, driven like vLLM's scheduler drives it -----------------------
 
 def make_vllm_scheduler(num_gpu_blocks, num_cpu_blocks, block_size, hash_block_size, group_block_sizes,
                         world_size):
@@ -4281,10 +4295,6 @@ def make_vllm_scheduler(num_gpu_blocks, num_cpu_blocks, block_size, hash_block_s
 V_EXTRA_OUTPUT_FIELDS = {"num_common_prefix_blocks": []} if V_IS_029 else {}
 
 
-def _ids(groups):
-    return [[b.block_id for b in g] for g in groups]
-
-
 def manager_state(m) -> dict:
     def store(s):
         return ([list(x) for x in s.block_ids], list(s.num_stored_blocks), sorted(s.store_events), s.finished)
@@ -4297,9 +4307,9 @@ def manager_state(m) -> dict:
 
     state = {
         "reqs_to_store": [(k, store(v)) for k, v in m._reqs_to_store.items()],
-        "reqs_to_load": [(k, load(v)) for k, v in m._reqs_to_load.items()],
-        "abandoned_reqs_to_load": [(k, load(v)) for k, v in m._abandoned_reqs_to_load.items()],
-        "pending_cpu_hits": [(k, (_ids(v[0]), *v[1:])) for k, v in m._pending_cpu_hits.items()],
+        "reqs_to_load": [(k, load(v)) for k, v in live_loads(m).items()],
+        "abandoned_reqs_to_load": [(k, load(v)) for k, v in abandoned_loads(m).items()],
+        "pending_cpu_hits": [(k, (table_ids(v[0]), *v[1:])) for k, v in pending_cpu_hits(m).items()],
         "load_event_to_reqs": [(k, list(v)) for k, v in m._load_event_to_reqs.items()],
         "store_event_to_blocks": [(k, tm(v)) for k, v in m._store_event_to_blocks.items()],
         "abandoned_store_event_to_blocks": [(k, tm(v)) for k, v in m._abandoned_store_event_to_blocks.items()],
@@ -4402,7 +4412,7 @@ class ManagerTrace:
     def check(self, op):
         w = self.what(op)
         assert_same(manager_state(self.ours), manager_state(self.vllm), w + " [manager state]")
-        assert_same(vpool_state(self.ours.cpu_block_pool), vpool_state(self.vllm.cpu_block_pool), w + " [CPU pool]")
+        assert_same(pool_state(self.ours.cpu_block_pool), pool_state(self.vllm.cpu_block_pool), w + " [CPU pool]")
         self.gpu.check(w + " [GPU pool]")
 
     def both(self, op, f_ours, f_vllm):
@@ -4647,12 +4657,12 @@ class ManagerTrace:
             budget -= n
 
         # 3. the connector's metadata for this step (new and resumed first, as vLLM 0.34 does)
-        so_o, so_v = self.outputs(new_reqs, cached_reqs, preempted)
+        output_ours, output_vllm = self.outputs(new_reqs, cached_reqs, preempted)
         for er, _ in scheduled:  # async scheduling: a token in flight is computed but not confirmed
             if er.req.num_computed_tokens > 0 and rng.random() < 0.15:
                 er.req.num_output_placeholders = 1
-        mo, mv, _ = self.both("build_connector_meta", lambda: self.ours.build_connector_meta(so_o),
-                              lambda: self.vllm.build_connector_meta(so_v))
+        mo, mv, _ = self.both("build_connector_meta", lambda: self.ours.build_connector_meta(output_ours),
+                              lambda: self.vllm.build_connector_meta(output_vllm))
         for er, _ in scheduled:
             er.req.num_output_placeholders = 0
         assert_same(meta_fields(mo), meta_fields(mv), self.what("build_connector_meta result"))
@@ -4791,12 +4801,11 @@ def test_manager_traces_cover_the_paths():
     assert all(v > 0 for v in totals.values()), totals
 
 
-# =============================================================================
-# The pre-fix variant: the differential test must see each bug, and nothing else
+# ---- 3.6 The pre-fix variant: the differential sees each bug, and nothing else -------------------
 
 @needs_vllm
 @pytest.mark.parametrize("registration_bug,flush_bug", [(False, False), (True, False), (False, True)])
-def test_prefix_variant_diverges_exactly_by_its_bugs(registration_bug, flush_bug):
+def test_pre_fix_variant_diverges_exactly_by_its_bugs(registration_bug, flush_bug):
     """With both flags off, PreFixCPUOffloadScheduler is the fixed manager and matches vLLM; with
     either bug on, the lockstep comparison catches it (vLLM 0.34 has both fixes)."""
     cfg = MANAGER_CONFIGS[2]
@@ -4815,9 +4824,8 @@ def test_prefix_variant_diverges_exactly_by_its_bugs(registration_bug, flush_bug
         assert diverged == []
 
 
-# =============================================================================
-# d) The pre-fix variant against vLLM 0.29, the last release before PR #53532 (skipped unless
-#    the vLLM on PYTHONPATH is 0.29; README: Comparing with vLLM)
+# ---- 3.7 The pre-fix variant against vLLM 0.29, the last release before PR #53532 ----------------
+# (skipped unless the vLLM on PYTHONPATH is 0.29; README: Comparing with vLLM)
 
 VLLM_029_MISSING = vllm_missing("0.29")
 needs_vllm_029 = pytest.mark.skipif(VLLM_029_MISSING is not None, reason=str(VLLM_029_MISSING))
@@ -4907,7 +4915,7 @@ class ManagerTrace029(ManagerTrace):
         # 0.29's pending CPU hit is (blocks, hit_length); 0.30 added num_computed_tokens
         ours["pending_cpu_hits"] = [(k, v[:2]) for k, v in ours["pending_cpu_hits"]]
         assert_same(ours, theirs, w + " [manager state]")
-        assert_same(vpool_state(self.ours.cpu_block_pool), vpool_state(self.vllm.cpu_block_pool), w + " [CPU pool]")
+        assert_same(pool_state(self.ours.cpu_block_pool), pool_state(self.vllm.cpu_block_pool), w + " [CPU pool]")
         self.gpu.check(w + " [GPU pool]")
 
 
@@ -4942,9 +4950,9 @@ def test_vllm_029_differential_sees_each_fix(kwargs):
     assert diverged == 3
 
 
-# =============================================================================
-# e) Where "every lookup misses" comes from: vLLM's own Scheduler, before and after PR #53532
-#    (runs with whichever vLLM imports: 0.29 must show the pre-fix numbers, 0.30+ the fixed ones)
+# ---- 3.8 Where "every lookup misses" comes from: vLLM's own Scheduler ----------------------------
+# Before and after PR #53532 (runs with whichever vLLM imports: 0.29 must show the pre-fix
+# numbers, 0.30+ the fixed ones)
 
 @pytest.mark.parametrize("prompt_len,budget,max_tokens,cpu_blocks,pre,post", [
     (512, 128, 1, None, (24, 384), (32, 496)),
