@@ -14,6 +14,7 @@ engine; copy worker on an asynchronous device; the GPU check (--gpu-check); mana
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import hashlib
 import json
@@ -4771,17 +4772,21 @@ MANAGER_CONFIGS = [  # (num_gpu_blocks, num_cpu_blocks, block_size, hash_block_s
 ]
 
 
+@functools.cache
+def manager_trace_stats(seed, gpu, cpu, bs, hbs, sizes, world) -> dict[str, int]:
+    """Run one lockstep manager trace (any divergence raises) and return what it went through;
+    cached, so the coverage test reuses the traces test_manager_differential ran."""
+    trace = ManagerTrace(seed * 104729 + gpu + cpu, gpu, cpu, bs, hbs, list(sizes), world_size=world)
+    trace.run(100)
+    assert trace.finished_total > 0 and trace.stats["stores"] > 0, trace.stats
+    return dict(trace.stats, calls=trace.calls)
+
+
 @needs_vllm
 @pytest.mark.parametrize("gpu,cpu,bs,hbs,sizes,world", MANAGER_CONFIGS)
 @pytest.mark.parametrize("seed", range(DIFF_SEEDS))
 def test_manager_differential(seed, gpu, cpu, bs, hbs, sizes, world):
-    trace = ManagerTrace(seed * 104729 + gpu + cpu, gpu, cpu, bs, hbs, sizes, world_size=world)
-    trace.run(100)
-    assert trace.finished_total > 0 and trace.stats["stores"] > 0, trace.stats
-    _COVERAGE[(seed, gpu, cpu, bs, hbs, tuple(sizes), world)] = dict(trace.stats, calls=trace.calls)
-
-
-_COVERAGE: dict[tuple, dict[str, int]] = {}
+    manager_trace_stats(seed, gpu, cpu, bs, hbs, tuple(sizes), world)
 
 
 def test_manager_rejects_a_group_finer_than_the_scheduler_block():
@@ -4793,10 +4798,11 @@ def test_manager_rejects_a_group_finer_than_the_scheduler_block():
 
 @needs_vllm
 def test_manager_traces_cover_the_paths():
-    """The manager traces together hit CPU loads, finish flushes, preemptions and resets."""
-    if len(_COVERAGE) < DIFF_SEEDS * len(MANAGER_CONFIGS):
-        pytest.skip("needs every test_manager_differential trace to have run first")
-    totals = {k: sum(c[k] for c in _COVERAGE.values()) for k in next(iter(_COVERAGE.values()))}
+    """The manager traces together hit CPU loads, finish flushes, preemptions and resets (it runs
+    every trace of test_manager_differential itself, or reuses the ones already run)."""
+    stats = [manager_trace_stats(seed, *cfg[:4], tuple(cfg[4]), cfg[5])
+             for seed in range(DIFF_SEEDS) for cfg in MANAGER_CONFIGS]
+    totals = {k: sum(c[k] for c in stats) for k in stats[0]}
     print("manager trace totals:", totals)
     assert all(v > 0 for v in totals.values()), totals
 
