@@ -805,12 +805,12 @@ class Harness:
         self._n = 0
 
     # --- requests -----------------------------------------------------------
-    def request(self, num_tokens=0, tokens=None) -> ko.Request:
+    def request(self, num_tokens=0, tokens=None, rid=None) -> ko.Request:
         """A request with `num_tokens` tokens no other request shares (or exactly `tokens`)."""
         self._n += 1
         if tokens is None:
             tokens = range(self._n * 100_000, self._n * 100_000 + num_tokens)
-        return ko.Request(f"r{self._n}", list(tokens), self.hbs)
+        return ko.Request(rid or f"r{self._n}", list(tokens), self.hbs)
 
     def twin(self, req: ko.Request) -> ko.Request:
         return self.request(tokens=req.all_token_ids[:req.num_prompt_tokens])
@@ -841,18 +841,51 @@ class Harness:
             resumed_req_ids=set(resumed), preempted_req_ids=set(preempted))
         return self.sched.build_connector_meta(out)
 
-    def prefill(self, *reqs_tokens, complete=True):
-        """Admit each (req, num_tokens) with no external hit, confirm its tokens and run one step
-        that stores them; complete the store unless told not to. Returns (meta, tables)."""
+    def schedule(self, *reqs_tokens, confirmed=True, lookup=False):
+        """One step that admits each (req, num_tokens) whole with no external hit (after a CPU
+        lookup if asked): allocated and hashed, registered, then the step's metadata. With
+        `confirmed` the tokens count as computed before the metadata is built (so this step
+        stores them); without, the forward pass confirms them after. Returns (meta, tables)."""
         tables = []
         for req, n in reqs_tokens:
-            tables.append(self.alloc(req, n))
+            if lookup:
+                self.sched.get_num_new_matched_tokens(req, 0)
+            tables.append(self.alloc(req, n, confirm=confirmed))
             self.sched.update_state_after_alloc(req, tables[-1], 0)
         meta = self.step({r.request_id: n for r, n in reqs_tokens},
                          {r.request_id: t for (r, _), t in zip(reqs_tokens, tables)})
+        for req, n in reqs_tokens:
+            req.num_computed_tokens = n
+        return meta, tables
+
+    def prefill(self, *reqs_tokens, complete=True):
+        """schedule() with the tokens confirmed: one step that stores them; the store completes
+        unless told not to. Returns (meta, tables)."""
+        meta, tables = self.schedule(*reqs_tokens)
         if complete and meta.store_event >= 0:
             self.complete_store(meta.store_event)
         return meta, tables
+
+    def prefill_then_finish(self, *reqs_tokens):
+        """Requests whose prefill ran in their last step (nothing confirmed was stored before
+        they finish): schedule(), the forward pass, then each finishes. Returns the tables."""
+        meta, tables = self.schedule(*reqs_tokens, confirmed=False)
+        assert meta.store_event == -1  # nothing confirmed yet
+        for (req, _), table in zip(reqs_tokens, tables):
+            self.finish(req, table)
+        return tables
+
+    def start_load(self, req, hit=32, num_tokens=33, send=True):
+        """`req` (a twin of a stored request) takes its CPU hit of `hit` tokens into fresh GPU
+        blocks for `num_tokens`; with `send`, a step sends the load. Returns (table, meta)."""
+        assert self.sched.get_num_new_matched_tokens(req, 0) == (hit, True)
+        table = self.alloc(req, num_tokens, cache=False, confirm=False)
+        self.sched.update_state_after_alloc(req, table, hit)
+        if not send:
+            return table, None
+        meta = self.step({req.request_id: num_tokens - hit}, {req.request_id: table})
+        assert meta.load_event >= 0
+        return table, meta
 
     def finish(self, req, table):
         """The request ends: the connector's finish hook, then the engine frees its blocks."""
@@ -915,10 +948,7 @@ def test_store_lookup_load_roundtrip(variant):
     if variant == "skip_reset_hash":
         return
     req2 = h.twin(req)
-    assert h.sched.get_num_new_matched_tokens(req2, 0) == (32, True)
-    table2 = h.alloc(req2, 33, cache=False, confirm=False)  # 3 GPU blocks: 2 loaded + 1 computed
-    h.sched.update_state_after_alloc(req2, table2, 32)
-    meta2 = h.step({req2.request_id: 1}, {req2.request_id: table2})
+    table2, meta2 = h.start_load(req2)  # 3 GPU blocks: 2 loaded + 1 computed
     assert (meta2.load_gpu_blocks, meta2.load_cpu_blocks) == (table_ids(table2)[0][:2], [1, 2])
     assert meta2.load_event_to_reqs == {meta2.load_event: [req2.request_id]}
     # pinned during the copy: CPU 1 ref (load), GPU 2 refs (request + load)
@@ -990,10 +1020,7 @@ def test_load_event_to_reqs_lists_every_outstanding_load():
     metas, twins = [], []
     for _ in range(2):
         twin = h.twin(req)
-        assert h.sched.get_num_new_matched_tokens(twin, 0) == (32, True)
-        table = h.alloc(twin, 33, cache=False, confirm=False)
-        h.sched.update_state_after_alloc(twin, table, 32)
-        metas.append(h.step({twin.request_id: 1}, {twin.request_id: table}))
+        metas.append(h.start_load(twin)[1])
         twins.append(twin.request_id)
     e0, e1 = metas[0].load_event, metas[1].load_event
     assert e1 > e0 >= 0
@@ -1144,23 +1171,13 @@ def test_in_flight_store_dedup_across_steps():
 # ---- 1.9 Manager: request lifecycle (deferred cleanup, lookup pins) ------------------------------
 
 
-def _start_load(h, req):
-    """A twin of stored `req` (33 tokens) hits 32 on CPU and its load is sent. Returns (twin, table)."""
-    twin = h.twin(req)
-    assert h.sched.get_num_new_matched_tokens(twin, 0) == (32, True)
-    table = h.alloc(twin, 33, cache=False, confirm=False)
-    h.sched.update_state_after_alloc(twin, table, 32)
-    meta = h.step({twin.request_id: 1}, {twin.request_id: table})
-    assert meta.load_event >= 0
-    return twin, table
-
-
 def test_finish_during_load_defers_cleanup():
     """request_finished while the load is in flight keeps the pins until finished_recving."""
     h = Harness()
     req = h.request(33)
     meta, _ = h.prefill((req, 33))
-    twin, table = _start_load(h, req)
+    twin = h.twin(req)
+    table, _ = h.start_load(twin)
     assert h.sched.request_finished(twin, []) == (False, None)
     h.gpu.free_blocks(table[0])  # engine frees; the loaded GPU blocks keep the load pin
     assert twin.request_id in live_loads(h.sched)
@@ -1332,11 +1349,7 @@ def test_two_groups_same_size_store_and_load():
     assert sorted(meta.store_gpu_blocks) == sorted(g0[:2] + g1[:2])
     assert (h.in_cpu(req, 0), h.in_cpu(req, 1)) == ([True] * 2, [True] * 2)
     cpu_of = dict(zip(meta.store_gpu_blocks, meta.store_cpu_blocks))
-    twin = h.twin(req)
-    assert h.sched.get_num_new_matched_tokens(twin, 0) == (32, True)
-    t2 = h.alloc(twin, 33, cache=False, confirm=False)
-    h.sched.update_state_after_alloc(twin, t2, 32)
-    meta2 = h.step({twin.request_id: 1}, {twin.request_id: t2})
+    t2, meta2 = h.start_load(h.twin(req))
     # destination block i of group g receives the CPU copy of source block i of group g
     want = {d: cpu_of[s] for g in (0, 1) for s, d in zip(table_ids(table)[g][:2], table_ids(t2)[g][:2])}
     assert dict(zip(meta2.load_gpu_blocks, meta2.load_cpu_blocks)) == want
@@ -1403,11 +1416,9 @@ def test_reset_waits_for_sent_load_and_releases_unsent_pins():
     h = Harness(num_gpu_blocks=16)
     req = h.request(33)
     h.prefill((req, 33))
-    sent, t_sent = _start_load(h, req)
-    unsent = h.twin(req)
-    assert h.sched.get_num_new_matched_tokens(unsent, 0) == (32, True)
-    t_unsent = h.alloc(unsent, 33, cache=False, confirm=False)
-    h.sched.update_state_after_alloc(unsent, t_unsent, 32)  # load prepared, never sent
+    sent = h.twin(req)
+    t_sent, _ = h.start_load(sent)
+    t_unsent, _ = h.start_load(h.twin(req), send=False)  # load prepared, never sent
     looked = h.twin(req)
     h.sched.get_num_new_matched_tokens(looked, 0)  # pin only
     assert [h.cpu.blocks[i].ref_cnt for i in (1, 2)] == [3, 3]
@@ -1472,20 +1483,6 @@ def test_eager_store_preserves_secondary_block_hashes(variant):
                    skip_reset_hash=({cpu0: {sec[0]}, cpu1: {sec[1]}}, 16, 16))
 
 
-def _prefill_then_finish(h, *reqs_tokens):
-    """Requests whose prefill ran in their last step: nothing confirmed was stored before finishing."""
-    tables = [h.alloc(r, n, confirm=False) for r, n in reqs_tokens]
-    for (r, _), t in zip(reqs_tokens, tables):
-        h.sched.update_state_after_alloc(r, t, 0)
-    meta = h.step({r.request_id: n for r, n in reqs_tokens},
-                  {r.request_id: t for (r, _), t in zip(reqs_tokens, tables)})
-    assert meta.store_event == -1  # nothing confirmed yet
-    for (r, n), t in zip(reqs_tokens, tables):
-        r.num_computed_tokens = n  # the forward pass ran; the request ends now
-        h.finish(r, t)
-    return tables
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_finished_eager_stores_are_batched(variant):
     """Two finish-time flushes and a running request's store go out as one store event."""
@@ -1494,7 +1491,7 @@ def test_finished_eager_stores_are_batched(variant):
     tc = h.alloc(c, 33)  # running request with 2 confirmed blocks
     h.sched.update_state_after_alloc(c, tc, 0)
     a, b = h.request(33), h.request(33)
-    ta, tb = _prefill_then_finish(h, (a, 33), (b, 33))  # queue a -> CPU 1,2 and b -> CPU 3,4
+    ta, tb = h.prefill_then_finish((a, 33), (b, 33))  # queue a -> CPU 1,2 and b -> CPU 3,4
     meta = h.step({c.request_id: 1}, {c.request_id: tc})  # c's blocks get CPU 5,6 now
     pairs = dict(zip(meta.store_gpu_blocks, meta.store_cpu_blocks))
     ga, gb, gc = table_ids(ta)[0], table_ids(tb)[0], table_ids(tc)[0]
@@ -1517,7 +1514,7 @@ def test_finished_eager_store_skips_existing_cpu_cache_entries(variant):
     x = h.request(33)
     h.prefill((x, 33))  # x's blocks 0,1 on CPU (1, 2)
     a = h.request(tokens=x.all_token_ids[:32] + list(range(5, 22)))  # 49 tokens, shares 2 blocks
-    (ta,) = _prefill_then_finish(h, (a, 49))
+    (ta,) = h.prefill_then_finish((a, 49))
     g = table_ids(ta)[0]
     # confirmed 49 -> 3 full blocks; 0 and 1 are cached -> only block 2 queued: 7 - 1 = 6 free
     # (cached ref-0 blocks count as free). The trap: the map is empty, all 3 are copied again
@@ -1548,7 +1545,7 @@ def test_queued_flush_counts_as_in_flight():
     """Blocks queued by a finish flush are not stored again by a request that shares them."""
     h = Harness()
     a = h.request(33)
-    (ta,) = _prefill_then_finish(h, (a, 33))  # a's blocks 0,1 queued (pinned), a freed
+    (ta,) = h.prefill_then_finish((a, 33))  # a's blocks 0,1 queued (pinned), a freed
     shared = ta[0][:2]
     b = h.twin(a)
     h.gpu.touch(shared)  # b's GPU prefix hit
@@ -1578,7 +1575,7 @@ def test_finished_eager_store_is_reported_pending_before_metadata_build(variant)
     """has_pending_stores / has_pending_push_work are True from the finish until the flush completes."""
     h = Harness(variant)
     a = h.request(33)
-    _prefill_then_finish(h, (a, 33))
+    h.prefill_then_finish((a, 33))
     pending = lambda: (h.sched.has_pending_stores(), h.sched.has_pending_push_work())  # noqa: E731
     seen = [pending()]                      # queued, not yet sent
     meta = h.step()
@@ -1596,7 +1593,7 @@ def test_finished_eager_store_covers_all_groups(variant):
     """The flush stores the remaining confirmed blocks of every KV-cache group."""
     h = Harness(variant, num_cpu_blocks=8, block_size=32, hash_block_size=16, group_block_sizes=[16, 32])
     a = h.request(65)
-    (t,) = _prefill_then_finish(h, (a, 65))
+    (t,) = h.prefill_then_finish((a, 65))
     g0, g1 = table_ids(t)
     # confirmed 65: group 16 -> 4 full blocks, group 32 -> 2 full blocks = 6 (of 7 usable)
     queued = sorted(h.queued_flush_gpu_ids())
@@ -1612,7 +1609,7 @@ def test_finished_eager_store_respects_cpu_capacity(variant):
     """The flush stops at CPU capacity instead of raising: 2 usable CPU blocks -> 2 of 4 blocks."""
     h = Harness(variant, num_cpu_blocks=3)
     a = h.request(65)
-    (ta,) = _prefill_then_finish(h, (a, 65))
+    (ta,) = h.prefill_then_finish((a, 65))
     g = table_ids(ta)[0]
     assert_variant(variant, (h.queued_flush_gpu_ids(), h.cpu.get_num_free_blocks()),
                    (g[:2], 0), flush_bug=([], 2))
@@ -1623,7 +1620,7 @@ def test_reset_releases_pending_finished_eager_stores(variant):
     """reset() releases a queued (never sent) flush at once: GPU and CPU refs back, reset succeeds."""
     h = Harness(variant, num_gpu_blocks=16)
     a = h.request(33)
-    (ta,) = _prefill_then_finish(h, (a, 33))
+    (ta,) = h.prefill_then_finish((a, 33))
     queued = len(h.sched._pending_finished_stores)
     refs = [b.ref_cnt for b in ta[0]]  # flushed blocks keep only the store pin after the finish
     assert h.sched.reset() is True
@@ -3598,23 +3595,9 @@ def test_bad_call_catalogue_covers_every_layer():
 
 # ---- 2.7 Module bugs found here, now fixed (see the RB-n legend in Part 2) -----------------------
 
-def rel_manager(num_gpu_blocks=20, num_cpu_blocks=10, world_size=1):
-    gpu = ko.BlockPool(num_gpu_blocks, True, REL_BS)
-    conn = ko.SimpleCPUOffloadScheduler(num_cpu_blocks, REL_BS, world_size=world_size)
-    conn.bind_gpu_block_pool(gpu)
-    return gpu, conn
-
-
-def rel_start(gpu, conn, rid, tokens):
-    """A request scheduled whole: looked up, allocated, registered, prefilled (hashed, computed)."""
-    req = ko.Request(rid, tokens, REL_BS)
-    blocks = gpu.get_new_blocks(ko.cdiv(len(tokens), REL_BS))
-    conn.get_num_new_matched_tokens(req, 0)
-    conn.update_state_after_alloc(req, (blocks,), 0)
-    gpu.cache_full_blocks(req, blocks, 0, len(tokens) // REL_BS, REL_BS, 0)
-    conn.build_connector_meta(ko.SchedulerOutput({rid: len(tokens)}, {rid: ([b.block_id for b in blocks],)}))
-    req.num_computed_tokens = len(tokens)
-    return req, blocks
+def rel_harness(world_size=1) -> Harness:
+    """The manager harness of Part 1 with blocks of REL_BS tokens, 19 GPU and 9 CPU blocks."""
+    return Harness(num_cpu_blocks=10, num_gpu_blocks=20, block_size=REL_BS, world_size=world_size)
 
 
 def test_rel_reused_request_id_is_stored():  # RB-2 (fixed)
@@ -3622,41 +3605,39 @@ def test_rel_reused_request_id_is_stored():  # RB-2 (fixed)
     reported: its state stays, marked finished. A new request reuses the id 'x' (vLLM clients may
     reuse ids once a request is done). Its 2 full blocks must be stored like anyone else's, also
     after a stale request_finished_all_groups() for the old 'x' (a ValueError, nothing changed)."""
-    gpu, conn = rel_manager()
-    x1, b1 = rel_start(gpu, conn, "x", list(range(8)) + [99])
-    m1 = conn.build_connector_meta(ko.SchedulerOutput({"x": 1}))  # decode step: blocks 0, 1 stored
+    h = rel_harness()
+    x1 = h.request(tokens=list(range(8)) + [99], rid="x")
+    _, (t1,) = h.schedule((x1, 9), confirmed=False, lookup=True)
+    m1 = h.step({"x": 1})  # decode step: blocks 0, 1 stored
     assert m1.store_event == 0 and len(m1.store_gpu_blocks) == 2
-    conn.request_finished_all_groups(x1, ([b.block_id for b in b1],))
-    gpu.free_blocks(reversed(b1))
-    x2, b2 = rel_start(gpu, conn, "x", list(range(50, 58)) + [1])
+    h.finish(x1, t1)
+    x2 = h.request(tokens=list(range(50, 58)) + [1], rid="x")
+    _, (t2,) = h.schedule((x2, 9), confirmed=False, lookup=True)
     # issue 13: a late finish for the old 'x' dropped the new one's store state (never stored)
     with pytest.raises(ValueError, match="request id 'x' belongs to another, live request"):
-        conn.request_finished_all_groups(x1, ([b.block_id for b in b1],))
-    stored = list(conn.build_connector_meta(ko.SchedulerOutput({"x": 1})).store_gpu_blocks)
-    conn.update_connector_output(
-        ko.KVConnectorOutput(kv_connector_worker_meta=ko.SimpleCPUOffloadWorkerMetadata({0: 1})))
-    conn.request_finished_all_groups(x2, ([b.block_id for b in b2],))
-    stored += conn.build_connector_meta(ko.SchedulerOutput()).store_gpu_blocks
-    assert stored == [b.block_id for b in b2[:2]], f"the new 'x' stored {stored}"
+        h.sched.request_finished_all_groups(x1, table_ids(t1))
+    stored = list(h.step({"x": 1}).store_gpu_blocks)
+    h.complete_store(0)
+    h.sched.request_finished_all_groups(x2, table_ids(t2))
+    stored += h.step().store_gpu_blocks
+    assert stored == block_ids(t2[0][:2]), f"the new 'x' stored {stored}"
 
 
 def test_rel_repeated_report_of_a_finished_store_is_kept_until_reset():  # RB-3: vLLM parity
     """world_size 2: a late repeat of an already completed store event is counted and kept, as
     vLLM 0.34 keeps it (update_connector_output sums counts per event id, and event ids are never
     reused, so it can never complete anything); reset() drops it. Nothing is cached twice."""
-    gpu, conn = rel_manager(world_size=2)
-    req, blocks = rel_start(gpu, conn, "a", list(range(8)) + [99])
-    event = conn.build_connector_meta(ko.SchedulerOutput({"a": 1})).store_event
-    report = lambda n: conn.update_connector_output(  # noqa: E731
-        ko.KVConnectorOutput(kv_connector_worker_meta=ko.SimpleCPUOffloadWorkerMetadata({event: n})))
-    report(2)  # both workers: the event completes
-    assert len(conn.cpu_block_pool.cached_block_hash_to_block) == 2
-    report(1)  # a late repeat from one worker
-    assert conn._store_event_pending_counts == {event: 1}
-    assert len(conn.cpu_block_pool.cached_block_hash_to_block) == 2
-    conn.request_finished_all_groups(req, ([b.block_id for b in blocks],))
-    gpu.free_blocks(reversed(blocks))
-    assert conn.reset() and conn._store_event_pending_counts == {}
+    h = rel_harness(world_size=2)
+    req = h.request(tokens=list(range(8)) + [99], rid="a")
+    _, (table,) = h.schedule((req, 9), confirmed=False, lookup=True)
+    event = h.step({"a": 1}).store_event
+    h.complete_store(event, 2)  # both workers: the event completes
+    assert len(h.cpu.cached_block_hash_to_block) == 2
+    h.complete_store(event, 1)  # a late repeat from one worker
+    assert h.sched._store_event_pending_counts == {event: 1}
+    assert len(h.cpu.cached_block_hash_to_block) == 2
+    h.finish(req, table)
+    assert h.sched.reset() and h.sched._store_event_pending_counts == {}
 
 
 def test_rel_report_of_an_unissued_store_event_is_refused():  # issue 13
@@ -3664,17 +3645,16 @@ def test_rel_report_of_an_unissued_store_event_is_refused():  # issue 13
     event 0 was issued, one real worker report completed it while the other worker's copy could
     still be queued. Now the early report is a ValueError that records nothing, and event 0 needs
     both real reports: its 2 blocks are cached only after the second."""
-    gpu, conn = rel_manager(world_size=2)
-    early = ko.KVConnectorOutput(kv_connector_worker_meta=ko.SimpleCPUOffloadWorkerMetadata({0: 1}))
+    h = rel_harness(world_size=2)
     with pytest.raises(ValueError, match="store event 0, which was never issued"):
-        conn.update_connector_output(early)
-    req, blocks = rel_start(gpu, conn, "a", list(range(8)) + [99])
-    event = conn.build_connector_meta(ko.SchedulerOutput({"a": 1})).store_event
-    assert event == 0
+        h.complete_store(0, 1)
+    req = h.request(tokens=list(range(8)) + [99], rid="a")
+    h.schedule((req, 9), confirmed=False, lookup=True)
+    assert h.step({"a": 1}).store_event == 0
     cached = []
     for _ in range(2):  # worker 0's report, then worker 1's
-        conn.update_connector_output(early)
-        cached.append(len(conn.cpu_block_pool.cached_block_hash_to_block))
+        h.complete_store(0, 1)
+        cached.append(len(h.cpu.cached_block_hash_to_block))
     assert cached == [0, 2]
 
 
