@@ -3273,6 +3273,14 @@ def _bind_and(meta, copy: str):
     return call
 
 
+def _copy_row(name, gpu_ids, cpu_ids, exc, match, *, load=False, event=99):
+    """A worker row of BAD_CALLS: bind the metadata of one store (or load) event with these
+    block ids, then issue its copy (wait_for_save / start_load_kv)."""
+    kind, copy = ("load", "start_load_kv") if load else ("store", "wait_for_save")
+    meta = _meta(**{f"{kind}_event": event, f"{kind}_gpu_blocks": gpu_ids, f"{kind}_cpu_blocks": cpu_ids})
+    return ("worker", f"bind + {copy}({name})", _bind_and(meta, copy), exc, match)
+
+
 def _register(caches, num_gpu_blocks=None):
     return lambda w: rel_unwrap(w.worker).register_kv_caches(caches(), num_gpu_blocks)
 
@@ -3454,39 +3462,23 @@ BAD_CALLS = [
     ("manager", "SimpleCPUOffloadScheduler(0 CPU blocks)", lambda w: ko.SimpleCPUOffloadScheduler(0, REL_BS),
      _V, r"num_cpu_blocks must be an int >= 2, got 0"),
     # --- copy worker: a step's calls with bad metadata (bind, then the copy)
-    ("worker", "bind + wait_for_save(GPU source out of range)",
-     _bind_and(_meta(store_event=99, store_gpu_blocks=[1, 99], store_cpu_blocks=[1, 2]), "wait_for_save"),
-     _V, r"store: source block ids \[99\] out of range \[0, 18\)"),
-    ("worker", "bind + wait_for_save(GPU source 18)",
-     _bind_and(_meta(store_event=99, store_gpu_blocks=[18], store_cpu_blocks=[1]), "wait_for_save"),
-     _V, r"store: source block ids \[18\] out of range \[0, 18\)"),
-    ("worker", "bind + wait_for_save(CPU destination out of range)",
-     _bind_and(_meta(store_event=99, store_gpu_blocks=[1], store_cpu_blocks=[8]), "wait_for_save"),
-     _V, r"store: destination block ids \[8\] out of range \[0, 8\)"),
-    ("worker", "bind + start_load_kv(negative CPU source)",
-     _bind_and(_meta(load_event=99, load_gpu_blocks=[5], load_cpu_blocks=[-1]), "start_load_kv"),
-     _V, r"load: source block ids \[-1\] out of range \[0, 8\)"),
-    ("worker", "bind + start_load_kv(CPU source out of range)",
-     _bind_and(_meta(load_event=99, load_gpu_blocks=[5], load_cpu_blocks=[10]), "start_load_kv"),
-     _V, r"load: source block ids \[10\] out of range \[0, 8\)"),
-    ("worker", "bind + start_load_kv(negative GPU destination)",
-     _bind_and(_meta(load_event=99, load_gpu_blocks=[-1], load_cpu_blocks=[1]), "start_load_kv"),
-     _V, r"load: destination block ids \[-1\] out of range \[0, 18\)"),
-    ("worker", "bind + start_load_kv(ids 5.0)",
-     _bind_and(_meta(load_event=99, load_gpu_blocks=[5.0], load_cpu_blocks=[1]), "start_load_kv"),
-     _T, r"load: destination block ids \[5\.0\] are not ints"),
-    ("worker", "bind + wait_for_save(id True)",
-     _bind_and(_meta(store_event=99, store_gpu_blocks=[True], store_cpu_blocks=[1]), "wait_for_save"),
-     _T, r"store: source block ids \[True\] are not ints"),
-    ("worker", "bind + wait_for_save(unequal id counts)",
-     _bind_and(_meta(store_event=99, store_gpu_blocks=[1, 2], store_cpu_blocks=[1]), "wait_for_save"),
-     _V, r"store: 2 source ids but 1 destination ids"),
-    ("worker", "bind + wait_for_save(store event index that does not grow)",
-     _bind_and(_meta(store_event=0, store_gpu_blocks=[1], store_cpu_blocks=[1]), "wait_for_save"),
-     _V, r"store_event=0 after store_event=\d+: event indices must grow"),
-    ("worker", "bind + start_load_kv(load event 1.5)",
-     _bind_and(_meta(load_event=1.5, load_gpu_blocks=[5], load_cpu_blocks=[1]), "start_load_kv"),
-     _T, r"load_event must be an int, got 1\.5"),
+    _copy_row("GPU source out of range", [1, 99], [1, 2],
+              _V, r"store: source block ids \[99\] out of range \[0, 18\)"),
+    _copy_row("GPU source 18", [18], [1], _V, r"store: source block ids \[18\] out of range \[0, 18\)"),
+    _copy_row("CPU destination out of range", [1], [8],
+              _V, r"store: destination block ids \[8\] out of range \[0, 8\)"),
+    _copy_row("negative CPU source", [5], [-1],
+              _V, r"load: source block ids \[-1\] out of range \[0, 8\)", load=True),
+    _copy_row("CPU source out of range", [5], [10],
+              _V, r"load: source block ids \[10\] out of range \[0, 8\)", load=True),
+    _copy_row("negative GPU destination", [-1], [1],
+              _V, r"load: destination block ids \[-1\] out of range \[0, 18\)", load=True),
+    _copy_row("ids 5.0", [5.0], [1], _T, r"load: destination block ids \[5\.0\] are not ints", load=True),
+    _copy_row("id True", [True], [1], _T, r"store: source block ids \[True\] are not ints"),
+    _copy_row("unequal id counts", [1, 2], [1], _V, r"store: 2 source ids but 1 destination ids"),
+    _copy_row("store event index that does not grow", [1], [1],
+              _V, r"store_event=0 after store_event=\d+: event indices must grow", event=0),
+    _copy_row("load event 1.5", [5], [1], _T, r"load_event must be an int, got 1\.5", load=True, event=1.5),
     ("worker", "bind_connector_metadata(None)", lambda w: rel_unwrap(w.worker).bind_connector_metadata(None),
      _T, r"metadata must be a SimpleCPUOffloadMetadata, got None"),
     # --- copy worker: registration and construction
