@@ -5,11 +5,30 @@ for KV bytes, the pre-fix variant (every test about either bug must fail there: 
 assert_variant), vLLM's copy-test oracle for the worker, planted ordering bugs for the copy
 worker on a simulated asynchronous device (each scenario must catch its own), and vLLM itself
 when importable: 0.34 for the fixed code, 0.29 for the pre-fix variant (the differential tests
-at the end skip cleanly without it).
+of Part 3 skip cleanly without it).
 
-Sections: hashing and requests; block pool; find_longest_cache_hit; copy worker; toy model and
-engine; copy worker on an asynchronous device; the GPU check (--gpu-check); manager scenarios (vLLM's test_scheduler.py, PR #53532's seven tests); reliability
-(random schedules, injected faults, bad input); the notebook; differential tests against vLLM.
+Contents (the file reads top to bottom in this order; each part and section has a banner):
+
+  Shared helpers (block ids, the pool-state snapshot) and the accessors of module internals
+  Part 1 — the reader's tests
+    1.1 Hashing and requests              1.9  Manager: request lifecycle
+    1.2 Block pool                        1.10 Manager: block tables
+    1.3 find_longest_cache_hit            1.11 Manager: several KV-cache groups
+    1.4 Copy worker                       1.12 Manager: reset() with transfers in flight
+    1.5 Copy worker on an async device    1.13 The seven tests PR #53532 added
+    1.6 Manager scenarios: the harness    1.14 End to end: toy model and engine
+    1.7 Manager: store -> lookup -> load  1.15 End to end: the GPU check (--gpu-check)
+    1.8 Manager: CPU pool                 1.16 The notebook and the README
+  Part 2 — reliability
+    2.1 Invariants                        2.5 Failures the generator found
+    2.2 Fault injection                   2.6 The bad-input catalogue
+    2.3 Random schedules and the fuzz     2.7 Module bugs found here, now fixed
+    2.4 Scripted interleavings            2.8 The checker checks
+  Part 3 — the vLLM differential
+    3.1 Importing vLLM, comparing states  3.5 SimpleCPUOffloadScheduler
+    3.2 Hash chains with shared prefixes  3.6 The pre-fix variant diverges by its bugs
+    3.3 FreeKVCacheBlockQueue, BlockPool  3.7 The pre-fix variant against vLLM 0.29
+    3.4 find_longest_cache_hit            3.8 vLLM's own Scheduler: where "every lookup misses"
 """
 from __future__ import annotations
 
@@ -558,6 +577,36 @@ def test_worker_reports_an_event_with_nothing_to_copy_at_once(device):
 # with the compute stream, reading their source when they run. These races cannot happen with
 # CPU copies that finish inside the step. Each scenario runs once on the real worker and once
 # with a planted ordering bug, and must tell the two apart.
+
+# The engine drivers below also serve the end-to-end tests (1.14).
+
+def _story_engine(connector_cls=ko.SimpleCPUOffloadScheduler, num_gpu_blocks=300, num_cpu_blocks=300,
+                  block_size=16, budget=512, device="cpu", workers=1, **kw):
+    model = ko.ToyModel(2, 2, 16, device="cpu" if device == "deferred" else device)
+    conn = connector_cls(num_cpu_blocks, block_size, **kw)
+    ws = [make_worker(num_cpu_blocks, device, seed=i) for i in range(workers)]
+    eng = ko.MiniEngine(num_gpu_blocks, block_size, budget, model, conn, ws if workers > 1 else ws[0], capture_kv=True)
+    return eng, conn, model
+
+
+def _prompt(n, seed=0):
+    return torch.randint(0, 32000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _run_a_then_b(eng, prompt, block_size=16):
+    """Request A runs; its GPU prefix cache is dropped; B sends the same prompt. B's stats."""
+    eng.add_request(ko.Request("A", prompt, block_size))
+    eng.run()
+    assert eng.reset_gpu_prefix_cache()
+    eng.add_request(ko.Request("B", prompt, block_size))
+    return eng.run()["B"]
+
+
+def _assert_all_free(eng, conn):
+    assert eng.gpu_block_pool.get_num_free_blocks() == eng.gpu_block_pool.num_gpu_blocks - 1
+    assert conn.cpu_block_pool.get_num_free_blocks() == conn.num_cpu_blocks - 1
+    assert not conn.has_pending_push_work() and not live_loads(conn) and not conn._reqs_to_store
+
 
 def test_deferred_engine_models_a_dma_engine():
     """The simulator itself, against hand-derived outcomes: a queued copy changes nothing until
@@ -1633,34 +1682,6 @@ def test_reset_releases_pending_finished_eager_stores(variant):
 
 
 # ---- 1.14 End to end: toy model and engine -------------------------------------------------------
-
-def _story_engine(connector_cls=ko.SimpleCPUOffloadScheduler, num_gpu_blocks=300, num_cpu_blocks=300,
-                  block_size=16, budget=512, device="cpu", workers=1, **kw):
-    model = ko.ToyModel(2, 2, 16, device="cpu" if device == "deferred" else device)
-    conn = connector_cls(num_cpu_blocks, block_size, **kw)
-    ws = [make_worker(num_cpu_blocks, device, seed=i) for i in range(workers)]
-    eng = ko.MiniEngine(num_gpu_blocks, block_size, budget, model, conn, ws if workers > 1 else ws[0], capture_kv=True)
-    return eng, conn, model
-
-
-def _prompt(n, seed=0):
-    return torch.randint(0, 32000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _run_a_then_b(eng, prompt, block_size=16):
-    """Request A runs; its GPU prefix cache is dropped; B sends the same prompt. B's stats."""
-    eng.add_request(ko.Request("A", prompt, block_size))
-    eng.run()
-    assert eng.reset_gpu_prefix_cache()
-    eng.add_request(ko.Request("B", prompt, block_size))
-    return eng.run()["B"]
-
-
-def _assert_all_free(eng, conn):
-    assert eng.gpu_block_pool.get_num_free_blocks() == eng.gpu_block_pool.num_gpu_blocks - 1
-    assert conn.cpu_block_pool.get_num_free_blocks() == conn.num_cpu_blocks - 1
-    assert not conn.has_pending_push_work() and not live_loads(conn) and not conn._reqs_to_store
-
 
 def test_toy_model_is_chunking_invariant():
     """KV of a token depends on (id, position) only: chunked writes equal one-shot expected_kv."""
@@ -3789,6 +3810,8 @@ def test_rel_snapshot_sees_every_part(part):
 # Against vLLM 0.34 itself (skipped without it). To run them:
 #   pip download --no-deps vllm==0.34.0; unzip its vllm/ folder outside the repo; put it on
 #   PYTHONPATH; pip install the pure-Python modules its imports ask for (README: Comparing with vLLM).
+
+# ---- 3.1 Importing vLLM, comparing states --------------------------------------------------------
 
 VLLM_VERSION: str | None = None  # the version of the vLLM that imports here, e.g. "0.34.0"
 try:  # vLLM's sources (a wheel unzipped on PYTHONPATH) and their few pure-Python deps
