@@ -201,7 +201,8 @@ def test_null_block_and_fifo_allocation():
     blocks = pool.get_new_blocks(3)
     assert block_ids(blocks) == [1, 2, 3] and all(b.ref_cnt == 1 and b.block_hash is None for b in blocks)
     assert pool.get_usage() == pytest.approx(3 / 5)
-    pool.touch([pool.null_block]); pool.free_blocks([pool.null_block])  # silently skipped
+    pool.touch([pool.null_block])
+    pool.free_blocks([pool.null_block])  # silently skipped
     assert pool.null_block.ref_cnt == 0 and free_ids(pool) == [4, 5]
 
 
@@ -380,7 +381,9 @@ def test_free_queue_primitives():
     q = ko.FreeKVCacheBlockQueue(blocks)
     assert q.popleft() is blocks[0] and block_ids(q.popleft_n(2)) == [1, 2]
     q.remove(blocks[4])
-    q.prepend_n([blocks[1], blocks[2]]); q.append(blocks[4]); q.append_n([blocks[0]])
+    q.prepend_n([blocks[1], blocks[2]])
+    q.append(blocks[4])
+    q.append_n([blocks[0]])
     assert block_ids(q.get_all_free_blocks()) == [1, 2, 3, 4, 0] and q.num_free_blocks == 5
     with pytest.raises(RuntimeError):
         q.remove(ko.KVCacheBlock(9))
@@ -594,12 +597,12 @@ def _prompt(n, seed=0):
 
 
 def _run_a_then_b(eng, prompt, block_size=16):
-    """Request A runs; its GPU prefix cache is dropped; B sends the same prompt. B's stats."""
+    """Request A runs; its GPU prefix cache is dropped; B sends the same prompt. Both stats."""
     eng.add_request(ko.Request("A", prompt, block_size))
     eng.run()
     assert eng.reset_gpu_prefix_cache()
     eng.add_request(ko.Request("B", prompt, block_size))
-    return eng.run()["B"]
+    return eng.run()
 
 
 def _assert_all_free(eng, conn):
@@ -806,7 +809,7 @@ def test_async_copies_are_reported_only_after_they_ran(worker_cls):
     eng = ko.MiniEngine(300, 16, 512, model, conn, worker_cls(300, copy_engine=ko.DeferredCopyEngine()),
                         capture_kv=True)
     prompt = _prompt(3000)
-    b = _run_a_then_b(eng, prompt)
+    b = _run_a_then_b(eng, prompt)["B"]
     assert b.cpu_hit_tokens == 2992
     assert torch.equal(b.kv, model.expected_kv(prompt)) == (worker_cls is ko.SimpleCPUOffloadWorker)
 
@@ -820,10 +823,10 @@ VARIANTS = ("fixed", "registration_bug", "skip_reset_hash", "flush_bug")
 
 
 
-def make_scheduler(variant: str, **kw) -> ko.SimpleCPUOffloadScheduler:
+def make_scheduler(variant: str, *args, **kw) -> ko.SimpleCPUOffloadScheduler:
     if variant == "fixed":
-        return ko.SimpleCPUOffloadScheduler(**kw)
-    return ko.PreFixCPUOffloadScheduler(**kw, registration_bug=variant == "registration_bug",
+        return ko.SimpleCPUOffloadScheduler(*args, **kw)
+    return ko.PreFixCPUOffloadScheduler(*args, **kw, registration_bug=variant == "registration_bug",
                                         skip_reset_hash=variant == "skip_reset_hash",
                                         flush_bug=variant == "flush_bug")
 
@@ -1695,7 +1698,7 @@ def test_toy_model_is_chunking_invariant():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("variant", ["fixed", "registration_bug", "skip_reset_hash", "flush_bug"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_repeated_prompt_end_to_end(device, variant):
     """A 3000-token prompt, 512-token chunks, block 16. Fixed: B loads (3000-1)//16 = 187 blocks
     = 2992 tokens and computes 8; its KV equals expected_kv bit for bit, outputs match, pools
@@ -1703,19 +1706,12 @@ def test_repeated_prompt_end_to_end(device, variant):
     with hash_block_size == block_size no lookup needs a secondary key -> 2992 as fixed. The
     reset_hash trap: no primary key is registered -> B recomputes all 3000. Flush bug: the last
     chunk's blocks (2560..2991, confirmed in A's last step) never reach CPU -> 2560 loaded."""
-    cls, kw = ((ko.SimpleCPUOffloadScheduler, {}) if variant == "fixed" else
-               (ko.PreFixCPUOffloadScheduler, {"registration_bug": variant == "registration_bug",
-                                               "skip_reset_hash": variant == "skip_reset_hash",
-                                               "flush_bug": variant == "flush_bug"}))
-    eng, conn, model = _story_engine(cls, device=device, **kw)
+    eng, conn, model = _story_engine(functools.partial(make_scheduler, variant), device=device)
     prompt = _prompt(3000)
-    eng.add_request(ko.Request("A", prompt, 16))
-    eng.run()
-    assert eng.reset_gpu_prefix_cache()
-    eng.add_request(ko.Request("B", prompt, 16))
-    stats = eng.run()
+    stats = _run_a_then_b(eng, prompt)
     a, b = stats["A"], stats["B"]
-    expected_hit = {"fixed": 2992, "registration_bug": 2992, "skip_reset_hash": 0, "flush_bug": 2560}[variant]
+    hits = {"fixed": 2992, "registration_bug": 2992, "skip_reset_hash": 0, "flush_bug": 2560}
+    expected_hit = hits[variant]
     assert b.cpu_hit_tokens == expected_hit and b.computed_tokens == 3000 - expected_hit
     assert a.output_token_ids == b.output_token_ids and len(b.output_token_ids) == 1
     # captured KV is on CPU: compare on one device
@@ -1730,10 +1726,13 @@ def test_shared_prefix_decode_and_gpu_hits():
     eng, conn, model = _story_engine()
     shared = _prompt(1000)
     reqs = [ko.Request(f"r{i}", shared + _prompt(100, seed=i + 1), 16, max_tokens=5) for i in range(3)]
-    eng.add_request(reqs[0]); eng.run()
-    eng.add_request(reqs[1]); eng.run()
+    eng.add_request(reqs[0])
+    eng.run()
+    eng.add_request(reqs[1])
+    eng.run()
     assert eng.reset_gpu_prefix_cache()
-    eng.add_request(reqs[2]); stats = eng.run()
+    eng.add_request(reqs[2])
+    stats = eng.run()
     assert (stats["r1"].gpu_hit_tokens, stats["r1"].cpu_hit_tokens) == (992, 0)
     assert (stats["r2"].gpu_hit_tokens, stats["r2"].cpu_hit_tokens) == (0, 992)
     _assert_all_free(eng, conn)
@@ -1811,9 +1810,7 @@ def test_two_workers_world_size_2(device):
     """Two TP workers: a store completes only once both reported it; the story still holds."""
     eng, conn, model = _story_engine(workers=2, world_size=2, device=device)
     prompt = _prompt(1000)
-    eng.add_request(ko.Request("A", prompt, 16)); eng.run()
-    assert eng.reset_gpu_prefix_cache()
-    eng.add_request(ko.Request("B", prompt, 16)); stats = eng.run()
+    stats = _run_a_then_b(eng, prompt)
     assert stats["B"].cpu_hit_tokens == 992 and torch.equal(stats["B"].kv, model.expected_kv(prompt).cpu())
     _assert_all_free(eng, conn)
 
@@ -1857,7 +1854,7 @@ def _story_with_sync_check(device, set_mode=None, plant_sync=False):
         w.wait_for_save = wait_for_save
     sync_checked(w, set_mode)
     prompt = _prompt(1000)
-    b = _run_a_then_b(eng, prompt)
+    b = _run_a_then_b(eng, prompt)["B"]
     assert b.cpu_hit_tokens == 992 and torch.equal(b.kv, model.expected_kv(prompt).cpu())
 
 
