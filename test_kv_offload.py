@@ -56,7 +56,7 @@ from hypothesis import strategies as st
 import kv_offload as ko
 
 
-# ---- Shared helpers -------------------------------------------------------------------------------
+# ---- Shared helpers ------------------------------------------------------------------------------
 # One of each: a block-id helper, a pool-state snapshot (both libraries' pools), and the accessors
 # of module internals below.
 
@@ -167,7 +167,8 @@ def test_hash_chain_is_deterministic_and_prefix_sensitive():
     b = ko.Request("b", list(range(64)), 16)
     assert a.block_hashes == b.block_hashes and len(a.block_hashes) == 4
     assert all(isinstance(h, bytes) and len(h) == 32 for h in a.block_hashes)
-    assert a.block_hashes[0] == hashlib.sha256(ko.NONE_HASH + struct.pack("<16q", *range(16))).digest()
+    first = hashlib.sha256(ko.NONE_HASH + struct.pack("<16q", *range(16))).digest()
+    assert a.block_hashes[0] == first
     c = ko.Request("c", list(range(20)) + [999] + list(range(21, 64)), 16)
     assert c.block_hashes[0] == a.block_hashes[0]
     assert all(x != y for x, y in zip(c.block_hashes[1:], a.block_hashes[1:]))
@@ -199,7 +200,8 @@ def test_null_block_and_fifo_allocation():
     assert pool.null_block.block_id == 0 and pool.null_block.is_null
     assert free_ids(pool) == [1, 2, 3, 4, 5] and pool.get_num_free_blocks() == 5
     blocks = pool.get_new_blocks(3)
-    assert block_ids(blocks) == [1, 2, 3] and all(b.ref_cnt == 1 and b.block_hash is None for b in blocks)
+    assert block_ids(blocks) == [1, 2, 3]
+    assert all(b.ref_cnt == 1 and b.block_hash is None for b in blocks)
     assert pool.get_usage() == pytest.approx(3 / 5)
     pool.touch([pool.null_block])
     pool.free_blocks([pool.null_block])  # silently skipped
@@ -366,7 +368,8 @@ def test_reset_prefix_cache_refused_while_in_use():
     assert pool.reset_prefix_cache() is False and len(pool.cached_block_hash_to_block) == 2
     pool.free_blocks(blocks)
     assert pool.reset_prefix_cache() is True
-    assert len(pool.cached_block_hash_to_block) == 0 and all(b.block_hash is None for b in pool.blocks)
+    assert len(pool.cached_block_hash_to_block) == 0
+    assert all(b.block_hash is None for b in pool.blocks)
 
 
 def test_caching_disabled_prepends_everything():
@@ -445,7 +448,8 @@ def test_fine_grained_hit_needs_a_secondary_key():
     (hit,), n = ko.find_longest_cache_hit(probe.block_hashes, 28, [0], pool, 16)
     assert n == 24 and hit == blocks
     # coarse alignment (the manager's): the same lookup rounds down to whole blocks
-    (hit,), n = ko.find_longest_cache_hit(probe.block_hashes, 28, [0], pool, 16, alignment_tokens=16)
+    (hit,), n = ko.find_longest_cache_hit(probe.block_hashes, 28, [0], pool, 16,
+                                          alignment_tokens=16)
     assert n == 16 and hit == blocks[:1]
 
 
@@ -464,7 +468,8 @@ def test_multi_group_lookup_requires_every_group():
 # "deferred": CPU caches, the worker's CUDA branch on ko.DeferredCopyEngine (copies run later,
 # out of step); "cuda" skips without a GPU, except under KV_OFFLOAD_REQUIRE_CUDA (--gpu-check)
 CUDA = pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available() and not os.environ.get("KV_OFFLOAD_REQUIRE_CUDA"), reason="needs a GPU"))
+    not torch.cuda.is_available() and not os.environ.get("KV_OFFLOAD_REQUIRE_CUDA"),
+    reason="needs a GPU"))
 DEVICES = ["cpu", "deferred", CUDA]
 
 
@@ -504,16 +509,21 @@ def test_worker_copies_exact_blocks_both_directions(device, layout, ids):
     for r in w.cpu_caches.values():
         r.copy_(torch.randn(r.shape, generator=torch.Generator().manual_seed(2)).to(r.dtype))
     assert all(r.is_pinned() == (device == "cuda") for r in w.cpu_caches.values())
-    gpu_ids, cpu_ids = ([3, 4, 5, 6], [1, 2, 3, 4]) if ids == "contiguous" else ([9, 2, 5, 11], [7, 1, 8, 3])
+    gpu_ids, cpu_ids = ([3, 4, 5, 6], [1, 2, 3, 4])
+    if ids == "scattered":
+        gpu_ids, cpu_ids = [9, 2, 5, 11], [7, 1, 8, 3]
     for direction in ("store", "load"):
-        src, dst = (w.gpu_caches, w.cpu_caches) if direction == "store" else (w.cpu_caches, w.gpu_caches)
+        src, dst = w.gpu_caches, w.cpu_caches
+        if direction == "load":
+            src, dst = dst, src
         s_ids, d_ids = (gpu_ids, cpu_ids) if direction == "store" else (cpu_ids, gpu_ids)
         before_src = {k: v.clone() for k, v in src.items()}
         before_dst = {k: v.clone() for k, v in dst.items()}
-        w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(
-            **({"store_event": 0, "store_gpu_blocks": gpu_ids, "store_cpu_blocks": cpu_ids} if direction == "store"
-               else {"load_event": 0, "load_gpu_blocks": gpu_ids, "load_cpu_blocks": cpu_ids,
-                     "load_event_to_reqs": {0: ["r"]}})))
+        fields_ = {f"{direction}_event": 0, f"{direction}_gpu_blocks": gpu_ids,
+                   f"{direction}_cpu_blocks": cpu_ids}
+        if direction == "load":
+            fields_["load_event_to_reqs"] = {0: ["r"]}
+        w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(**fields_))
         (w.wait_for_save if direction == "store" else w.start_load_kv)()
         finish_copies(w)
         for k in src:
@@ -546,7 +556,8 @@ def test_worker_splits_flash_layout_and_dedups_shared_storage():
 
 
 def test_coalesce_runs():
-    assert ko._coalesce_runs([1, 2, 3, 7, 8, 4], [5, 6, 7, 9, 10, 1]) == [(1, 5, 3), (7, 9, 2), (4, 1, 1)]
+    runs = ko._coalesce_runs([1, 2, 3, 7, 8, 4], [5, 6, 7, 9, 10, 1])
+    assert runs == [(1, 5, 3), (7, 9, 2), (4, 1, 1)]
     assert ko._coalesce_runs([1, 2], [2, 1]) == [(1, 2, 1), (2, 1, 1)]
 
 
@@ -560,11 +571,13 @@ def test_worker_reports_an_event_with_nothing_to_copy_at_once(device):
     w.register_kv_caches(_make_caches("flash", device), 12)
     if w.copy_engine is not None:
         w.copy_engine.max_ops_per_call = 0
-    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(load_event=0, load_gpu_blocks=[3], load_cpu_blocks=[1],
+    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(load_event=0, load_gpu_blocks=[3],
+                                                          load_cpu_blocks=[1],
                                                           load_event_to_reqs={0: ["r0"]}))
     w.start_load_kv()
     w.clear_connector_metadata()
-    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(load_event=1, load_event_to_reqs={0: ["r0"], 1: ["r1"]},
+    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(load_event=1,
+                                                          load_event_to_reqs={0: ["r0"], 1: ["r1"]},
                                                           store_event=0))
     w.start_load_kv()
     w.wait_for_save()
@@ -583,12 +596,14 @@ def test_worker_reports_an_event_with_nothing_to_copy_at_once(device):
 
 # The engine drivers below also serve the end-to-end tests (1.14).
 
-def _story_engine(connector_cls=ko.SimpleCPUOffloadScheduler, num_gpu_blocks=300, num_cpu_blocks=300,
+def _story_engine(connector_cls=ko.SimpleCPUOffloadScheduler, num_gpu_blocks=300,
+                  num_cpu_blocks=300,
                   block_size=16, budget=512, device="cpu", workers=1, **kw):
     model = ko.ToyModel(2, 2, 16, device="cpu" if device == "deferred" else device)
     conn = connector_cls(num_cpu_blocks, block_size, **kw)
     ws = [make_worker(num_cpu_blocks, device, seed=i) for i in range(workers)]
-    eng = ko.MiniEngine(num_gpu_blocks, block_size, budget, model, conn, ws if workers > 1 else ws[0], capture_kv=True)
+    eng = ko.MiniEngine(num_gpu_blocks, block_size, budget, model, conn,
+                        ws if workers > 1 else ws[0], capture_kv=True)
     return eng, conn, model
 
 
@@ -688,7 +703,8 @@ def _load_into_a_block_a_forward_reads(plant_bug: bool) -> torch.Tensor:
     read = torch.zeros(2, 4, 8, dtype=torch.float16)
     with dev.stream(dev.compute):  # the running forward's read of block 2 (queued)
         read.copy_(cache[:, 2])
-    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(load_event=0, load_cpu_blocks=[1], load_gpu_blocks=[2],
+    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(load_event=0, load_cpu_blocks=[1],
+                                                          load_gpu_blocks=[2],
                                                           load_event_to_reqs={0: ["r"]}))
     w.start_load_kv()
     dev.run(w.load_stream)
@@ -758,7 +774,8 @@ def _reset_while_a_load_is_queued(connector_cls) -> tuple[bool, bool]:
     on a device that runs nothing yet. reset(), then B is aborted. C (80 other tokens, 3 output
     tokens) arrives and needs 5 blocks; after one step the device runs everything queued, then
     the engine runs to the end. Returns (reset's result, C's KV == expected_kv)."""
-    eng, conn, model = _story_engine(connector_cls, num_gpu_blocks=7, num_cpu_blocks=6, device="deferred")
+    eng, conn, model = _story_engine(connector_cls, num_gpu_blocks=7, num_cpu_blocks=6,
+                                     device="deferred")
     dev = eng.workers[0].copy_engine
     prompt_a, prompt_c = _prompt(80), _prompt(80, seed=1)
     eng.add_request(ko.Request("A", prompt_a, 16))
@@ -767,7 +784,8 @@ def _reset_while_a_load_is_queued(connector_cls) -> tuple[bool, bool]:
     dev.max_ops_per_call = 0
     eng.add_request(ko.Request("B", prompt_a, 16))
     eng.step()
-    assert loading_requests(eng) == {"B": 64} and eng.workers[0].load_stream.ops, "B's load should be queued"
+    assert loading_requests(eng) == {"B": 64} and eng.workers[0].load_stream.ops, (
+        "B's load should be queued")
     reset_done = conn.reset()
     eng.abort_request("B")
     eng.add_request(ko.Request("C", prompt_c, 16, max_tokens=3))
@@ -806,7 +824,8 @@ def test_async_copies_are_reported_only_after_they_ran(worker_cls):
     landed before it ran: B computes on zeros and its KV differs."""
     model = ko.ToyModel(2, 2, 16)
     conn = ko.SimpleCPUOffloadScheduler(300, 16)
-    eng = ko.MiniEngine(300, 16, 512, model, conn, worker_cls(300, copy_engine=ko.DeferredCopyEngine()),
+    eng = ko.MiniEngine(300, 16, 512, model, conn,
+                        worker_cls(300, copy_engine=ko.DeferredCopyEngine()),
                         capture_kv=True)
     prompt = _prompt(3000)
     b = _run_a_then_b(eng, prompt)["B"]
@@ -835,7 +854,8 @@ def assert_variant(variant: str, observed, fixed, **bugged) -> None:
     """`fixed` is vLLM's answer after PR #53532; `bugged[v]` is what pre-fix variant `v` must show
     instead (a variant not named is not affected by the scenario and must match `fixed`)."""
     for v, value in bugged.items():
-        assert value != fixed, f"a regression test whose {v} answer equals the fixed one proves nothing"
+        assert value != fixed, (
+            f"a regression test whose {v} answer equals the fixed one proves nothing")
     expected = bugged.get(variant, fixed)
     assert observed == expected, f"{variant}: observed {observed!r}, expected {expected!r}"
 
@@ -1059,7 +1079,8 @@ def test_partial_gpu_prefix_plus_cpu_load():
     table2 = h.alloc(req2, 6 * BS, prev=table2, cache=False, confirm=False)  # | ext(2) | new(2) |
     h.sched.update_state_after_alloc(req2, table2, 2 * BS)  # accepts 32 of the 64 offered
     meta2 = h.step({req2.request_id: 2 * BS + 1}, {req2.request_id: table2})
-    assert (meta2.load_gpu_blocks, meta2.load_cpu_blocks) == (table_ids(table2)[0][2:4], cpu_of[2:4])
+    assert (meta2.load_gpu_blocks, meta2.load_cpu_blocks) == (table_ids(table2)[0][2:4],
+                                                              cpu_of[2:4])
     # the two offered-but-declined blocks lost the lookup pin; the loaded two keep the load pin
     assert [h.cpu.blocks[i].ref_cnt for i in cpu_of] == [0, 0, 1, 1, 0, 0]
 
@@ -1403,7 +1424,8 @@ def test_two_groups_same_size_store_and_load():
     cpu_of = dict(zip(meta.store_gpu_blocks, meta.store_cpu_blocks))
     t2, meta2 = h.start_load(h.twin(req))
     # destination block i of group g receives the CPU copy of source block i of group g
-    want = {d: cpu_of[s] for g in (0, 1) for s, d in zip(table_ids(table)[g][:2], table_ids(t2)[g][:2])}
+    want = {d: cpu_of[s] for g in (0, 1) for s, d in zip(table_ids(table)[g][:2],
+                                                         table_ids(t2)[g][:2])}
     assert dict(zip(meta2.load_gpu_blocks, meta2.load_cpu_blocks)) == want
 
 
@@ -1643,7 +1665,8 @@ def test_finished_eager_store_is_reported_pending_before_metadata_build(variant)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_finished_eager_store_covers_all_groups(variant):
     """The flush stores the remaining confirmed blocks of every KV-cache group."""
-    h = Harness(variant, num_cpu_blocks=8, block_size=32, hash_block_size=16, group_block_sizes=[16, 32])
+    h = Harness(variant, num_cpu_blocks=8, block_size=32, hash_block_size=16,
+                group_block_sizes=[16, 32])
     a = h.request(65)
     (t,) = h.prefill_then_finish((a, 65))
     g0, g1 = table_ids(t)
@@ -1693,7 +1716,9 @@ def test_toy_model_is_chunking_invariant():
     whole = m.expected_kv(toks)
     parts = torch.cat([m.compute_kv(torch.tensor(toks[i:i + 7]), torch.arange(i, min(i + 7, 40)))
                        for i in range(0, 40, 7)], dim=2)
-    assert torch.equal(whole, parts) and whole.shape == (2, 2, 40, 2, 8) and whole.dtype == torch.float16
+    assert torch.equal(whole, parts)
+    assert whole.shape == (2, 2, 40, 2, 8)
+    assert whole.dtype == torch.float16
     assert not torch.equal(whole[:, :, 0], m.expected_kv([toks[1]])[:, :, 0])
 
 
@@ -1725,7 +1750,8 @@ def test_shared_prefix_decode_and_gpu_hits():
     nothing more. After the GPU cache is dropped, r2 loads those 62 blocks (992 tokens) from CPU."""
     eng, conn, model = _story_engine()
     shared = _prompt(1000)
-    reqs = [ko.Request(f"r{i}", shared + _prompt(100, seed=i + 1), 16, max_tokens=5) for i in range(3)]
+    reqs = [ko.Request(f"r{i}", shared + _prompt(100, seed=i + 1), 16,
+                       max_tokens=5) for i in range(3)]
     eng.add_request(reqs[0])
     eng.run()
     eng.add_request(reqs[1])
@@ -1773,7 +1799,8 @@ def test_engine_lists_new_and_resumed_requests_before_running_ones():
     eng.step()
     scheduler_output = seen[-1]
     assert list(scheduler_output.num_scheduled_tokens.items()) == [("B", 24), ("A", 8)]
-    assert scheduler_output.new_block_ids == {"A": ([3],), "B": ([4, 5],)} and scheduler_output.resumed_req_ids == set()
+    assert scheduler_output.new_block_ids == {"A": ([3],), "B": ([4, 5],)}
+    assert scheduler_output.resumed_req_ids == set()
     yielded = [(rid, ids) for rid, ids, _ in ko.yield_req_data(scheduler_output)]
     assert yielded == [("B", ([4, 5],)), ("A", ([3],))]
 
@@ -1811,7 +1838,8 @@ def test_two_workers_world_size_2(device):
     eng, conn, model = _story_engine(workers=2, world_size=2, device=device)
     prompt = _prompt(1000)
     stats = _run_a_then_b(eng, prompt)
-    assert stats["B"].cpu_hit_tokens == 992 and torch.equal(stats["B"].kv, model.expected_kv(prompt).cpu())
+    assert stats["B"].cpu_hit_tokens == 992
+    assert torch.equal(stats["B"].kv, model.expected_kv(prompt).cpu())
     _assert_all_free(eng, conn)
 
 
@@ -1921,13 +1949,16 @@ def test_gpu_check_selects_every_gpu_case():
     import subprocess
     import sys
     env = dict(os.environ, KV_OFFLOAD_REQUIRE_CUDA="1")
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "--collect-only",
                           "-k", "cuda", __file__], env=env, capture_output=True, text=True).stdout
     ids = [line for line in out.splitlines() if "::" in line]
     names = {i.split("::")[1].split("[")[0] for i in ids}
     assert {"test_worker_copies_exact_blocks_both_directions", "test_repeated_prompt_end_to_end",
-            "test_two_workers_world_size_2", "test_rel_fuzz_random_schedules", "test_worker_step_has_no_hidden_sync",
-            "test_rel_abort_while_its_load_is_in_flight", "test_rel_reset_while_a_store_and_a_load_are_in_flight",
+            "test_two_workers_world_size_2", "test_rel_fuzz_random_schedules",
+            "test_worker_step_has_no_hidden_sync",
+            "test_rel_abort_while_its_load_is_in_flight",
+            "test_rel_reset_while_a_store_and_a_load_are_in_flight",
             "test_rel_world_size_2_one_worker_lags"} <= names
     assert all("cuda" in i.split("[")[1] for i in ids), ids
     if not torch.cuda.is_available():
@@ -1954,7 +1985,8 @@ def _nb_text(cell) -> str:
 
 
 def _nb_tagged(nb, tag: str) -> str:
-    cells = [c for c in nb.cells if c.cell_type == "code" and tag in c.get("metadata", {}).get("tags", [])]
+    cells = [c for c in nb.cells
+             if c.cell_type == "code" and tag in c.get("metadata", {}).get("tags", [])]
     assert len(cells) == 1, f"expected exactly one notebook cell tagged {tag!r}, found {len(cells)}"
     return _nb_text(cells[0])
 
@@ -1999,7 +2031,8 @@ def test_notebook_claims_in_its_outputs(executed_notebook):
                       r"0.29 lookup for the same prompt: 96 hit tokens"],
         "claim-fine": [r"0.29 +CPU secondary keys: 0; fine-grained hit: 8 hit tokens",
                        r"fixed +CPU secondary keys: 1; fine-grained hit: 12 hit tokens"],
-        "claim-capacity": [r"0.29 .*56: 0, 57: 896,.* 72: 896\}", r"fixed .*64: 0, 65: 1008,.* 72: 1008\}"],
+        "claim-capacity": [r"0.29 .*56: 0, 57: 896,.* 72: 896\}",
+                           r"fixed .*64: 0, 65: 1008,.* 72: 1008\}"],
         "claim-trap": [r"0.29 +map entries: 6; lookup for the same prompt: 96 hit tokens",
                        r"no reset_hash +map entries: 0; lookup for the same prompt: 0 hit tokens",
                        r"fixed +map entries: 6; lookup for the same prompt: 96 hit tokens"],
@@ -2010,7 +2043,8 @@ def test_notebook_claims_in_its_outputs(executed_notebook):
         for pattern in patterns:
             assert re.search(pattern, text), (tag, pattern, text)
     story = _nb_tagged(nb, "claim-story").splitlines()
-    expected = {"0.29": "1024 tokens computed, 3072 loaded", "no reset_hash": "4096 tokens computed,    0 loaded",
+    expected = {"0.29": "1024 tokens computed, 3072 loaded",
+                "no reset_hash": "4096 tokens computed,    0 loaded",
                 "fixed": "  16 tokens computed, 4080 loaded"}
     for name, counts in expected.items():
         line = next(line for line in story if line.startswith(name + " "))
@@ -2050,9 +2084,11 @@ def test_readme_numbers_match_the_code():
             for row, cells in small_table.items():
                 assert cells[name] == str(r[row]), (name, row, cells[name], r[row])
     collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
-                                "no:cacheprovider", __file__], capture_output=True, text=True).stdout
+                                "no:cacheprovider", __file__], capture_output=True,
+                               text=True).stdout
     num_tests = int(re.search(r"(\d+) tests collected", collected).group(1))
-    assert f"| {num_tests} tests (CPU;" in text, f"the README's file map should say {num_tests} tests"
+    assert f"| {num_tests} tests (CPU;" in text, (
+        f"the README's file map should say {num_tests} tests")
 
 
 def test_notebook_is_committed_with_outputs():
@@ -2060,8 +2096,10 @@ def test_notebook_is_committed_with_outputs():
     nbformat = pytest.importorskip("nbformat")
     nb = nbformat.read(NOTEBOOK, as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
-    assert code and all(c.execution_count is not None for c in code), "notebook saved without executing it"
-    assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), "cells were not run top to bottom"
+    assert code and all(c.execution_count is not None for c in code), (
+        "notebook saved without executing it")
+    assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), (
+        "cells were not run top to bottom")
     pngs = sum("image/png" in o.get("data", {}) for c in code for o in c.outputs)
     assert pngs >= 3, f"committed notebook has {pngs} pictures, expected at least 3"
     assert not any(o.get("output_type") == "error" for c in code for o in c.outputs)
@@ -2110,17 +2148,23 @@ def rel_check_pool(pool: ko.BlockPool, name: str) -> None:
     free, prev, cur = [], q.fake_free_list_head, q.fake_free_list_head.next_free_block
     while cur is not q.fake_free_list_tail:
         assert cur is not None, f"{name}: free list broken after block {prev.block_id}"
-        assert cur.prev_free_block is prev, f"{name}: back link of free block {cur.block_id} is wrong"
+        assert cur.prev_free_block is prev, (
+            f"{name}: back link of free block {cur.block_id} is wrong")
         free.append(cur)
-        assert len(free) < pool.num_gpu_blocks, f"{name}: free list has a cycle or holds the null block"
+        assert len(free) < pool.num_gpu_blocks, (
+            f"{name}: free list has a cycle or holds the null block")
         prev, cur = cur, cur.next_free_block
-    assert q.fake_free_list_tail.prev_free_block is prev, f"{name}: tail sentinel's back link is wrong"
-    assert len(free) == q.num_free_blocks, f"{name}: num_free_blocks={q.num_free_blocks}, list has {len(free)}"
+    assert q.fake_free_list_tail.prev_free_block is prev, (
+        f"{name}: tail sentinel's back link is wrong")
+    assert len(free) == q.num_free_blocks, (
+        f"{name}: num_free_blocks={q.num_free_blocks}, list has {len(free)}")
     in_free = {b.block_id for b in free}
     assert len(in_free) == len(free), f"{name}: a block is in the free list twice"
     null = pool.null_block
-    assert null is pool.blocks[0] and null.is_null and null.block_hash is None, f"{name}: null block changed"
-    assert 0 not in in_free and 0 not in pool.cached_block_hashes_by_block, f"{name}: null block freed or hashed"
+    assert null is pool.blocks[0] and null.is_null and null.block_hash is None, (
+        f"{name}: null block changed")
+    assert 0 not in in_free and 0 not in pool.cached_block_hashes_by_block, (
+        f"{name}: null block freed or hashed")
     for i, b in enumerate(pool.blocks):
         assert b.block_id == i, f"{name}: blocks[{i}] has id {b.block_id}"
         if i == 0:
@@ -2130,7 +2174,8 @@ def rel_check_pool(pool: ko.BlockPool, name: str) -> None:
         assert (b.ref_cnt == 0) == (i in in_free), (
             f"{name}: block {i} has ref_cnt={b.ref_cnt} but is {'' if i in in_free else 'not '}in the free queue")
         if b.ref_cnt:
-            assert b.prev_free_block is None and b.next_free_block is None, f"{name}: used block {i} still linked"
+            assert b.prev_free_block is None and b.next_free_block is None, (
+                f"{name}: used block {i} still linked")
     for b in free:
         assert pool.blocks[b.block_id] is b, f"{name}: free list holds a foreign block {b.block_id}"
     contents = map_contents(pool.cached_block_hash_to_block)
@@ -2147,11 +2192,14 @@ def rel_check_pool(pool: ko.BlockPool, name: str) -> None:
             assert any(x is b for x in entries.get(b.block_hash, ())), (
                 f"{name}: block {b.block_id}'s primary key is not in the map (the bug-1 shape)")
         for key in secondary.get(b.block_id, ()):
-            assert b.block_hash is not None and key != b.block_hash, f"{name}: block {b.block_id} bad secondary"
-            assert any(x is b for x in entries.get(key, ())), f"{name}: block {b.block_id} secondary not in map"
+            assert b.block_hash is not None and key != b.block_hash, (
+                f"{name}: block {b.block_id} bad secondary")
+            assert any(x is b for x in entries.get(key, ())), (
+                f"{name}: block {b.block_id} secondary not in map")
     assert all(secondary.values()), f"{name}: empty secondary-key set left behind"
     if not pool.enable_caching:
-        assert not entries and all(b.block_hash is None for b in pool.blocks), f"{name}: hashed without caching"
+        assert not entries and all(b.block_hash is None for b in pool.blocks), (
+            f"{name}: hashed without caching")
 
 
 # expected KV per (model, tokens, first position): ToyModel's KV depends on (token, position) only
@@ -2160,12 +2208,14 @@ _REL_KV_CACHE: dict[tuple, torch.Tensor] = {}
 
 def rel_expected_block(model: ko.ToyModel, tokens: tuple[int, ...], start: int) -> torch.Tensor:
     """[num_layers, 2, len(tokens), H, D]: the KV of `tokens` at positions start, start+1, ..."""
-    key = (model.num_layers, model.num_kv_heads, model.head_dim, model.dtype, model.rounds, tokens, start)
+    key = (model.num_layers, model.num_kv_heads, model.head_dim, model.dtype, model.rounds, tokens,
+           start)
     if key not in _REL_KV_CACHE:
         if len(_REL_KV_CACHE) > 200_000:
             _REL_KV_CACHE.clear()
         t = torch.as_tensor(tokens, dtype=torch.int64, device=model.device)
-        _REL_KV_CACHE[key] = model.compute_kv(t, torch.arange(start, start + len(tokens), device=model.device)).cpu()
+        _REL_KV_CACHE[key] = model.compute_kv(t, torch.arange(start, start + len(tokens),
+                                                              device=model.device)).cpu()
     return _REL_KV_CACHE[key]
 
 
@@ -2188,7 +2238,8 @@ def rel_check_cached_kv(engine: ko.MiniEngine, requests) -> None:
     prefixes: dict[bytes, tuple[list[int], int]] = {}
     for r in requests:
         for i, h in enumerate(r.block_hashes):
-            prefixes.setdefault(ko.make_block_hash_with_group_id(h, 0), (r.all_token_ids, (i + 1) * hbs))
+            prefixes.setdefault(ko.make_block_hash_with_group_id(h, 0),
+                                (r.all_token_ids, (i + 1) * hbs))
 
     def check(block_kv: torch.Tensor, key: bytes, where: str) -> None:  # block_kv: [L, 2, bs, H, D]
         assert key in prefixes, f"{where}: cached under a key no request produced"
@@ -2199,7 +2250,8 @@ def rel_check_cached_kv(engine: ko.MiniEngine, requests) -> None:
             f"{where}: KV differs from expected_kv of the prefix its key names ({end} tokens)")
 
     def keys(pool: ko.BlockPool, b: ko.KVCacheBlock) -> list[bytes]:
-        return [b.block_hash, *pool.cached_block_hashes_by_block.get(b.block_id, ())] if b.block_hash else []
+        return [b.block_hash,
+                *pool.cached_block_hashes_by_block.get(b.block_id, ())] if b.block_hash else []
 
     gpu = engine.gpu_block_pool
     layers = list(engine.kv_caches.values())  # each (2, num_blocks, bs, H, D)
@@ -2212,12 +2264,14 @@ def rel_check_cached_kv(engine: ko.MiniEngine, requests) -> None:
     for w_i, w in enumerate(rel_unwrap(w) for w in engine.workers):
         for b in conn.cpu_block_pool.blocks:
             for key in keys(conn.cpu_block_pool, b):
-                kv = torch.stack([torch.stack([w.cpu_caches[f"{n}.k"][b.block_id], w.cpu_caches[f"{n}.v"][b.block_id]])
+                kv = torch.stack([torch.stack([w.cpu_caches[f"{n}.k"][b.block_id],
+                                               w.cpu_caches[f"{n}.v"][b.block_id]])
                                   for n in engine.kv_caches])
                 check(kv, key, f"CPU block {b.block_id} (worker {w_i})")
 
 
-def check_invariants(engine: ko.MiniEngine, requests=None, *, allow_stale_store_counts: bool = False) -> None:
+def check_invariants(engine: ko.MiniEngine, requests=None, *,
+                     allow_stale_store_counts: bool = False) -> None:
     """Everything that must hold between two engine steps, for any schedule.
 
     - Both pools are well formed (rel_check_pool): free queue == the ref-0 blocks, map <-> hashes.
@@ -2239,7 +2293,8 @@ def check_invariants(engine: ko.MiniEngine, requests=None, *, allow_stale_store_
     waiting = [r.request_id for r in engine.waiting]
     assert len(set(running + waiting)) == len(running) + len(waiting), "a request is queued twice"
     assert set(loading_requests(engine)) <= set(waiting), "a loading request is not waiting"
-    assert set(engine.req_blocks) <= set(running + waiting), "a finished request still has a block table"
+    assert set(engine.req_blocks) <= set(running + waiting), (
+        "a finished request still has a block table")
     for r in engine.running:
         assert ko.cdiv(r.num_computed_tokens, engine.block_size) <= len(engine.req_blocks[r.request_id])
     want_gpu = Counter(b.block_id for blocks in engine.req_blocks.values() for b in blocks if not b.is_null)
@@ -2256,61 +2311,77 @@ def check_invariants(engine: ko.MiniEngine, requests=None, *, allow_stale_store_
         want_cpu = Counter()
         for t in live + queued + abandoned + loads:
             assert len(t.gpu_block_ids) == len(t.cpu_block_ids), f"transfer with unequal sides: {t}"
-            assert 0 not in t.gpu_block_ids and 0 not in t.cpu_block_ids, f"null block in a transfer: {t}"
+            assert 0 not in t.gpu_block_ids and 0 not in t.cpu_block_ids, (
+                f"null block in a transfer: {t}")
             want_gpu.update(t.gpu_block_ids)
             want_cpu.update(t.cpu_block_ids)
         for hit_blocks in pending_cpu_hit_blocks(conn).values():
             want_cpu.update(b.block_id for grp in hit_blocks for b in grp if not b.is_null)
         got = Counter({b.block_id: b.ref_cnt for b in cpu.blocks[1:] if b.ref_cnt})
-        assert got == want_cpu, f"CPU refs not accounted for: pool has {dict(got)}, holders {dict(want_cpu)}"
+        assert got == want_cpu, (
+            f"CPU refs not accounted for: pool has {dict(got)}, holders {dict(want_cpu)}")
         store_dsts = Counter(c for t in live + queued + abandoned for c in t.cpu_block_ids)
-        assert all(n == 1 for n in store_dsts.values()), f"a CPU block is the destination of two stores: {store_dsts}"
+        assert all(n == 1 for n in store_dsts.values()), (
+            f"a CPU block is the destination of two stores: {store_dsts}")
         for b in cpu.blocks:
             assert b.block_hash is None or b.block_id not in store_dsts, (
                 f"CPU block {b.block_id} is cached before its copy completed")
         load_dsts = Counter(g for t in loads for g in t.gpu_block_ids)
-        assert all(n == 1 for n in load_dsts.values()), f"a GPU block is the destination of two loads: {load_dsts}"
+        assert all(n == 1 for n in load_dsts.values()), (
+            f"a GPU block is the destination of two loads: {load_dsts}")
         for g in load_dsts:
-            assert gpu.blocks[g].block_hash is None, f"GPU block {g} is cached while its load is in flight"
+            assert gpu.blocks[g].block_hash is None, (
+                f"GPU block {g} is cached while its load is in flight")
         for c in (c for t in loads for c in t.cpu_block_ids):
-            assert cpu.blocks[c].block_hash is not None, f"a load reads CPU block {c}, which holds no cached KV"
+            assert cpu.blocks[c].block_hash is not None, (
+                f"a load reads CPU block {c}, which holds no cached KV")
         sources = Counter(g for t in live + queued for g in t.gpu_block_ids)
-        assert all(n == 1 for n in sources.values()), f"a GPU block is copied by two live stores: {sources}"
+        assert all(n == 1 for n in sources.values()), (
+            f"a GPU block is copied by two live stores: {sources}")
         assert conn._in_flight_store_gpu_blocks == set(sources), (
             f"in-flight set {sorted(conn._in_flight_store_gpu_blocks)} != live/queued store sources {sorted(sources)}")
         for g in sources:
-            assert gpu.blocks[g].block_hash is not None, f"store source GPU block {g} lost its hash while pinned"
+            assert gpu.blocks[g].block_hash is not None, (
+                f"store source GPU block {g} lost its hash while pinned")
         # event bookkeeping
         live_ev, abandoned_ev = set(conn._store_event_to_blocks), set(conn._abandoned_store_event_to_blocks)
         assert not live_ev & abandoned_ev, "a store event is both live and abandoned"
-        assert all(e < conn._store_event_counter for e in live_ev | abandoned_ev), "store event from the future"
+        assert all(e < conn._store_event_counter for e in live_ev | abandoned_ev), (
+            "store event from the future")
         for e, rids in conn._store_event_to_reqs.items():
             assert e in live_ev and rids, f"store event {e} -> {rids} is not live"
             for rid in rids:
-                assert e in conn._reqs_to_store[rid].store_events, f"{rid} does not know store event {e}"
+                assert e in conn._reqs_to_store[rid].store_events, (
+                    f"{rid} does not know store event {e}")
         for rid, state in conn._reqs_to_store.items():
             for e in state.store_events:
-                assert rid in conn._store_event_to_reqs.get(e, ()), f"{rid} waits for unknown store event {e}"
-            assert not state.finished or state.store_events, f"{rid} finished, no store in flight, not cleaned up"
+                assert rid in conn._store_event_to_reqs.get(e, ()), (
+                    f"{rid} waits for unknown store event {e}")
+            assert not state.finished or state.store_events, (
+                f"{rid} finished, no store in flight, not cleaned up")
         for e, count in conn._store_event_pending_counts.items():
             if not allow_stale_store_counts:
-                assert e in live_ev | abandoned_ev, f"count {count} kept for finished/unknown store event {e} (RB-3)"
+                assert e in live_ev | abandoned_ev, (
+                    f"count {count} kept for finished/unknown store event {e} (RB-3)")
                 assert 0 < count < conn.world_size, f"store event {e} pending count {count}"
         for e, rids in conn._load_event_to_reqs.items():
             assert rids and all(rid in load_states and load_states[rid].load_event == e for rid in rids), (
                 f"load event {e} -> {rids} disagrees with the load states")
         for rid, state in load_states.items():
-            assert state.load_event is None or rid in conn._load_event_to_reqs.get(state.load_event, ()), (
+            listed = conn._load_event_to_reqs.get(state.load_event, ())
+            assert state.load_event is None or rid in listed, (
                 f"sent load of {rid} is not listed under its event")
         # engine <-> connector
         for rid in loading_requests(engine):
             assert rid in load_states, f"{rid} waits for a load the connector does not have"
         for rid, state in live_loads(conn).items():
-            assert rid in loading_requests(engine) or state.finished, f"live load of {rid}: neither loading nor finished"
+            assert rid in loading_requests(engine) or state.finished, (
+                f"live load of {rid}: neither loading nor finished")
         for rid in pending_cpu_hits(conn):
             assert rid in waiting, f"lookup pin of {rid}, which is not waiting"
     got = Counter({b.block_id: b.ref_cnt for b in gpu.blocks[1:] if b.ref_cnt})
-    assert got == want_gpu, f"GPU refs not accounted for: pool has {dict(got)}, holders {dict(want_gpu)}"
+    assert got == want_gpu, (
+        f"GPU refs not accounted for: pool has {dict(got)}, holders {dict(want_gpu)}")
     if requests is not None:
         rel_check_cached_kv(engine, requests)
 
@@ -2319,17 +2390,21 @@ def rel_check_idle(engine: ko.MiniEngine, *, allow_stale_store_counts: bool = Fa
     """The end of a run: every pool free but its null block, nothing pending anywhere."""
     conn = rel_unwrap(engine.connector)
     gpu = engine.gpu_block_pool
-    assert gpu.get_num_free_blocks() == gpu.num_gpu_blocks - 1, "GPU blocks still in use after the run"
+    assert gpu.get_num_free_blocks() == gpu.num_gpu_blocks - 1, (
+        "GPU blocks still in use after the run")
     assert not (engine.waiting or engine.running or loading_requests(engine) or engine.req_blocks
                 or engine.num_cached_blocks or recving_counts(engine) or preempted_waiting_ids(engine)), "engine not idle"
     if conn is None:
         return
     cpu = conn.cpu_block_pool
-    assert cpu.get_num_free_blocks() == cpu.num_gpu_blocks - 1, "CPU blocks still in use after the run"
-    assert not conn.has_pending_push_work() and not conn.has_pending_stores(), "push work left after the run"
+    assert cpu.get_num_free_blocks() == cpu.num_gpu_blocks - 1, (
+        "CPU blocks still in use after the run")
+    assert not conn.has_pending_push_work() and not conn.has_pending_stores(), (
+        "push work left after the run")
     leftovers = {name: getattr(conn, name) for name in (
         "_load_event_to_reqs", "_reqs_to_store", "_store_event_to_blocks", "_store_event_to_reqs",
-        "_abandoned_store_event_to_blocks", "_in_flight_store_gpu_blocks", "_pending_finished_stores")}
+        "_abandoned_store_event_to_blocks", "_in_flight_store_gpu_blocks",
+                                                        "_pending_finished_stores")}
     leftovers.update(live_loads=live_loads(conn), abandoned_loads=abandoned_loads(conn),
                      pending_cpu_hits=pending_cpu_hits(conn))
     if not allow_stale_store_counts:
@@ -2346,9 +2421,11 @@ def rel_check_idle(engine: ko.MiniEngine, *, allow_stale_store_counts: bool = Fa
 @dataclass(frozen=True)
 class RelFaults:
     load_delay: int = 0   # a worker holds each load report 0..load_delay steps
-    store_delay: int = 0  # a worker holds each store report 0..store_delay steps (per worker: partial counts)
+    # a worker holds each store report 0..store_delay steps (per worker: partial counts)
+    store_delay: int = 0
     conn_delay: int = 0   # the connector sees each aggregated store report 0..conn_delay steps late
-    dup: bool = False     # reports already delivered are delivered again later (and after each reset)
+    # reports already delivered are delivered again later (and after each reset)
+    dup: bool = False
     split: bool = False   # a step's load and store reports reach the connector in random order
     exact: bool = False   # every delay is exactly its maximum (scripted scenarios)
     seed: int = 0
@@ -2495,7 +2572,8 @@ class RelFaultyConnector(RelProxy):
             elif e not in inner._store_event_to_blocks:
                 log.ignored_reports += 1
         live_before = set(inner._store_event_to_blocks)
-        inner.update_connector_output(ko.KVConnectorOutput(set(), ko.SimpleCPUOffloadWorkerMetadata(dict(m))))
+        inner.update_connector_output(ko.KVConnectorOutput(set(),
+                                                           ko.SimpleCPUOffloadWorkerMetadata(dict(m))))
         self._rel_delivered.append(m)
         log.partial_counts += bool(inner._store_event_pending_counts)
         # a store abandoned by reset() caches nothing when it completes
@@ -2555,7 +2633,8 @@ class RelLog:
     steps: int = 0
     preemptions: int = 0
     preempted_while_storing: int = 0
-    resumed_with_load: int = 0   # a preempted request came back through a CPU load (RelFaultyConnector)
+    # a preempted request came back through a CPU load (RelFaultyConnector)
+    resumed_with_load: int = 0
     cpu_hit_tokens: int = 0
     aborts: int = 0
     aborts_while_loading: int = 0
@@ -2572,8 +2651,10 @@ class RelLog:
     stale_reports: int = 0       # store reports of events abandoned by a reset
     ignored_reports: int = 0     # store reports of events already finished (repeats)
     partial_counts: int = 0      # deliveries after which a store event waited for another worker
-    cpu_evictions: int = 0       # steps in which a cached CPU block was evicted (reused for a new store)
-    worker_reports: Counter = field(default_factory=Counter)  # store event -> worker reports released
+    # steps in which a cached CPU block was evicted (reused for a new store)
+    cpu_evictions: int = 0
+    # store event -> worker reports released
+    worker_reports: Counter = field(default_factory=Counter)
 
 
 def rel_prompt(bases, base: int, prefix_len: int, suffix) -> list[int]:
@@ -2585,7 +2666,8 @@ def rel_max_need(plan_ops, bases, bs: int = REL_BS) -> int:
     return max([ko.cdiv(len(rel_prompt(bases, *op[1:4])) + op[4], bs) for op in plan_ops if op[0] == "add"] or [1])
 
 
-REL_MODEL = dict(num_layers=1, num_kv_heads=1, head_dim=4)  # ToyModel(1, 1, 4): tiny, fast, still exact
+# ToyModel(1, 1, 4): tiny, fast, still exact
+REL_MODEL = dict(num_layers=1, num_kv_heads=1, head_dim=4)
 
 
 def rel_build(plan: RelPlan):
@@ -2593,17 +2675,20 @@ def rel_build(plan: RelPlan):
     log = RelLog()
     rng = random.Random(plan.faults.seed)
     model = ko.ToyModel(**REL_MODEL, device="cpu" if plan.device == "deferred" else plan.device)
-    conn = ko.SimpleCPUOffloadScheduler(plan.num_cpu_blocks, REL_BS, hash_block_size=plan.hash_block_size,
+    conn = ko.SimpleCPUOffloadScheduler(plan.num_cpu_blocks, REL_BS,
+                                        hash_block_size=plan.hash_block_size,
                                         world_size=plan.world_size)
     proxy = RelFaultyConnector(conn, plan.faults, rng, log)
-    workers = [RelFaultyWorker(make_worker(plan.num_cpu_blocks, plan.device, seed=plan.faults.seed + i),
+    workers = [RelFaultyWorker(make_worker(plan.num_cpu_blocks, plan.device,
+                                           seed=plan.faults.seed + i),
                                plan.faults, rng, log, plan.world_size)
                for i in range(plan.world_size)]
     engine = ko.MiniEngine(plan.num_gpu_blocks, REL_BS, plan.budget, model, proxy,
                            workers if plan.world_size > 1 else workers[0], capture_kv=True)
     for p in (proxy, *workers):
         p._rel_engine = engine
-    return SimpleNamespace(engine=engine, conn=conn, proxy=proxy, workers=workers, model=model, log=log,
+    return SimpleNamespace(engine=engine, conn=conn, proxy=proxy, workers=workers, model=model,
+                           log=log,
                            requests={}, aborted=set())
 
 
@@ -2633,7 +2718,8 @@ def rel_abort(run, k: int = 0, rid: str | None = None) -> None:
         return state is not None and bool(state.store_events)
 
     if rid is None:
-        live = sorted(eng.running + eng.waiting, key=lambda r: (r.request_id not in loading_requests(eng),
+        live = sorted(eng.running + eng.waiting,
+                      key=lambda r: (r.request_id not in loading_requests(eng),
                                                                 not storing(r.request_id)))
         if not live:
             return
@@ -2658,7 +2744,8 @@ def rel_run_plan(plan: RelPlan, max_steps: int = 3000, *, before_reset=None):
         if kind == "add":
             _, base, prefix_len, suffix, max_tokens = op
             rid = f"r{len(run.requests)}"
-            req = ko.Request(rid, rel_prompt(plan.bases, base, prefix_len, suffix), plan.hash_block_size, max_tokens)
+            req = ko.Request(rid, rel_prompt(plan.bases, base, prefix_len, suffix),
+                             plan.hash_block_size, max_tokens)
             eng.add_request(req)
             run.requests[rid] = req
         elif kind == "step":
@@ -2742,12 +2829,14 @@ def rel_finish(run, max_steps: int = 3000, before_reset=None) -> None:
         log.cpu_hit_tokens += stats.cpu_hit_tokens
         if rid in run.aborted:
             assert stats.kv is None, f"{rid} was aborted but has captured KV"
-            assert stats.output_token_ids == want[:len(stats.output_token_ids)], f"{rid}: wrong output before abort"
+            assert stats.output_token_ids == want[:len(stats.output_token_ids)], (
+                f"{rid}: wrong output before abort")
         else:
             assert stats.kv is not None, f"{rid} never finished"
             assert torch.equal(stats.kv, model.expected_kv(req.prompt_token_ids).cpu()), (
                 f"{rid}: KV differs from expected_kv")
-            assert stats.output_token_ids == want, f"{rid}: outputs {stats.output_token_ids} != {want}"
+            assert stats.output_token_ids == want, (
+                f"{rid}: outputs {stats.output_token_ids} != {want}")
     if before_reset is not None:
         before_reset(run)
     # idle: both prefix caches can now be dropped, and are
@@ -2758,13 +2847,16 @@ def rel_finish(run, max_steps: int = 3000, before_reset=None) -> None:
     rel_check_idle(eng)
 
 
-REL_TOKENS = st.integers(0, 40)  # a small vocabulary: unrelated prompts collide on short prefixes too
-REL_OTHER_TOKENS = st.integers(41, 80)  # for a prompt that must share no prefix with REL_TOKENS ones
+# a small vocabulary: unrelated prompts collide on short prefixes too
+REL_TOKENS = st.integers(0, 40)
+# for a prompt that must share no prefix with REL_TOKENS ones
+REL_OTHER_TOKENS = st.integers(41, 80)
 
 
 def rel_faults(draw) -> RelFaults:
     return RelFaults(load_delay=draw(st.integers(0, 3)), store_delay=draw(st.integers(0, 3)),
-                     conn_delay=draw(st.integers(0, 2)), dup=draw(st.booleans()), split=draw(st.booleans()),
+                     conn_delay=draw(st.integers(0, 2)), dup=draw(st.booleans()),
+                     split=draw(st.booleans()),
                      seed=draw(st.integers(0, 2 ** 16)))
 
 
@@ -2776,7 +2868,8 @@ def rel_generic_plans(draw, max_ops: int = 16) -> RelPlan:
     bases = tuple(tuple(draw(st.lists(REL_TOKENS, min_size=2 * REL_BS, max_size=7 * REL_BS)))
                   for _ in range(draw(st.integers(1, 2))))
     prefix_len = st.one_of(st.just(7 * REL_BS), st.integers(0, 7 * REL_BS))
-    add = st.tuples(st.just("add"), st.integers(0, 1), prefix_len, st.lists(REL_TOKENS, max_size=5).map(tuple),
+    add = st.tuples(st.just("add"), st.integers(0, 1), prefix_len,
+                    st.lists(REL_TOKENS, max_size=5).map(tuple),
                     st.integers(1, 4))
     step = st.tuples(st.just("step"), st.integers(1, 6))
     short = st.tuples(st.just("step"), st.integers(1, 2))
@@ -2784,7 +2877,8 @@ def rel_generic_plans(draw, max_ops: int = 16) -> RelPlan:
     reset, reset_gpu, drain = st.just(("reset",)), st.just(("reset_gpu",)), st.just(("drain",))
 
     def again_of(b):  # a request that repeats all of base b: a CPU hit once the GPU copy is gone
-        return st.tuples(st.just("add"), st.just(b), st.just(7 * REL_BS), st.lists(REL_TOKENS, max_size=3).map(tuple),
+        return st.tuples(st.just("add"), st.just(b), st.just(7 * REL_BS),
+                         st.lists(REL_TOKENS, max_size=3).map(tuple),
                          st.integers(1, 3))
 
     again = st.integers(0, 1).flatmap(again_of)
@@ -2793,10 +2887,12 @@ def rel_generic_plans(draw, max_ops: int = 16) -> RelPlan:
                     st.lists(REL_TOKENS, max_size=2).map(tuple), st.integers(5, 10))
     # chunks of ops that tend to reach the dangerous windows
     chunk = st.one_of(
-        st.tuples(add), st.tuples(add), st.tuples(step), st.tuples(abort), st.tuples(reset), st.tuples(reset_gpu),
+        st.tuples(add), st.tuples(add), st.tuples(step), st.tuples(abort), st.tuples(reset),
+                      st.tuples(reset_gpu),
         st.tuples(add, add, add, step),                  # a burst: chunked prefill competes
         st.tuples(dec, dec, dec, dec, step, abort),      # decodes grow together: preemption
-        st.tuples(again, drain, reset_gpu, again, short, abort),  # GPU cache dropped, CPU hit, abort mid-load
+        # GPU cache dropped, CPU hit, abort mid-load
+        st.tuples(again, drain, reset_gpu, again, short, abort),
         st.tuples(drain, reset_gpu, again, short, reset),  # reset while the load (and stores) run
         st.tuples(drain, reset_gpu, again, again, step),   # two CPU hits on one prefix, competing
         st.tuples(step, reset),                          # reset while copies run
@@ -2817,7 +2913,8 @@ def rel_generic_plans(draw, max_ops: int = 16) -> RelPlan:
 
 def rel_window_tail(draw, fits: list[tuple]) -> tuple:
     """A few ops after a window, drawn from ones that fit the window's tight pools."""
-    ops = st.sampled_from([("step", 1), ("step", 3), ("drain",), ("reset",), ("reset_gpu",), ("abort", 0), *fits])
+    ops = st.sampled_from([("step", 1), ("step", 3), ("drain",), ("reset",), ("reset_gpu",),
+                           ("abort", 0), *fits])
     return tuple(draw(st.lists(ops, max_size=4)))
 
 
@@ -2831,7 +2928,8 @@ def rel_pin_window_plans(draw, window_op: tuple) -> RelPlan:
     bs = REL_BS
     hit, r, f = draw(st.integers(2, 5)), draw(st.integers(1, bs)), draw(st.integers(bs, 3 * bs))
     x_tokens = tuple(draw(st.lists(REL_TOKENS, min_size=hit * bs + r, max_size=hit * bs + r)))
-    f_tokens = tuple(draw(st.lists(REL_OTHER_TOKENS, min_size=f, max_size=f)))  # no hash in common with X
+    # no hash in common with X
+    f_tokens = tuple(draw(st.lists(REL_OTHER_TOKENS, min_size=f, max_size=f)))
     x = ("add", 0, len(x_tokens), (), 1)
     filler = ("add", 1, f, (), draw(st.integers(2, (hit - 1) * bs + 1)))  # fits the pool on its own
     usable = ko.cdiv(f + 1, bs) + hit - 1  # X's hit needs `hit` blocks: one more than are free
@@ -2839,7 +2937,8 @@ def rel_pin_window_plans(draw, window_op: tuple) -> RelPlan:
            *rel_window_tail(draw, [x, filler]))
     return RelPlan(ops=ops, bases=(x_tokens, f_tokens), num_gpu_blocks=1 + usable,
                    num_cpu_blocks=1 + usable + hit + draw(st.integers(0, 3)),
-                   budget=draw(st.integers(f + 1, 16)),  # F prefills in one step, then X is looked up
+                   # F prefills in one step, then X is looked up
+                   budget=draw(st.integers(f + 1, 16)),
                    hash_block_size=draw(st.sampled_from([bs, bs // 2])),
                    world_size=draw(st.sampled_from([1, 2])), faults=rel_faults(draw))
 
@@ -2856,7 +2955,8 @@ def rel_resume_window_plans(draw) -> RelPlan:
     p_max_tokens = bs * usable - p + 1 - draw(st.integers(0, bs - 1))  # P's last block is the U-th
     r_max_tokens = bs * usable - r + 1 - draw(st.integers(0, 2))       # R outlives the preemption
     r_tokens = tuple(draw(st.lists(REL_TOKENS, min_size=r, max_size=r)))
-    p_tokens = tuple(draw(st.lists(REL_OTHER_TOKENS, min_size=p, max_size=p)))  # no hash in common with R
+    # no hash in common with R
+    p_tokens = tuple(draw(st.lists(REL_OTHER_TOKENS, min_size=p, max_size=p)))
     prefill_p, prefill_r = ("add", 1, p, (), p_max_tokens), ("add", 0, r, (), r_max_tokens)
     ops = (prefill_p, prefill_r, ("drain",), *rel_window_tail(draw, [prefill_r]))
     return RelPlan(ops=ops, bases=(r_tokens, p_tokens), num_gpu_blocks=1 + usable,
@@ -2891,7 +2991,8 @@ REL_FUZZ_SEED = None
 if REL_FUZZ_EXAMPLES:
     REL_FUZZ_SEED = int(os.environ.get("KV_OFFLOAD_FUZZ_SEED") or random.SystemRandom().randrange(2 ** 32))
 rel_fuzz_settings = settings(
-    max_examples=REL_FUZZ_EXAMPLES or 300, derandomize=not REL_FUZZ_EXAMPLES, database=None, deadline=None,
+    max_examples=REL_FUZZ_EXAMPLES or 300, derandomize=not REL_FUZZ_EXAMPLES, database=None,
+                             deadline=None,
     print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -2907,9 +3008,11 @@ def rel_print(config, line: str) -> None:
 
 # What a run went through (RelLog), reported per device; the rare windows must each be reached
 # in >= 5% of the quick profile's schedules (rel_pin_window_plans, rel_resume_window_plans)
-REL_REACHED = ("preemptions", "preempted_while_storing", "resumed_with_load", "cpu_hit_tokens", "cpu_evictions",
+REL_REACHED = ("preemptions", "preempted_while_storing", "resumed_with_load", "cpu_hit_tokens",
+               "cpu_evictions",
                "aborts_while_loading", "aborts_while_storing", "aborts_with_pin", "steps_with_pins",
-               "resets_refused", "resets_with_pins", "resets_with_queued_flush", "stale_reports", "partial_counts",
+               "resets_refused", "resets_with_pins", "resets_with_queued_flush", "stale_reports",
+               "partial_counts",
                "duplicate_reports", "ignored_reports")
 REL_RARE_WINDOWS = ("resumed_with_load", "resets_with_pins", "aborts_with_pin")
 
@@ -2920,9 +3023,10 @@ def test_rel_fuzz_random_schedules(device, pytestconfig):
     later, per worker (world size 1 and 2), on top of the injected report faults."""
     if REL_FUZZ_SEED is not None and not getattr(pytestconfig, "_rel_seed_shown", False):
         pytestconfig._rel_seed_shown = True  # once per session: every device uses the seed
-        rel_print(pytestconfig, f"fuzz long profile: {REL_FUZZ_EXAMPLES} schedules per device, seed "
-                                f"{REL_FUZZ_SEED}; replay: KV_OFFLOAD_FUZZ_EXAMPLES={REL_FUZZ_EXAMPLES} "
-                                f"KV_OFFLOAD_FUZZ_SEED={REL_FUZZ_SEED} python -m pytest -k fuzz")
+        rel_print(pytestconfig,
+                  f"fuzz long profile: {REL_FUZZ_EXAMPLES} schedules per device, seed "
+                  f"{REL_FUZZ_SEED}; replay: KV_OFFLOAD_FUZZ_EXAMPLES={REL_FUZZ_EXAMPLES} "
+                  f"KV_OFFLOAD_FUZZ_SEED={REL_FUZZ_SEED} python -m pytest -k fuzz")
     logs: list[RelLog] = []
 
     @rel_fuzz_settings
@@ -2951,7 +3055,8 @@ def test_rel_fuzz_random_schedules(device, pytestconfig):
 # ---- 2.4 Scripted interleavings (each reached on every run, not by chance) -----------------------
 
 REL_DEVICES = DEVICES
-REL_BASE_A = tuple(range(1, 21))        # 20 tokens: 5 blocks, 4 of them a CPU hit (cap: num_tokens - 1)
+# 20 tokens: 5 blocks, 4 of them a CPU hit (cap: num_tokens - 1)
+REL_BASE_A = tuple(range(1, 21))
 REL_BASE_B = tuple(range(100, 116))     # 16 tokens, shares nothing with A
 REL_FULL_A, REL_FULL_B = ("add", 0, 20, (), 1), ("add", 1, 16, (), 1)
 
@@ -2969,7 +3074,8 @@ def test_rel_abort_while_its_load_is_in_flight(device):
     """A is stored; the GPU cache is dropped; B (A's prompt) hits 16 tokens on CPU and is aborted
     while its load report is still on the way. The load's pins (both pools) must stay until the
     report, then go; nothing else may leak."""
-    plan = rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), REL_FULL_A, ("step", 1), ("abort", "r1"),
+    plan = rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), REL_FULL_A, ("step", 1),
+                    ("abort", "r1"),
                     faults=RelFaults(load_delay=3, exact=True), device=device)
     run = rel_run_plan(plan)
     assert run.log.aborts_while_loading == 1 and run.engine.stats["r1"].cpu_hit_tokens == 16
@@ -3000,11 +3106,15 @@ def test_rel_reset_while_a_finish_flush_is_queued():
 def test_rel_reset_while_a_store_and_a_load_are_in_flight(device):
     """reset() with a sent store and a sent load: both are abandoned (reset returns False), their
     late reports release the pins and cache nothing; a later reset succeeds."""
-    plan = rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), REL_FULL_B, ("step", 1), REL_FULL_A, ("step", 1),
+    plan = rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), REL_FULL_B, ("step", 1), REL_FULL_A,
+                    ("step", 1),
                     ("reset",),
-                    budget=12, faults=RelFaults(load_delay=2, store_delay=2, exact=True, split=True), device=device)
+                    budget=12, faults=RelFaults(load_delay=2, store_delay=2, exact=True,
+                                                split=True), device=device)
     run = rel_run_plan(plan)
-    assert run.log.resets_refused == 1 and run.log.stale_reports >= 1 and run.engine.stats["r2"].cpu_hit_tokens == 16
+    assert run.log.resets_refused == 1
+    assert run.log.stale_reports >= 1
+    assert run.engine.stats["r2"].cpu_hit_tokens == 16
 
 
 REL_BASE_C = tuple(range(200, 212))     # 12 tokens, shares nothing with A or B
@@ -3026,7 +3136,8 @@ def test_rel_refused_reset_is_retried_and_serves_no_stale_hit(reset):
         b_hits.append(run.conn.get_num_new_matched_tokens(probe, 0)[0])
         run.conn.request_finished(probe, [])
 
-    plan = rel_plan(REL_FULL_A, REL_FULL_B, ("drain",), ("reset_gpu",), ("hold", 0), ("add", 2, 12, (), 1),
+    plan = rel_plan(REL_FULL_A, REL_FULL_B, ("drain",), ("reset_gpu",), ("hold", 0),
+                    ("add", 2, 12, (), 1),
                     ("step", 2), (reset,), REL_FULL_A, ("step", 2), ("release", 0),
                     bases=(REL_BASE_A, REL_BASE_B, REL_BASE_C), num_cpu_blocks=16)
     run = rel_run_plan(plan, before_reset=probe_b)
@@ -3038,7 +3149,8 @@ def test_rel_refused_reset_is_retried_and_serves_no_stale_hit(reset):
 def rel_pin_plan(last_op) -> RelPlan:
     # A stored; GPU cache dropped; B (16 tokens, then decodes) holds 5 of 7 usable GPU blocks;
     # A again: a CPU hit of 16 tokens needs 4 blocks, 2 are free -> it waits, holding its lookup pin
-    return rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), ("add", 1, 16, (), 8), ("step", 2), REL_FULL_A,
+    return rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), ("add", 1, 16, (), 8), ("step", 2),
+                    REL_FULL_A,
                     ("step", 1), last_op, num_gpu_blocks=8, num_cpu_blocks=12)
 
 
@@ -3055,8 +3167,10 @@ def test_rel_abort_while_a_lookup_pin_is_held():
 def test_rel_preemption_while_stores_are_in_flight():
     """Three long decodes outgrow 7 GPU blocks: a request is preempted while its stores are still
     unreported; its blocks stay pinned by the stores (not reused by the others) until they complete."""
-    plan = rel_plan(("add", 0, 12, (), 10), ("add", 1, 12, (), 10), ("add", 0, 8, (7,), 10), ("step", 6),
-                    faults=RelFaults(store_delay=2, load_delay=1, seed=1), num_gpu_blocks=8, budget=4)
+    plan = rel_plan(("add", 0, 12, (), 10), ("add", 1, 12, (), 10), ("add", 0, 8, (7,), 10),
+                    ("step", 6),
+                    faults=RelFaults(store_delay=2, load_delay=1, seed=1), num_gpu_blocks=8,
+                    budget=4)
     run = rel_run_plan(plan)
     assert run.log.preempted_while_storing >= 1
 
@@ -3068,11 +3182,14 @@ def test_rel_world_size_2_one_worker_lags(device):
     plan = rel_plan(("hold", 1), REL_FULL_A, ("step", 4), ("reset",), ("step", 1), ("release", 1),
                     REL_FULL_A, world_size=2, device=device)
     run = rel_run_plan(plan)
-    assert run.log.partial_counts >= 1 and run.log.resets_refused == 1 and run.log.stale_reports >= 1
+    assert run.log.partial_counts >= 1
+    assert run.log.resets_refused == 1
+    assert run.log.stale_reports >= 1
 
 
 def test_rel_duplicate_and_stale_reports_are_ignored():
-    plan = rel_plan(REL_FULL_A, ("step", 2), ("reset",), REL_FULL_B, ("drain",), ("reset_gpu",), REL_FULL_A,
+    plan = rel_plan(REL_FULL_A, ("step", 2), ("reset",), REL_FULL_B, ("drain",), ("reset_gpu",),
+                    REL_FULL_A,
                     faults=RelFaults(dup=True, store_delay=1, load_delay=1, seed=3))
     run = rel_run_plan(plan)
     assert run.log.duplicate_reports >= 1 and run.log.ignored_reports >= 1
@@ -3080,7 +3197,8 @@ def test_rel_duplicate_and_stale_reports_are_ignored():
 
 def test_rel_one_block_cpu_pool():
     """A CPU pool of one usable block: every store evicts the previous one; still exact."""
-    plan = rel_plan(REL_FULL_A, REL_FULL_B, ("drain",), ("reset_gpu",), REL_FULL_A, ("add", 0, 4, (9,), 2),
+    plan = rel_plan(REL_FULL_A, REL_FULL_B, ("drain",), ("reset_gpu",), REL_FULL_A,
+                    ("add", 0, 4, (9,), 2),
                     num_cpu_blocks=2, faults=RelFaults(store_delay=1, seed=2))
     run = rel_run_plan(plan)
     assert run.log.cpu_evictions >= 1
@@ -3094,9 +3212,11 @@ def test_rel_one_block_cpu_pool():
 # is queued *ahead* of r3. Now r2 needs 4 blocks, 3 are free, and r3 never gets its turn. The fix:
 # requests that hold blocks are admitted first.
 REL_RB1_PLAN = RelPlan(
-    ops=(("add", 0, 28, (0, 0, 0, 0, 0), 1), ("abort", 0), ("add", 0, 28, (), 1), ("add", 1, 28, (0,), 3),
+    ops=(("add", 0, 28, (0, 0, 0, 0, 0), 1), ("abort", 0), ("add", 0, 28, (), 1),
+         ("add", 1, 28, (0,), 3),
          ("step", 1), ("add", 0, 28, (), 1)),
-    bases=((0, 31, 13, 32, 0, 0, 0, 33, 25, 35, 40, 31, 29, 23, 30, 22, 0, 32, 38, 27, 0, 12, 29, 39, 0, 0, 0, 0),
+    bases=((0, 31, 13, 32, 0, 0, 0, 33, 25, 35, 40, 31, 29, 23, 30, 22, 0, 32, 38, 27, 0, 12, 29,
+            39, 0, 0, 0, 0),
            (0,) * 10),
     num_gpu_blocks=10, num_cpu_blocks=12, budget=2)
 
@@ -3112,7 +3232,8 @@ def test_rel_regression_a_landed_load_is_progress():
     same before and after, but the step made progress (r3 now holds its blocks), so it is not a
     stall. (4 GPU blocks, budget 2: r3 then computes 2 tokens a step.)"""
     plan = RelPlan(ops=(("add", 0, 28, (), 1), ("add", 0, 28, (), 1), ("drain",), ("reset_gpu",),
-                        ("add", 0, 28, (), 1), ("step", 1), ("abort", 0), ("reset_gpu",), ("add", 0, 28, (), 1)),
+                        ("add", 0, 28, (), 1), ("step", 1), ("abort", 0), ("reset_gpu",),
+                        ("add", 0, 28, (), 1)),
                    bases=((0,) * 8,), num_gpu_blocks=4, num_cpu_blocks=2, budget=2)
     run = rel_run_plan(plan)
     assert run.engine.stats["r3"].cpu_hit_tokens == 4
@@ -3124,7 +3245,8 @@ def test_rel_rb1_minimal_engine_run_finishes():
     CPU load land, waits holding 6 blocks. 'b' grows into a 4th block, finds none free, preempts
     itself and is queued ahead of 'c': it needs 4 blocks, 3 are free, and 'c' never ran. Every
     request fits the pool on its own, so run() must finish."""
-    e = ko.MiniEngine(10, REL_BS, 2, ko.ToyModel(**REL_MODEL), ko.SimpleCPUOffloadScheduler(12, REL_BS),
+    e = ko.MiniEngine(10, REL_BS, 2, ko.ToyModel(**REL_MODEL),
+                      ko.SimpleCPUOffloadScheduler(12, REL_BS),
                       ko.SimpleCPUOffloadWorker(12))
     prompt = list(range(1, 29))
     e.add_request(ko.Request("a", prompt, REL_BS))
@@ -3136,7 +3258,8 @@ def test_rel_rb1_minimal_engine_run_finishes():
     except RuntimeError:
         stuck = [(r.request_id, len(e.req_blocks.get(r.request_id, []))) for r in e.waiting]
         pytest.fail(f"stalled: waiting (request, blocks held) {stuck}, running {e.running}, "
-                    f"{e.gpu_block_pool.get_num_free_blocks()} GPU blocks free")  # [('b', 0), ('c', 6)], [], 3
+                    # [('b', 0), ('c', 6)], [], 3
+                    f"{e.gpu_block_pool.get_num_free_blocks()} GPU blocks free")
     assert [len(stats[r].output_token_ids) for r in "abc"] == [1, 3, 1]
 
 
@@ -3151,13 +3274,15 @@ def rel_plain(x):
     defining fields, dicts in insertion order, sets sorted."""
     if isinstance(x, torch.Tensor):
         t = x.detach().cpu().contiguous()
-        return ("tensor", str(t.dtype), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return ("tensor", str(t.dtype), tuple(t.shape),
+                t.reshape(-1).view(torch.uint8).numpy().tobytes())
     if isinstance(x, ko.KVCacheBlock):
         return ("block", x.block_id, x.ref_cnt, x.block_hash)
     if isinstance(x, ko.Request):
-        return ("request", x.request_id, x.num_computed_tokens, tuple(x.all_token_ids), len(x.block_hashes))
-    if isinstance(x, (ko.BlockPool, RelProxy, ko.SimpleCPUOffloadScheduler, ko.SimpleCPUOffloadWorker,
-                      ko.MiniEngine, ko.ToyModel)):
+        return ("request", x.request_id, x.num_computed_tokens, tuple(x.all_token_ids),
+                len(x.block_hashes))
+    if isinstance(x, (ko.BlockPool, RelProxy, ko.SimpleCPUOffloadScheduler,
+                      ko.SimpleCPUOffloadWorker, ko.MiniEngine, ko.ToyModel)):
         return (type(x).__name__, id(x))  # snapshotted on their own
     if isinstance(x, ko.DeferredCopyEngine):  # queued copies and the random state that runs them
         return ("copy engine", x.rng.getstate(), tuple((len(s.ops), s.num_done) for s in x.streams))
@@ -3227,8 +3352,10 @@ def rel_world(device: str = "cpu"):
         assert conn.get_num_new_matched_tokens(r, 0) == (12, True)
     c_blocks, d_blocks = eng.gpu_block_pool.get_new_blocks(4), eng.gpu_block_pool.get_new_blocks(4)
     conn.update_state_after_alloc(d, (d_blocks,), 12)
-    return SimpleNamespace(engine=eng, conn=conn, worker=worker, model=model, gpu=eng.gpu_block_pool,
-                           cpu=conn.cpu_block_pool, a=a, b=b, c=c, c_blocks=c_blocks, d=d, d_blocks=d_blocks,
+    return SimpleNamespace(engine=eng, conn=conn, worker=worker, model=model,
+                           gpu=eng.gpu_block_pool,
+                           cpu=conn.cpu_block_pool, a=a, b=b, c=c, c_blocks=c_blocks, d=d,
+                           d_blocks=d_blocks,
                            requests={"a": a, "b": b, "c": c, "d": d},
                            live_event=next(iter(conn._store_event_to_blocks)),
                            spare_conn=ko.SimpleCPUOffloadScheduler(8, REL_BS, world_size=2),
@@ -3250,7 +3377,8 @@ def rel_world_finish(w) -> None:
     again = ko.Request("a again", list(w.a.prompt_token_ids), REL_BS)
     w.engine.add_request(again)
     stats = w.engine.run()["a again"]
-    assert stats.cpu_hit_tokens == 12 and torch.equal(stats.kv, w.model.expected_kv(again.prompt_token_ids))
+    assert stats.cpu_hit_tokens == 12
+    assert torch.equal(stats.kv, w.model.expected_kv(again.prompt_token_ids))
     check_invariants(w.engine, [*w.requests.values(), again], allow_stale_store_counts=True)
     rel_check_idle(w.engine, allow_stale_store_counts=True)
 
@@ -3295,7 +3423,8 @@ def _copy_row(name, gpu_ids, cpu_ids, exc, match, *, load=False, event=99):
     """A worker row of BAD_CALLS: bind the metadata of one store (or load) event with these
     block ids, then issue its copy (wait_for_save / start_load_kv)."""
     kind, copy = ("load", "start_load_kv") if load else ("store", "wait_for_save")
-    meta = _meta(**{f"{kind}_event": event, f"{kind}_gpu_blocks": gpu_ids, f"{kind}_cpu_blocks": cpu_ids})
+    meta = _meta(**{f"{kind}_event": event, f"{kind}_gpu_blocks": gpu_ids,
+                    f"{kind}_cpu_blocks": cpu_ids})
     return ("worker", f"bind + {copy}({name})", _bind_and(meta, copy), exc, match)
 
 
@@ -3306,7 +3435,8 @@ def _register(caches, num_gpu_blocks=None):
 def _engine(num_gpu_blocks=14, block_size=REL_BS, budget=8, *, conn="live", worker="spare"):
     """MiniEngine(...) built from the world's parts: the live ones or the spares."""
     def call(w):
-        connector = {"live": w.conn, "spare": w.spare_conn, "fresh": ko.SimpleCPUOffloadScheduler(8, REL_BS)}[conn]
+        connector = {"live": w.conn, "spare": w.spare_conn,
+                     "fresh": ko.SimpleCPUOffloadScheduler(8, REL_BS)}[conn]
         workers = {"live": rel_unwrap(w.worker), "spare": w.spare_worker,
                    "two spares": [w.spare_worker, ko.SimpleCPUOffloadWorker(8)],
                    "6 CPU blocks": ko.SimpleCPUOffloadWorker(6)}[worker]
@@ -3341,9 +3471,12 @@ BAD_CALLS = [
     ("pool", "touch(cached free, then a CPU block): foreign",
      lambda w: w.gpu.touch([_free_cached_gpu_block(w), w.cpu.blocks[1]]),
      _V, r"KVCacheBlock\(block_id=1.* is not a block of this pool"),
-    ("pool", "touch(cached free, then a block id): wrong type (RB-5)",  # took refs, then AttributeError
-     lambda w: w.gpu.touch([_free_cached_gpu_block(w), 3]), _V, r"touch: 3 is not a block of this pool"),
-    ("pool", "free_blocks(in use, then a block id): wrong type (RB-5)",  # dropped refs, then AttributeError
+    # took refs, then AttributeError
+    ("pool", "touch(cached free, then a block id): wrong type (RB-5)",
+     lambda w: w.gpu.touch([_free_cached_gpu_block(w), 3]), _V,
+     r"touch: 3 is not a block of this pool"),
+    # dropped refs, then AttributeError
+    ("pool", "free_blocks(in use, then a block id): wrong type (RB-5)",
      lambda w: w.gpu.free_blocks([_in_use_gpu_block(w), 3]),
      _V, r"free_blocks: 3 is not a block of this pool"),
     ("pool", "BlockPool(0 blocks)", lambda w: ko.BlockPool(0, True, REL_BS),
@@ -3359,7 +3492,8 @@ BAD_CALLS = [
     ("manager", "get_num_new_matched_tokens(beyond num_tokens)",
      lambda w: w.conn.get_num_new_matched_tokens(w.c, w.c.num_tokens + REL_BS),
      _V, r"num_computed_tokens=17 outside \[0, 13\]"),
-    ("manager", "get_num_new_matched_tokens(4.0)", lambda w: w.conn.get_num_new_matched_tokens(w.c, 4.0),
+    ("manager", "get_num_new_matched_tokens(4.0)",
+     lambda w: w.conn.get_num_new_matched_tokens(w.c, 4.0),
      _T, r"num_computed_tokens must be an int, got 4\.0"),
     # --- manager: allocation and loads
     ("manager", "update_state_after_alloc(misaligned external tokens)",
@@ -3372,7 +3506,8 @@ BAD_CALLS = [
      lambda w: w.conn.update_state_after_alloc(w.c, (w.c_blocks,), 12.0),
      _T, r"num_external_tokens must be an int, got 12\.0"),
     ("manager", "update_state_after_alloc(external tokens, no lookup)",
-     lambda w: w.conn.update_state_after_alloc(ko.Request("e", list(range(1, 14)), REL_BS), (w.c_blocks,), 4),
+     lambda w: w.conn.update_state_after_alloc(ko.Request("e", list(range(1, 14)), REL_BS),
+                                               (w.c_blocks,), 4),
      _V, r"e: num_external_tokens=4 but get_num_new_matched_tokens\(\) offered no CPU hit"),
     ("manager", "update_state_after_alloc(more than the hit)",
      lambda w: w.conn.update_state_after_alloc(w.c, (w.c_blocks,), 16),
@@ -3383,21 +3518,26 @@ BAD_CALLS = [
     ("manager", "update_state_after_alloc(two groups for one)",
      lambda w: w.conn.update_state_after_alloc(w.c, (w.c_blocks, w.c_blocks), 12),
      _V, r"blocks has 2 groups, expected 1"),
-    ("manager", "update_state_after_alloc(blocks of no pool) (RB-4)",  # consumed the pin, then IndexError
-     lambda w: w.conn.update_state_after_alloc(w.c, ([ko.KVCacheBlock(40 + i) for i in range(4)],), 12),
+    # consumed the pin, then IndexError
+    ("manager", "update_state_after_alloc(blocks of no pool) (RB-4)",
+     lambda w: w.conn.update_state_after_alloc(w.c, ([ko.KVCacheBlock(40 + i) for i in range(4)],),
+                                               12),
      _V, r"load destination KVCacheBlock\(block_id=40.* is not a block of the GPU pool"),
-    ("manager", "update_state_after_alloc(request id of a running request) (RB-2)",  # merged into b's state
+    # merged into b's state
+    ("manager", "update_state_after_alloc(request id of a running request) (RB-2)",
      lambda w: w.conn.update_state_after_alloc(ko.Request("b", [7] * 9, REL_BS), (w.c_blocks,), 0),
      _V, r"request id 'b' is already in use by a running request"),
     ("manager", "update_state_after_alloc(load into a running request's cached block)",
      _load_into(_in_use_gpu_block),
      _V, r"load destination KVCacheBlock\(block_id=\d+.* is cached \(it holds live KV"),
-    ("manager", "update_state_after_alloc(load into the null block)", _load_into(lambda w: w.gpu.null_block),
+    ("manager", "update_state_after_alloc(load into the null block)",
+     _load_into(lambda w: w.gpu.null_block),
      _V, r"load destination KVCacheBlock\(block_id=0.* is the null block"),
     ("manager", "update_state_after_alloc(load into a free block nobody allocated)",
      _load_into(_free_uncached_gpu_block),
      _V, r"load destination KVCacheBlock\(block_id=\d+.* is free \(allocated to no request\)"),
-    ("manager", "update_state_after_alloc(load into one block twice)", _load_into(lambda w: w.c_blocks[1]),
+    ("manager", "update_state_after_alloc(load into one block twice)",
+     _load_into(lambda w: w.c_blocks[1]),
      _V, r"a GPU block appears twice among the load destinations \[(\d+), \1"),
     # --- manager: a step's metadata
     ("manager", "build_connector_meta(block id out of range)",
@@ -3420,11 +3560,13 @@ BAD_CALLS = [
      lambda w: w.conn.request_finished_all_groups(w.b, ([-1],)),
      _V, r"block_ids: GPU block id -1 out of range"),
     ("manager", "request_finished_all_groups(block id 64)",
-     lambda w: w.conn.request_finished_all_groups(w.b, ([w.engine.req_blocks["b"][0].block_id, 64],)),
+     lambda w: w.conn.request_finished_all_groups(w.b,
+                                                  ([w.engine.req_blocks["b"][0].block_id, 64],)),
      _V, r"block_ids: GPU block id 64 out of range \[0, 18\)"),
     ("manager", "request_finished_all_groups(a stale call: an earlier request with b's id)",
       # dropped b's stores
-     lambda w: w.conn.request_finished_all_groups(ko.Request("b", list(range(20, 31)), REL_BS), ([],)),
+     lambda w: w.conn.request_finished_all_groups(ko.Request("b", list(range(20, 31)), REL_BS),
+                                                  ([],)),
      _V, r"request_finished_all_groups: request id 'b' belongs to another, live request"),
     ("manager", "request_finished(a stale call: an earlier request with b's id)",
      lambda w: w.conn.request_finished(ko.Request("b", list(range(20, 31)), REL_BS), []),
@@ -3440,8 +3582,10 @@ BAD_CALLS = [
      r"a completed store event must be an int, got True"),
     ("manager", "update_connector_output(a store event not issued yet)",
       # with 2 workers: kept, then completed early
-     lambda w: _report({w.conn._store_event_counter: 1})(w), _V, r"store event \d+, which was never issued"),
-    ("manager", "update_connector_output(finished_recving names a load never sent)",  # dropped d's pins
+     lambda w: _report({w.conn._store_event_counter: 1})(w), _V,
+     r"store event \d+, which was never issued"),
+    # dropped d's pins
+    ("manager", "update_connector_output(finished_recving names a load never sent)",
      _report({}, {"d"}), _V, r"finished_recving names 'd', whose load was never sent"),
     ("manager", "update_connector_output(None)", lambda w: w.conn.update_connector_output(None),
      _T, r"connector_output must be a KVConnectorOutput, got None"),
@@ -3456,12 +3600,16 @@ BAD_CALLS = [
     ("manager", "bind_gpu_block_pool(None)", lambda w: w.conn.bind_gpu_block_pool(None),
      _T, r"gpu_block_pool must be a BlockPool, got None"),
     *[("manager", f"SimpleCPUOffloadScheduler({kw})",
-       (lambda kw: lambda w: ko.SimpleCPUOffloadScheduler(8, **kw))(kw), _V, r"block sizes must nest") for kw in [
-        dict(block_size=16, hash_block_size=12),                          # hash does not divide block
+       (lambda kw: lambda w: ko.SimpleCPUOffloadScheduler(8, **kw))(kw), _V,
+       r"block sizes must nest") for kw in [
+        # hash does not divide block
+        dict(block_size=16, hash_block_size=12),
         dict(block_size=16, hash_block_size=32),                          # hash larger than block
         dict(block_size=32, hash_block_size=16, group_block_sizes=[24]),  # group does not divide 32
-        dict(block_size=32, hash_block_size=16, group_block_sizes=[16, 64]),  # group larger than block
-        dict(block_size=32, hash_block_size=16, group_block_sizes=[8]),   # hash does not divide group
+        # group larger than block
+        dict(block_size=32, hash_block_size=16, group_block_sizes=[16, 64]),
+        # hash does not divide group
+        dict(block_size=32, hash_block_size=16, group_block_sizes=[8]),
         dict(block_size=8, hash_block_size=2, group_block_sizes=[8, 6]),  # block size not their LCM
         dict(block_size=REL_BS, hash_block_size=3)]],
     ("manager", "SimpleCPUOffloadScheduler(world_size 0)",
@@ -3473,16 +3621,20 @@ BAD_CALLS = [
     ("manager", "SimpleCPUOffloadScheduler(world_size NaN)",
      lambda w: ko.SimpleCPUOffloadScheduler(8, REL_BS, world_size=NAN),
      _T, r"world_size must be an int, got nan"),
-    ("manager", "SimpleCPUOffloadScheduler(block_size 4.0)", lambda w: ko.SimpleCPUOffloadScheduler(8, 4.0),
+    ("manager", "SimpleCPUOffloadScheduler(block_size 4.0)",
+     lambda w: ko.SimpleCPUOffloadScheduler(8, 4.0),
      _T, r"block_size must be an int, got 4\.0"),
-    ("manager", "SimpleCPUOffloadScheduler(1 CPU block)", lambda w: ko.SimpleCPUOffloadScheduler(1, REL_BS),
+    ("manager", "SimpleCPUOffloadScheduler(1 CPU block)",
+     lambda w: ko.SimpleCPUOffloadScheduler(1, REL_BS),
      _V, r"num_cpu_blocks must be an int >= 2, got 1"),
-    ("manager", "SimpleCPUOffloadScheduler(0 CPU blocks)", lambda w: ko.SimpleCPUOffloadScheduler(0, REL_BS),
+    ("manager", "SimpleCPUOffloadScheduler(0 CPU blocks)",
+     lambda w: ko.SimpleCPUOffloadScheduler(0, REL_BS),
      _V, r"num_cpu_blocks must be an int >= 2, got 0"),
     # --- copy worker: a step's calls with bad metadata (bind, then the copy)
     _copy_row("GPU source out of range", [1, 99], [1, 2],
               _V, r"store: source block ids \[99\] out of range \[0, 18\)"),
-    _copy_row("GPU source 18", [18], [1], _V, r"store: source block ids \[18\] out of range \[0, 18\)"),
+    _copy_row("GPU source 18", [18], [1], _V,
+              r"store: source block ids \[18\] out of range \[0, 18\)"),
     _copy_row("CPU destination out of range", [1], [8],
               _V, r"store: destination block ids \[8\] out of range \[0, 8\)"),
     _copy_row("negative CPU source", [5], [-1],
@@ -3491,18 +3643,24 @@ BAD_CALLS = [
               _V, r"load: source block ids \[10\] out of range \[0, 8\)", load=True),
     _copy_row("negative GPU destination", [-1], [1],
               _V, r"load: destination block ids \[-1\] out of range \[0, 18\)", load=True),
-    _copy_row("ids 5.0", [5.0], [1], _T, r"load: destination block ids \[5\.0\] are not ints", load=True),
+    _copy_row("ids 5.0", [5.0], [1], _T, r"load: destination block ids \[5\.0\] are not ints",
+              load=True),
     _copy_row("id True", [True], [1], _T, r"store: source block ids \[True\] are not ints"),
     _copy_row("unequal id counts", [1, 2], [1], _V, r"store: 2 source ids but 1 destination ids"),
     _copy_row("store event index that does not grow", [1], [1],
               _V, r"store_event=0 after store_event=\d+: event indices must grow", event=0),
-    _copy_row("load event 1.5", [5], [1], _T, r"load_event must be an int, got 1\.5", load=True, event=1.5),
-    ("worker", "bind_connector_metadata(None)", lambda w: rel_unwrap(w.worker).bind_connector_metadata(None),
+    _copy_row("load event 1.5", [5], [1], _T, r"load_event must be an int, got 1\.5", load=True,
+              event=1.5),
+    ("worker", "bind_connector_metadata(None)",
+     lambda w: rel_unwrap(w.worker).bind_connector_metadata(None),
      _T, r"metadata must be a SimpleCPUOffloadMetadata, got None"),
     # --- copy worker: registration and construction
-    ("worker", "register_kv_caches(a second time)",  # its zeroed mirrors were served (review defect)
-     lambda w: rel_unwrap(w.worker).register_kv_caches(w.engine.kv_caches, 18), _V, r"already registered"),
-    ("worker", "register_kv_caches(wrong block count)", _register(lambda: {"x": torch.zeros(5, 4)}, 14),
+    # its zeroed mirrors were served (review defect)
+    ("worker", "register_kv_caches(a second time)",
+     lambda w: rel_unwrap(w.worker).register_kv_caches(w.engine.kv_caches, 18), _V,
+     r"already registered"),
+    ("worker", "register_kv_caches(wrong block count)",
+     _register(lambda: {"x": torch.zeros(5, 4)}, 14),
      _V, r"KV cache 'x' has shape \(5, 4\): expected \[14, \.\.\.\]"),
     ("worker", "register_kv_caches(two caches, 6 and 5 blocks)",
      _register(lambda: {"a": torch.zeros(6, 2), "b": torch.zeros(5, 2)}),
@@ -3513,7 +3671,8 @@ BAD_CALLS = [
      _V, r"KV cache region 'x' is not contiguous"),
     ("worker", "register_kv_caches(0-dim tensor) (RB-6)",  # IndexError
      _register(lambda: {"x": torch.zeros(())}), _V, r"at least 2 dims"),
-    ("worker", "register_kv_caches(14.0 blocks)", _register(lambda: {"x": torch.zeros(14, 4)}, 14.0),
+    ("worker", "register_kv_caches(14.0 blocks)",
+     _register(lambda: {"x": torch.zeros(14, 4)}, 14.0),
      _T, r"num_gpu_blocks must be an int, got 14\.0"),
     ("worker", "SimpleCPUOffloadWorker(1 CPU block)", lambda w: ko.SimpleCPUOffloadWorker(1),
      _V, r"num_cpu_blocks must be an int >= 2, got 1"),
@@ -3524,12 +3683,14 @@ BAD_CALLS = [
      _V, r"unknown or finished request id 'nope'"),
     ("engine", "abort_request(finished request)", lambda w: w.engine.abort_request("a"),
      _V, r"unknown or finished request id 'a'"),
-    ("engine", "add_request(reused id)", lambda w: w.engine.add_request(ko.Request("a", [5, 6, 7], REL_BS)),
+    ("engine", "add_request(reused id)",
+     lambda w: w.engine.add_request(ko.Request("a", [5, 6, 7], REL_BS)),
      _V, r"request id 'a' is already in use"),
     ("engine", "add_request(hash_block_size mismatch)",
      lambda w: w.engine.add_request(ko.Request("z", [5, 6, 7], 2)),
      _V, r"request hash_block_size 2 != engine's 4"),
-    ("engine", "add_request(longer than the GPU pool) (RB-7)",  # accepted; run() spun to 'no progress'
+    # accepted; run() spun to 'no progress'
+    ("engine", "add_request(longer than the GPU pool) (RB-7)",
      lambda w: w.engine.add_request(ko.Request("big", list(range(80)), REL_BS)),
      _V, r"'big' needs more GPU blocks than the pool has"),
     ("engine", "add_request(None)", lambda w: w.engine.add_request(None),
@@ -3550,11 +3711,14 @@ BAD_CALLS = [
      _V, r"worker and connector disagree on num_cpu_blocks"),
     ("engine", "MiniEngine(2 workers, world_size 1)", _engine(conn="fresh", worker="two spares"),
      _V, r"2 workers but the connector's world_size is 1"),
-    ("engine", "MiniEngine(1 worker, world_size 2)", _engine(conn="spare"),  # its stores never completed
+    # its stores never completed
+    ("engine", "MiniEngine(1 worker, world_size 2)", _engine(conn="spare"),
      _V, r"1 workers but the connector's world_size is 2"),
-    ("engine", "MiniEngine(a worker that serves another engine)", _engine(conn="fresh", worker="live"),
+    ("engine", "MiniEngine(a worker that serves another engine)",
+     _engine(conn="fresh", worker="live"),
      _V, r"a worker's KV caches are already registered"),
-    ("engine", "MiniEngine(a new worker on the live connector)",  # the next completion failed half-applied
+    # the next completion failed half-applied
+    ("engine", "MiniEngine(a new worker on the live connector)",
      _engine(), _V, r"the connector serves another engine"),
     ("engine", "ToyModel(num_layers 0)", lambda w: ko.ToyModel(0, 1, 4),
      _V, r"num_layers must be an int >= 1, got 0"),
@@ -3579,12 +3743,14 @@ BAD_CALLS = [
     ("engine", "Request(token id -1)", lambda w: ko.Request("e", [-1], REL_BS),
      _V, r"token id -1 at index 0 is outside \[0, 2\*\*63\)"),
     ("engine", "request.append_output_token_ids(1.5) on a running request",
-     lambda w: w.b.append_output_token_ids([3, 1.5]), _T, r"token id 1\.5 at index 1 is not an int"),
+     lambda w: w.b.append_output_token_ids([3, 1.5]), _T,
+     r"token id 1\.5 at index 1 is not an int"),
 ]
 
 
 @pytest.mark.parametrize("device, call, exc, match", [
-    pytest.param(device, call, exc, match, id=f"{layer}: {name}" + (f" [{device}]" if device != "cpu" else ""))
+    pytest.param(device, call, exc, match,
+                 id=f"{layer}: {name}" + (f" [{device}]" if device != "cpu" else ""))
     for layer, name, call, exc, match in BAD_CALLS
     for device in (("cpu", "deferred") if layer == "worker" else ("cpu",))])
 def test_bad_call_raises_and_changes_nothing(device, call, exc, match):
@@ -3600,7 +3766,8 @@ def test_bad_call_raises_and_changes_nothing(device, call, exc, match):
 
 def test_bad_call_catalogue_covers_every_layer():
     layers = Counter(layer for layer, *_ in BAD_CALLS)
-    assert set(layers) == {"pool", "manager", "worker", "engine"} and min(layers.values()) >= 10, layers
+    assert set(layers) == {"pool", "manager", "worker", "engine"} and min(layers.values()) >= 10, (
+        layers)
 
 
 # ---- 2.7 Module bugs found here, now fixed (see the RB-n legend in Part 2) -----------------------
@@ -3676,7 +3843,8 @@ def test_rel_rejected_copy_is_never_reported_complete(direction):
         bad = _meta(store_event=0, store_gpu_blocks=[9], store_cpu_blocks=[1])
         good = _meta(store_event=1, store_gpu_blocks=[2], store_cpu_blocks=[2])
     else:
-        bad = _meta(load_event=0, load_gpu_blocks=[1], load_cpu_blocks=[7], load_event_to_reqs={0: ["bad"]})
+        bad = _meta(load_event=0, load_gpu_blocks=[1], load_cpu_blocks=[7],
+                    load_event_to_reqs={0: ["bad"]})
         good = _meta(load_event=1, load_gpu_blocks=[1], load_cpu_blocks=[2],
                      load_event_to_reqs={0: ["bad"], 1: ["ok"]})
     with pytest.raises(ValueError, match="out of range"):  # at bind, or at the copy
@@ -3696,7 +3864,8 @@ def test_rel_rejected_copy_is_never_reported_complete(direction):
 def rel_midflight():
     """A run stopped mid-flight: A stored; the GPU cache dropped; B prefilling with a store whose
     report worker 0 holds; A again with a 16-token load whose report is held too."""
-    plan = rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), ("add", 1, 16, (), 4), ("step", 1), ("hold", 0),
+    plan = rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), ("add", 1, 16, (), 4), ("step", 1),
+                    ("hold", 0),
                     REL_FULL_A, ("step", 2), budget=12)
     run = rel_build(plan)
     for op in plan.ops:
@@ -3712,7 +3881,8 @@ def rel_midflight():
             assert run.engine.reset_gpu_prefix_cache()
         elif op[0] == "hold":
             run.workers[op[1]].rel_hold = True
-    assert loading_requests(run.engine) and run.conn._store_event_to_blocks, "mid-flight: a load and a store in flight"
+    assert loading_requests(run.engine) and run.conn._store_event_to_blocks, (
+        "mid-flight: a load and a store in flight")
     return run
 
 
@@ -3783,7 +3953,8 @@ def test_rel_check_invariants_catches(plant, message):
         check_invariants(run.engine, run.requests.values())
 
 
-@pytest.mark.parametrize("part", ["gpu", "cpu", "kv", "connector", "worker", "engine", "requests", "spares"])
+@pytest.mark.parametrize("part", ["gpu", "cpu", "kv", "connector", "worker", "engine", "requests",
+                                  "spares"])
 def test_rel_snapshot_sees_every_part(part):
     world = rel_world()
     before = rel_snapshot(world)
@@ -3876,7 +4047,8 @@ def _short(v):
 
 def _describe(a, b) -> str:
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        return "at index: " + repr({i: (_short(x), _short(y)) for i, (x, y) in enumerate(zip(a, b)) if x != y})
+        diff = {i: (_short(x), _short(y)) for i, (x, y) in enumerate(zip(a, b)) if x != y}
+        return "at index: " + repr(diff)
     return f"ours={_short(a)!r}\n      vllm={_short(b)!r}"
 
 
@@ -3965,14 +4137,18 @@ def test_free_queue_differential(seed):
         assert_same([b.block_id for b in oq.get_all_free_blocks()],
                     [b.block_id for b in vq.get_all_free_blocks()], what + " order")
         assert_same([tuple(block_ids([b.prev_free_block, b.next_free_block])) for b in ob],
-                    [tuple(block_ids([b.prev_free_block, b.next_free_block])) for b in vb], what + " links")
+                    [tuple(block_ids([b.prev_free_block, b.next_free_block])) for b in vb],
+                    what + " links")
 
 
-def v_find_longest_cache_hit(block_hashes, max_length, group_ids, pool, block_size, alignment_tokens):
-    spec = VFullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float16)
+def v_find_longest_cache_hit(block_hashes, max_length, group_ids, pool, block_size,
+                             alignment_tokens):
+    spec = VFullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8,
+                              dtype=torch.float16)
     return VFullAttentionManager.find_longest_cache_hit(
         block_hashes=block_hashes, max_length=max_length, kv_cache_group_ids=group_ids,
-        block_pool=pool, kv_cache_spec=spec, drop_eagle_block=False, alignment_tokens=alignment_tokens)
+        block_pool=pool, kv_cache_spec=spec, drop_eagle_block=False,
+                                                        alignment_tokens=alignment_tokens)
 
 
 def compare_lookup(pair, hashes, max_length, group_ids, block_size, align, what):
@@ -3982,8 +4158,10 @@ def compare_lookup(pair, hashes, max_length, group_ids, block_size, align, what)
     kw = {} if align is None else {"alignment_tokens": align}
     (ob, oh), (vb, vh), _ = call_both(
         what,
-        lambda: ko.find_longest_cache_hit(hashes, max_length, group_ids, pair.ours, block_size, **kw),
-        lambda: v_find_longest_cache_hit(hashes, max_length, group_ids, pair.vllm, block_size, v_align))
+        lambda: ko.find_longest_cache_hit(hashes, max_length, group_ids, pair.ours, block_size,
+                                          **kw),
+        lambda: v_find_longest_cache_hit(hashes, max_length, group_ids, pair.vllm, block_size,
+                                         v_align))
     assert_same((oh, [[b.block_id for b in g] for g in ob]),
                 (vh, [[b.block_id for b in g] for g in vb]), what)
     return oh, [[b.block_id for b in g] for g in ob]
@@ -4019,7 +4197,8 @@ class PoolTrace:
         self.tokens = TokenSource(rng, alphabet=2, stem_len=6 * block_size)
         self.reqs: list[SimpleNamespace] = []  # live requests: hashes, block ids, num_cached, group
         self.pins: list[int] = []              # extra refs from touch / raw allocations
-        self.known_keys: list[bytes] = []      # hashes seen, for get_cached_block / _insert_block_hash
+        # hashes seen, for get_cached_block / _insert_block_hash
+        self.known_keys: list[bytes] = []
         self.ops = 0
         self.lookups = 0
 
@@ -4052,7 +4231,8 @@ class PoolTrace:
         p.vllm.touch(p.vb(hit_ids))
         p.check(self.what("new_request touch"))
         a, b, exc = call_both(self.what("new_request get_new_blocks"),
-                              lambda: p.ours.get_new_blocks(n_new), lambda: p.vllm.get_new_blocks(n_new))
+                              lambda: p.ours.get_new_blocks(n_new),
+                              lambda: p.vllm.get_new_blocks(n_new))
         if exc is not None:  # the touch took evictable hits out of the queue: no room after all
             assert isinstance(exc, ValueError), exc
             p.ours.free_blocks(p.ob(hit_ids))
@@ -4073,8 +4253,10 @@ class PoolTrace:
         num_full = rng.randint(r.num_cached + 1, hi)
         req = SimpleNamespace(block_hashes=r.hashes)
         call_both(self.what(f"cache_full_blocks({r.num_cached}->{num_full}, g{r.group})"),
-                  lambda: p.ours.cache_full_blocks(req, p.ob(r.blocks), r.num_cached, num_full, self.bs, r.group),
-                  lambda: p.vllm.cache_full_blocks(req, p.vb(r.blocks), r.num_cached, num_full, self.bs, r.group))
+                  lambda: p.ours.cache_full_blocks(req, p.ob(r.blocks), r.num_cached, num_full,
+                                                   self.bs, r.group),
+                  lambda: p.vllm.cache_full_blocks(req, p.vb(r.blocks), r.num_cached, num_full,
+                                                   self.bs, r.group))
         r.num_cached = num_full
 
     def op_cache_partial_block(self):
@@ -4093,8 +4275,10 @@ class PoolTrace:
         req = SimpleNamespace(block_hashes=r.hashes, mm_features=[])
         ok, vk, _ = call_both(
             self.what(f"cache_partial_block(block#{j}, {num_tokens} tokens)"),
-            lambda: p.ours.cache_partial_block(req, p.ours.blocks[r.blocks[j]], num_tokens, r.group),
-            lambda: p.vllm.cache_partial_block(req, p.vllm.blocks[r.blocks[j]], num_tokens, r.group, self.bs))
+            lambda: p.ours.cache_partial_block(req, p.ours.blocks[r.blocks[j]], num_tokens,
+                                               r.group),
+            lambda: p.vllm.cache_partial_block(req, p.vllm.blocks[r.blocks[j]], num_tokens, r.group,
+                                               self.bs))
         assert_same(ok, vk, self.what("cache_partial_block return"))
 
     def op_insert_block_hash(self):
@@ -4125,11 +4309,13 @@ class PoolTrace:
         if not self.reqs:
             return
         r = self.reqs.pop(rng.randrange(len(self.reqs)))
-        order = list(reversed(r.blocks)) if rng.random() < 0.8 else rng.sample(r.blocks, len(r.blocks))
+        order = list(reversed(r.blocks)) if rng.random() < 0.8 else rng.sample(r.blocks,
+                                                                               len(r.blocks))
         if rng.random() < 0.2:
             order.insert(rng.randint(0, len(order)), 0)  # the null block is skipped silently
         call_both(self.what(f"free_blocks(request {order})"),
-                  lambda: p.ours.free_blocks(iter(p.ob(order))), lambda: p.vllm.free_blocks(p.vb(order)))
+                  lambda: p.ours.free_blocks(iter(p.ob(order))),
+                  lambda: p.vllm.free_blocks(p.vb(order)))
 
     def op_touch(self):
         rng, p = self.rng, self.pair
@@ -4137,7 +4323,8 @@ class PoolTrace:
         ids = rng.sample(cands, rng.randint(0, min(4, len(cands))))
         if rng.random() < 0.2:
             ids.append(0)
-        call_both(self.what(f"touch({ids})"), lambda: p.ours.touch(p.ob(ids)), lambda: p.vllm.touch(p.vb(ids)))
+        call_both(self.what(f"touch({ids})"), lambda: p.ours.touch(p.ob(ids)),
+                  lambda: p.vllm.touch(p.vb(ids)))
         self.pins.extend(i for i in ids if i != 0)
 
     def op_unpin(self):
@@ -4155,11 +4342,13 @@ class PoolTrace:
 
     def op_get_new_blocks(self):
         rng, p = self.rng, self.pair
-        k = rng.randint(0, p.ours.get_num_free_blocks() + 2)  # may over-allocate: ValueError on both
+        # may over-allocate: ValueError on both
+        k = rng.randint(0, p.ours.get_num_free_blocks() + 2)
         a, b, exc = call_both(self.what(f"get_new_blocks({k})"),
                               lambda: p.ours.get_new_blocks(k), lambda: p.vllm.get_new_blocks(k))
         if exc is None:
-            assert_same([x.block_id for x in a], [x.block_id for x in b], self.what("get_new_blocks ids"))
+            assert_same([x.block_id for x in a], [x.block_id for x in b],
+                        self.what("get_new_blocks ids"))
             self.pins.extend(x.block_id for x in a)
         else:
             assert isinstance(exc, ValueError), exc
@@ -4170,17 +4359,20 @@ class PoolTrace:
             return
         key = rng.choice(self.known_keys)
         gids = rng.choice([[0], [1], [0, 1], [1, 0]])
-        a, b, _ = call_both(self.what("get_cached_block"), lambda: p.ours.get_cached_block(key, gids),
+        a, b, _ = call_both(self.what("get_cached_block"),
+                            lambda: p.ours.get_cached_block(key, gids),
                             lambda: p.vllm.get_cached_block(key, gids))
         assert_same(None if a is None else [x.block_id for x in a],
-                    None if b is None else [x.block_id for x in b], self.what("get_cached_block result"))
+                    None if b is None else [x.block_id for x in b],
+                    self.what("get_cached_block result"))
 
     def op_lookup(self):
         rng, p = self.rng, self.pair
         hashes = ko.Request("p", self.tokens.prompt(6 * self.bs), self.hbs).block_hashes
         max_len = rng.randint(0, len(hashes) * self.hbs + self.hbs)
         aligns = [None, self.hbs, self.bs] if self.scale > 1 else [None, self.bs]
-        compare_lookup(p, hashes, max_len, rng.choice([[0], [1], [0, 1]]), self.bs, rng.choice(aligns),
+        compare_lookup(p, hashes, max_len, rng.choice([[0], [1], [0, 1]]), self.bs,
+                       rng.choice(aligns),
                        self.what(f"find_longest_cache_hit(max_length={max_len})"))
         self.lookups += 1
 
@@ -4199,7 +4391,8 @@ class PoolTrace:
         assert_same(a, b, self.what("reset_prefix_cache result"))
 
     def run(self, n_ops: int) -> None:
-        ops = [(self.op_new_request, 5), (self.op_cache_full_blocks, 5), (self.op_cache_partial_block, 2),
+        ops = [(self.op_new_request, 5), (self.op_cache_full_blocks, 5),
+               (self.op_cache_partial_block, 2),
                (self.op_insert_block_hash, 2), (self.op_finish_request, 3), (self.op_touch, 2),
                (self.op_unpin, 2), (self.op_get_new_blocks, 1), (self.op_get_cached_block, 2),
                (self.op_lookup, 2), (self.op_reset, 0.3)]
@@ -4254,17 +4447,21 @@ def test_find_longest_cache_hit_differential(seed, hbs, bs):
 
 # ---- 3.5 SimpleCPUOffloadScheduler, driven like vLLM's scheduler drives it -----------------------
 
-def make_vllm_scheduler(num_gpu_blocks, num_cpu_blocks, block_size, hash_block_size, group_block_sizes,
+def make_vllm_scheduler(num_gpu_blocks, num_cpu_blocks, block_size, hash_block_size,
+                        group_block_sizes,
                         world_size):
     """vLLM's manager from a real KVCacheConfig and a stand-in VllmConfig holding just the
     attributes its constructor (eager mode) reads."""
     page = 1024
-    groups = [VKVCacheGroupSpec([f"layer_{g}"], VFullAttentionSpec(block_size=s, num_kv_heads=1, head_size=8,
+    groups = [VKVCacheGroupSpec([f"layer_{g}"],
+                                VFullAttentionSpec(block_size=s, num_kv_heads=1, head_size=8,
                                                                     dtype=torch.float16))
               for g, s in enumerate(group_block_sizes)]
-    tensors = [VKVCacheTensor(size=num_gpu_blocks * page, layers=[f"layer_{g}" for g in range(len(groups))],
+    tensors = [VKVCacheTensor(size=num_gpu_blocks * page,
+                              layers=[f"layer_{g}" for g in range(len(groups))],
                               layer_stride=num_gpu_blocks * page, block_stride=page)]
-    kv_cache_config = VKVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
+    kv_cache_config = VKVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=tensors,
+                                     kv_cache_groups=groups)
     vllm_config = SimpleNamespace(
         kv_events_config=None,
         parallel_config=SimpleNamespace(decode_context_parallel_size=1, world_size=world_size),
@@ -4290,10 +4487,12 @@ V_EXTRA_OUTPUT_FIELDS = {"num_common_prefix_blocks": []} if V_IS_029 else {}
 
 def manager_state(m) -> dict:
     def store(s):
-        return ([list(x) for x in s.block_ids], list(s.num_stored_blocks), sorted(s.store_events), s.finished)
+        return ([list(x) for x in s.block_ids], list(s.num_stored_blocks), sorted(s.store_events),
+                s.finished)
 
     def load(s):
-        return (list(s.transfer_meta.gpu_block_ids), list(s.transfer_meta.cpu_block_ids), s.load_event, s.finished)
+        return (list(s.transfer_meta.gpu_block_ids), list(s.transfer_meta.cpu_block_ids),
+                s.load_event, s.finished)
 
     def tm(t):
         return (list(t.gpu_block_ids), list(t.cpu_block_ids))
@@ -4366,7 +4565,8 @@ class ManagerTrace:
     decode, preemption, build_connector_meta, store/load completions from world_size workers in
     any interleaving, request_finished_all_groups, request_finished, reset()."""
 
-    def __init__(self, seed, num_gpu_blocks, num_cpu_blocks, block_size, hash_block_size, group_block_sizes,
+    def __init__(self, seed, num_gpu_blocks, num_cpu_blocks, block_size, hash_block_size,
+                 group_block_sizes,
                  world_size=1, budget=8, max_prompt=40, ours_cls=None, **ours_kwargs):
         self.rng = rng = random.Random(seed)
         self.seed = seed
@@ -4393,8 +4593,10 @@ class ManagerTrace:
         self.step_no = 0
         self.calls = 0
         self.finished_total = 0
-        self.stats = {"cpu_hits": 0, "stores": 0, "loads": 0, "preemptions": 0, "resets": 0, "resets_refused": 0,
-                      "flushes": 0, "cpu_secondaries": 0, "declined_or_partial_hits": 0, "stale_pins": 0,
+        self.stats = {"cpu_hits": 0, "stores": 0, "loads": 0, "preemptions": 0, "resets": 0,
+                      "resets_refused": 0,
+                      "flushes": 0, "cpu_secondaries": 0, "declined_or_partial_hits": 0,
+                      "stale_pins": 0,
                       "aborts_waiting": 0, "aborts_loading": 0}
 
     # --- plumbing -------------------------------------------------------------
@@ -4405,7 +4607,8 @@ class ManagerTrace:
     def check(self, op):
         w = self.what(op)
         assert_same(manager_state(self.ours), manager_state(self.vllm), w + " [manager state]")
-        assert_same(pool_state(self.ours.cpu_block_pool), pool_state(self.vllm.cpu_block_pool), w + " [CPU pool]")
+        assert_same(pool_state(self.ours.cpu_block_pool), pool_state(self.vllm.cpu_block_pool),
+                    w + " [CPU pool]")
         self.gpu.check(w + " [GPU pool]")
 
     def both(self, op, f_ours, f_vllm):
@@ -4416,7 +4619,8 @@ class ManagerTrace:
 
     def gpu_alloc(self, n):
         a, b, _ = call_both(self.what(f"gpu get_new_blocks({n})"),
-                            lambda: self.gpu.ours.get_new_blocks(n), lambda: self.gpu.vllm.get_new_blocks(n))
+                            lambda: self.gpu.ours.get_new_blocks(n),
+                            lambda: self.gpu.vllm.get_new_blocks(n))
         ids = [x.block_id for x in a]
         assert_same(ids, [x.block_id for x in b], self.what("gpu get_new_blocks ids"))
         return ids
@@ -4433,19 +4637,25 @@ class ManagerTrace:
         """vLLM caches (hashes) the blocks a step will fill at allocation time, before the forward."""
         req = er.req
         for g, size in enumerate(self.sizes):
-            num_full = min(num_tokens // size, len(req.block_hashes) // (size // self.hbs), len(er.table[g]))
+            num_full = min(num_tokens // size, len(req.block_hashes) // (size // self.hbs),
+                           len(er.table[g]))
             if num_full > er.num_cached[g]:
-                self.gpu.ours.cache_full_blocks(req, self.gpu.ob(er.table[g]), er.num_cached[g], num_full, size, g)
-                self.gpu.vllm.cache_full_blocks(req, self.gpu.vb(er.table[g]), er.num_cached[g], num_full, size, g)
+                self.gpu.ours.cache_full_blocks(req, self.gpu.ob(er.table[g]), er.num_cached[g],
+                                                num_full, size, g)
+                self.gpu.vllm.cache_full_blocks(req, self.gpu.vb(er.table[g]), er.num_cached[g],
+                                                num_full, size, g)
                 er.num_cached[g] = num_full
             # vLLM's FullAttentionManager._cache_partial_tail_block: a group whose blocks are
             # bigger than a hash block also registers the prompt's last hash boundary inside a
             # block (a secondary key when that block already has its full key, e.g. a local hit)
-            boundary = min((req.num_prompt_tokens - 1) // self.hbs, len(req.block_hashes)) * self.hbs
+            boundary = min((req.num_prompt_tokens - 1) // self.hbs,
+                           len(req.block_hashes)) * self.hbs
             j = boundary // size
             if size > self.hbs and 0 < boundary <= num_tokens and boundary % size and j < len(er.table[g]):
-                self.gpu.ours.cache_partial_block(req, self.gpu.ours.blocks[er.table[g][j]], boundary, g)
-                self.gpu.vllm.cache_partial_block(req, self.gpu.vllm.blocks[er.table[g][j]], boundary, g, size)
+                self.gpu.ours.cache_partial_block(req, self.gpu.ours.blocks[er.table[g][j]],
+                                                  boundary, g)
+                self.gpu.vllm.cache_partial_block(req, self.gpu.vllm.blocks[er.table[g][j]],
+                                                  boundary, g, size)
         self.gpu.check(self.what(f"gpu cache_full_blocks {er.rid}"))
 
     def blocks_needed(self, er, num_tokens):
@@ -4488,13 +4698,15 @@ class ManagerTrace:
         vllm = VSchedulerOutput(
             scheduled_new_reqs=[VNewRequestData(req_id=rid, prompt_token_ids=None, mm_features=[],
                                                 sampling_params=None, pooling_params=None,
-                                                block_ids=tuple(list(x) for x in t), num_computed_tokens=0,
+                                                block_ids=tuple(list(x) for x in t),
+                                                num_computed_tokens=0,
                                                 lora_request=None, **V_NEW_REQ_EXTRA)
                                 for rid, _, t, _ in new_reqs],
             scheduled_cached_reqs=cached, num_scheduled_tokens=dict(ns),
             total_num_scheduled_tokens=sum(ns.values()), scheduled_spec_decode_tokens={},
             scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[],
-            preempted_req_ids=set(preempted), kv_connector_block_state=None, **V_EXTRA_OUTPUT_FIELDS)
+            preempted_req_ids=set(preempted), kv_connector_block_state=None,
+                                **V_EXTRA_OUTPUT_FIELDS)
         return ours, vllm
 
     # --- request lifecycle ------------------------------------------------------
@@ -4502,7 +4714,8 @@ class ManagerTrace:
     def add_request(self):
         rid = f"r{self.next_id}"
         self.next_id += 1
-        if self.prompts and self.rng.random() < 0.3:  # a resend, or a longer sibling, of an earlier prompt
+        # a resend, or a longer sibling, of an earlier prompt
+        if self.prompts and self.rng.random() < 0.3:
             prompt = list(self.rng.choice(self.prompts))
             prompt += [self.rng.randrange(2) for _ in range(self.rng.choice([0, 0, 1, 5]))]
         else:
@@ -4531,7 +4744,8 @@ class ManagerTrace:
 
     def preempt(self, er):
         self.running.remove(er)
-        self.gpu_free_request(er)  # vLLM frees a preempted request's blocks without telling the connector
+        # vLLM frees a preempted request's blocks without telling the connector
+        self.gpu_free_request(er)
         er.req.num_computed_tokens = 0
         er.status, er.preempted = "waiting", True
         self.waiting.insert(0, er)
@@ -4540,10 +4754,13 @@ class ManagerTrace:
     def lookup(self, er):
         """Local GPU hit, then the connector's CPU hit. Returns (local tokens, local blocks, hit)."""
         rng, req = self.rng, er.req
-        lh_o, lb_o = local_hit(self.gpu.ours, req.block_hashes, req.num_tokens - 1, self.sizes, self.bs, self.hbs)
-        lh_v, lb_v = local_hit(self.gpu.vllm, req.block_hashes, req.num_tokens - 1, self.sizes, self.bs, self.hbs)
+        lh_o, lb_o = local_hit(self.gpu.ours, req.block_hashes, req.num_tokens - 1, self.sizes,
+                               self.bs, self.hbs)
+        lh_v, lb_v = local_hit(self.gpu.vllm, req.block_hashes, req.num_tokens - 1, self.sizes,
+                               self.bs, self.hbs)
         assert_same((lh_o, lb_o), (lh_v, lb_v), self.what(f"local GPU hit {er.rid}"))
-        if rng.random() < 0.1 and req.num_tokens > 1:  # a misaligned probe: (0, False), drops a stale pin
+        # a misaligned probe: (0, False), drops a stale pin
+        if rng.random() < 0.1 and req.num_tokens > 1:
             nc = rng.randint(1, req.num_tokens - 1)
             if nc % self.bs:
                 a, b, _ = self.both(f"get_num_new_matched_tokens({er.rid}, {nc}) misaligned",
@@ -4602,7 +4819,8 @@ class ManagerTrace:
                 self.gpu_cache(er, req.num_computed_tokens + n)
                 new_reqs.append((er.rid, n, [list(x) for x in er.table], False))
             else:
-                if rng.random() < 0.04:  # aborted while waiting (maybe with a pin from an earlier lookup)
+                # aborted while waiting (maybe with a pin from an earlier lookup)
+                if rng.random() < 0.04:
                     self.waiting.remove(er)
                     self.finish(er, how=rng.choice(["finished", "finished_all_groups"]))
                     self.stats["aborts_waiting"] += 1
@@ -4615,11 +4833,13 @@ class ManagerTrace:
                     continue
                 ext = 0
                 if hit:
-                    ext = rng.choice([hit, hit, hit, 0, (hit // self.bs - rng.randint(0, hit // self.bs)) * self.bs])
+                    ext = rng.choice([hit, hit, hit, 0,
+                                      (hit // self.bs - rng.randint(0, hit // self.bs)) * self.bs])
                 self.stats["declined_or_partial_hits"] += 0 < hit != ext
                 n = 0 if ext else min(budget, req.num_tokens - lh)
                 total = lh + ext + n
-                need = sum(max(0, -(-total // size) - len(lb)) for lb, size in zip(lblocks, self.sizes))
+                need = sum(max(0, -(-total // size) - len(lb))
+                           for lb, size in zip(lblocks, self.sizes))
                 need += len({b for lb in lblocks for b in lb if self.gpu.ours.blocks[b].ref_cnt == 0})
                 if need > self.gpu.ours.get_num_free_blocks():
                     continue  # no room: stays waiting, its pin is dropped by the next lookup
@@ -4654,7 +4874,8 @@ class ManagerTrace:
         for er, _ in scheduled:  # async scheduling: a token in flight is computed but not confirmed
             if er.req.num_computed_tokens > 0 and rng.random() < 0.15:
                 er.req.num_output_placeholders = 1
-        mo, mv, _ = self.both("build_connector_meta", lambda: self.ours.build_connector_meta(output_ours),
+        mo, mv, _ = self.both("build_connector_meta",
+                              lambda: self.ours.build_connector_meta(output_ours),
                               lambda: self.vllm.build_connector_meta(output_vllm))
         for er, _ in scheduled:
             er.req.num_output_placeholders = 0
@@ -4701,13 +4922,15 @@ class ManagerTrace:
             vo = VKVConnectorOutput(finished_recving=set(recv),
                                     kv_connector_worker_meta=VWorkerMeta(dict(done_stores)) if done_stores else None)
             self.both(f"update_connector_output(stores={done_stores}, recv={sorted(recv)})",
-                      lambda: self.ours.update_connector_output(oo), lambda: self.vllm.update_connector_output(vo))
+                      lambda: self.ours.update_connector_output(oo),
+                      lambda: self.vllm.update_connector_output(vo))
         for er in list(self.loading):
             if er.rid in recv:
                 self.loading.remove(er)
                 if er.status == "loading":
                     er.status = "loaded"
-                    self.gpu_cache(er, er.req.num_computed_tokens)  # the loaded prefix is now cached
+                    # the loaded prefix is now cached
+                    self.gpu_cache(er, er.req.num_computed_tokens)
                     self.waiting.insert(0, er)
 
         # 6. occasionally: abort a loading or running request, reset the CPU cache
@@ -4720,7 +4943,8 @@ class ManagerTrace:
             er = rng.choice(self.running)
             self.running.remove(er)
             self.finish(er, how=rng.choice(["finished", "finished_all_groups"]))
-        if rng.random() < 0.35:  # another tenant churns the GPU pool: evicts cached GPU blocks (LRU)
+        # another tenant churns the GPU pool: evicts cached GPU blocks (LRU)
+        if rng.random() < 0.35:
             free = self.gpu.ours.get_num_free_blocks()
             k = free if rng.random() < 0.5 else rng.randint(0, free)
             ids = self.gpu_alloc(k)
@@ -4753,8 +4977,10 @@ class ManagerTrace:
         assert_same(self.ours.has_pending_stores(), False, self.what("pending stores after drain"))
 
 
-MANAGER_CONFIGS = [  # (num_gpu_blocks, num_cpu_blocks, block_size, hash_block_size, group sizes, world)
-    (24, 6, 4, 4, [4], 1),        # CPU much smaller than the traffic: capacity stops, CPU LRU eviction
+# (num_gpu_blocks, num_cpu_blocks, block_size, hash_block_size, group sizes, world)
+MANAGER_CONFIGS = [
+    # CPU much smaller than the traffic: capacity stops, CPU LRU eviction
+    (24, 6, 4, 4, [4], 1),
     (24, 3, 4, 4, [4], 2),        # 2 usable CPU blocks, two workers per store event
     (16, 48, 4, 4, [4], 1),       # CPU larger than GPU (the normal case): many CPU hits and loads
     (40, 64, 4, 4, [4, 4], 1),    # two groups of one block size, looked up together
@@ -4768,7 +4994,8 @@ MANAGER_CONFIGS = [  # (num_gpu_blocks, num_cpu_blocks, block_size, hash_block_s
 def manager_trace_stats(seed, gpu, cpu, bs, hbs, sizes, world) -> dict[str, int]:
     """Run one lockstep manager trace (any divergence raises) and return what it went through;
     cached, so the coverage test reuses the traces test_manager_differential ran."""
-    trace = ManagerTrace(seed * 104729 + gpu + cpu, gpu, cpu, bs, hbs, list(sizes), world_size=world)
+    trace = ManagerTrace(seed * 104729 + gpu + cpu, gpu, cpu, bs, hbs, list(sizes),
+                         world_size=world)
     trace.run(100)
     assert trace.finished_total > 0 and trace.stats["stores"] > 0, trace.stats
     return dict(trace.stats, calls=trace.calls)
@@ -4802,7 +5029,8 @@ def test_manager_traces_cover_the_paths():
 # ---- 3.6 The pre-fix variant: the differential sees each bug, and nothing else -------------------
 
 @needs_vllm
-@pytest.mark.parametrize("registration_bug,flush_bug", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("registration_bug,flush_bug",
+                         [(False, False), (True, False), (False, True)])
 def test_pre_fix_variant_diverges_exactly_by_its_bugs(registration_bug, flush_bug):
     """With both flags off, PreFixCPUOffloadScheduler is the fixed manager and matches vLLM; with
     either bug on, the lockstep comparison catches it (vLLM 0.34 has both fixes)."""
@@ -4897,7 +5125,8 @@ def neutralise_vllm_029(v) -> None:
     v.request_finished = request_finished
     v.reset = reset_releasing_lookup_pins
     v.build_connector_meta = build_connector_meta_resetting_preempted
-    v._pending_finished_stores = []  # 0.29 has no finish flush queue: always empty, as ours with flush_bug
+    # 0.29 has no finish flush queue: always empty, as ours with flush_bug
+    v._pending_finished_stores = []
 
 
 class ManagerTrace029(ManagerTrace):
@@ -4913,7 +5142,8 @@ class ManagerTrace029(ManagerTrace):
         # 0.29's pending CPU hit is (blocks, hit_length); 0.30 added num_computed_tokens
         ours["pending_cpu_hits"] = [(k, v[:2]) for k, v in ours["pending_cpu_hits"]]
         assert_same(ours, theirs, w + " [manager state]")
-        assert_same(pool_state(self.ours.cpu_block_pool), pool_state(self.vllm.cpu_block_pool), w + " [CPU pool]")
+        assert_same(pool_state(self.ours.cpu_block_pool), pool_state(self.vllm.cpu_block_pool),
+                    w + " [CPU pool]")
         self.gpu.check(w + " [GPU pool]")
 
 
@@ -4957,20 +5187,23 @@ def test_vllm_029_differential_sees_each_fix(kwargs):
     (100, 128, 1, None, (0, 0), (6, 96)),
     (512, 128, 2, 32, (31, 0), (31, 0)),
 ])
-def test_story_reproduces_vllm_scheduler_cpu_hits(prompt_len, budget, max_tokens, cpu_blocks, pre, post):
+def test_story_reproduces_vllm_scheduler_cpu_hits(prompt_len, budget, max_tokens, cpu_blocks, pre,
+                                                  post):
     """The module's engine gives the numbers vLLM's own Scheduler gives (next test, measured
     with vLLM 0.29 and 0.30/0.33/0.34): the pre-fix class (both bugs) what 0.29 gives, the
     fixed class what 0.30+ gives. Hand derivation in the next test's docstring; in short: the
     flush bug loses the last step's blocks (all of them for a one-step prompt), and a CPU pool
     smaller than the prompt evicts block 0 first, so the lookup misses from the start in both."""
-    for cls, expected in ((ko.PreFixCPUOffloadScheduler, pre), (ko.SimpleCPUOffloadScheduler, post)):
+    for cls, expected in ((ko.PreFixCPUOffloadScheduler, pre),
+                          (ko.SimpleCPUOffloadScheduler, post)):
         r = ko.run_story(cls, prompt_tokens=prompt_len, max_num_batched_tokens=budget,
                          num_cpu_blocks=cpu_blocks, max_tokens=max_tokens)
         assert (r["cpu_blocks_registered"], r["cpu_hit_tokens"]) == expected, (cls.__name__, r)
         assert r["kv_exact"] and r["same_output"] and r["all_free"], (cls.__name__, r)
 
 
-VLLM_CPU_HIT_CASES = [  # prompt, budget, max_tokens, CPU blocks, (registered, B hit) pre-fix, post-fix
+# prompt, budget, max_tokens, CPU blocks, (registered, B hit) pre-fix, post-fix
+VLLM_CPU_HIT_CASES = [
     (512, 128, 1, None, (24, 384), (32, 496)),
     (100, 128, 1, None, (0, 0), (6, 96)),
     (512, 128, 2, 32, (31, 0), (31, 0)),
@@ -4978,7 +5211,8 @@ VLLM_CPU_HIT_CASES = [  # prompt, budget, max_tokens, CPU blocks, (registered, B
 
 
 @pytest.mark.parametrize("prompt_len,budget,max_tokens,cpu_blocks,pre,post", VLLM_CPU_HIT_CASES)
-def test_real_vllm_scheduler_cpu_hits(tmp_path, prompt_len, budget, max_tokens, cpu_blocks, pre, post):
+def test_real_vllm_scheduler_cpu_hits(tmp_path, prompt_len, budget, max_tokens, cpu_blocks, pre,
+                                      post):
     """vLLM's own engine Scheduler + SimpleCPUOffloadConnector (eager, full attention, block 16):
     A runs to completion, every store completes, the GPU prefix cache is reset, B (same prompt)
     arrives; we check how many keys the CPU map holds and what B's CPU lookup returns.
@@ -4996,7 +5230,8 @@ def test_real_vllm_scheduler_cpu_hits(tmp_path, prompt_len, budget, max_tokens, 
     try:
         import torch
         from vllm import SamplingParams
-        from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
+        from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
+                                 SchedulerConfig,
                                  VllmConfig)
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -5023,10 +5258,12 @@ def test_real_vllm_scheduler_cpu_hits(tmp_path, prompt_len, budget, max_tokens, 
     vc = VllmConfig(
         model_config=ModelConfig(model=str(tmp_path), dtype="float16", skip_tokenizer_init=True,
                                  max_model_len=4096),
-        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=4096,
+        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget,
+                                         max_model_len=4096,
                                          enable_chunked_prefill=True, is_encoder_decoder=False,
                                          async_scheduling=False),
-        cache_config=CacheConfig(block_size=bs, enable_prefix_caching=True), device_config=DeviceConfig("cpu"),
+        cache_config=CacheConfig(block_size=bs, enable_prefix_caching=True),
+                    device_config=DeviceConfig("cpu"),
         kv_transfer_config=KVTransferConfig(
             kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
             kv_connector_extra_config={"cpu_bytes_to_use": page * (cpu_blocks or 2 * nb)}))
@@ -5035,7 +5272,8 @@ def test_real_vllm_scheduler_cpu_hits(tmp_path, prompt_len, budget, max_tokens, 
     vc.cache_config.num_gpu_blocks = nb
     register_all_kvcache_specs(vc)
     init_none_hash(sha256)
-    s = Scheduler(vllm_config=vc, kv_cache_config=kcc, block_size=bs, hash_block_size=bs, log_stats=False,
+    s = Scheduler(vllm_config=vc, kv_cache_config=kcc, block_size=bs, hash_block_size=bs,
+                  log_stats=False,
                   structured_output_manager=StructuredOutputManager(vc))
     lookups, lookup = {}, s.connector.get_num_new_matched_tokens
     s.connector.get_num_new_matched_tokens = (  # record B's first CPU lookup
@@ -5047,7 +5285,8 @@ def test_real_vllm_scheduler_cpu_hits(tmp_path, prompt_len, budget, max_tokens, 
         kv = KVConnectorOutput(
             finished_recving=set(meta.load_event_to_reqs.get(meta.load_event, [])) or None,
             kv_connector_worker_meta=WorkerMeta({meta.store_event: 1}) if meta.store_event >= 0 else None)
-        kw = dict(req_ids=rids, sampled_token_ids=[[] if s.requests[r].is_prefill_chunk else [7] for r in rids],
+        kw = dict(req_ids=rids,
+                  sampled_token_ids=[[] if s.requests[r].is_prefill_chunk else [7] for r in rids],
                   kv_connector_output=kv)
         if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__:  # removed in 0.34
             kw["req_id_to_index"] = {r: i for i, r in enumerate(rids)}
@@ -5055,9 +5294,11 @@ def test_real_vllm_scheduler_cpu_hits(tmp_path, prompt_len, budget, max_tokens, 
 
     prompt = [(i * 31) % 50000 + 3 for i in range(prompt_len)]
     for rid in ("A", "B"):
-        s.add_request(Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
+        s.add_request(Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                              None,
                               block_hasher=get_request_block_hasher(bs, sha256)))
-        for _ in range(prompt_len // budget + max_tokens + 4):  # run to completion, then drain stores
+        # run to completion, then drain stores
+        for _ in range(prompt_len // budget + max_tokens + 4):
             step()
         if rid == "A":
             registered = len(s.connector.scheduler_manager.cpu_block_pool.cached_block_hash_to_block)
