@@ -5,15 +5,35 @@ for KV bytes, the pre-fix variant (every test about either bug must fail there: 
 assert_variant), vLLM's copy-test oracle for the worker, planted ordering bugs for the copy
 worker on a simulated asynchronous device (each scenario must catch its own), and vLLM itself
 when importable: 0.34 for the fixed code, 0.29 for the pre-fix variant (the differential tests
-at the end skip cleanly without it).
+of Part 3 skip cleanly without it).
 
-Sections: hashing and requests; block pool; find_longest_cache_hit; copy worker; toy model and
-engine; copy worker on an asynchronous device; the GPU check (--gpu-check); manager scenarios (vLLM's test_scheduler.py, PR #53532's seven tests); reliability
-(random schedules, injected faults, bad input); the notebook; differential tests against vLLM.
+Contents (the file reads top to bottom in this order; each part and section has a banner):
+
+  Shared helpers (block ids, the pool-state snapshot) and the accessors of module internals
+  Part 1 — the reader's tests
+    1.1 Hashing and requests              1.9  Manager: request lifecycle
+    1.2 Block pool                        1.10 Manager: block tables
+    1.3 find_longest_cache_hit            1.11 Manager: several KV-cache groups
+    1.4 Copy worker                       1.12 Manager: reset() with transfers in flight
+    1.5 Copy worker on an async device    1.13 The seven tests PR #53532 added
+    1.6 Manager scenarios: the harness    1.14 End to end: toy model and engine
+    1.7 Manager: store -> lookup -> load  1.15 End to end: the GPU check (--gpu-check)
+    1.8 Manager: CPU pool                 1.16 The notebook and the README
+  Part 2 — reliability
+    2.1 Invariants                        2.5 Failures the generator found
+    2.2 Fault injection                   2.6 The bad-input catalogue
+    2.3 Random schedules and the fuzz     2.7 Module bugs found here, now fixed
+    2.4 Scripted interleavings            2.8 The checker checks
+  Part 3 — the vLLM differential
+    3.1 Importing vLLM, comparing states  3.5 SimpleCPUOffloadScheduler
+    3.2 Hash chains with shared prefixes  3.6 The pre-fix variant diverges by its bugs
+    3.3 FreeKVCacheBlockQueue, BlockPool  3.7 The pre-fix variant against vLLM 0.29
+    3.4 find_longest_cache_hit            3.8 vLLM's own Scheduler: where "every lookup misses"
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import hashlib
 import json
@@ -36,30 +56,125 @@ from hypothesis import strategies as st
 import kv_offload as ko
 
 
-def bids(blocks):
-    return [b.block_id for b in blocks]
+# ---- Shared helpers ------------------------------------------------------------------------------
+# One of each: a block-id helper, a pool-state snapshot (both libraries' pools), and the accessors
+# of module internals below.
+
+def block_ids(blocks) -> list:
+    """The ids of a list of blocks (None stays None: a free-list link that is unset)."""
+    return [None if b is None else b.block_id for b in blocks]
 
 
-def free_ids(pool):
-    return bids(pool.free_block_queue.get_all_free_blocks())
+def table_ids(table) -> tuple[list, ...]:
+    """Block ids per KV-cache group of a table (one list of blocks per group)."""
+    return tuple(block_ids(group) for group in table)
 
 
-# MiniEngine state the tests read, in one place: a request's state is its status, as in vLLM
-def loading_requests(eng) -> dict[str, int]:
-    """Requests whose CPU load is in flight (WAITING_FOR_REMOTE_KVS) -> their computed tokens
-    (local + loaded, as vLLM counts them before the load lands)."""
+def free_ids(pool) -> list:
+    return block_ids(pool.free_block_queue.get_all_free_blocks())
+
+
+def map_contents(m) -> dict:
+    """key -> block ids in insertion order. vLLM 0.34 (and ours) keep one id per key in `_cache`
+    and every id of a key of several blocks in `_dup_ids` (the two must agree: every `_dup_ids`
+    key is in `_cache`, naming its first id); before 0.34 vLLM kept a bare block or a
+    {block_id: block} dict per key."""
+    if not hasattr(m, "_dup_ids"):
+        return {key: [b.block_id for b in v.values()] if isinstance(v, dict) else [v.block_id]
+                for key, v in m._cache.items()}
+    for key, dup_ids in m._dup_ids.items():
+        assert len(dup_ids) > 1 and m._cache.get(key) == next(iter(dup_ids)), (
+            f"map key {key.hex()[:8]}: _cache={m._cache.get(key)} disagrees with "
+            f"_dup_ids={list(dup_ids)}")
+    return {key: list(m._dup_ids.get(key, [block_id])) for key, block_id in m._cache.items()}
+
+
+def pool_state(pool) -> dict:
+    """Everything observable of a BlockPool (ours or vLLM's): ref counts, the free queue (order
+    and links), every block's keys, the hash map in insertion order, the usage."""
+    blocks = pool.blocks
+    return {
+        "num_free": pool.get_num_free_blocks(),
+        "free_queue": free_ids(pool),
+        "ref_cnt": [b.ref_cnt for b in blocks],
+        "block_hash": [b.block_hash for b in blocks],
+        "block_hash_num_tokens": [b.block_hash_num_tokens for b in blocks],
+        "links": [tuple(block_ids([b.prev_free_block, b.next_free_block])) for b in blocks],
+        "is_null": [b.is_null for b in blocks],
+        "null_block": pool.null_block.block_id,
+        "secondaries": {k: set(v) for k, v in pool.cached_block_hashes_by_block.items()},
+        "hash_map": map_contents(pool.cached_block_hash_to_block),
+        "hash_map_len": len(pool.cached_block_hash_to_block),
+        "usage": round(pool.get_usage(), 9),
+    }
+
+
+# ---- Accessors of engine and manager internals ---------------------------------------------------
+# Every read of these private fields goes through here, so that a change of the module's
+# bookkeeping is followed in one place.
+
+def loading_requests(eng) -> dict:
+    # MiniEngine: request id -> its computed tokens (local + loaded, as vLLM counts them before
+    # the load lands), for the requests whose CPU load is in flight (WAITING_FOR_REMOTE_KVS)
     return {r.request_id: r.num_computed_tokens for r in eng.waiting
             if r.status == ko.RequestStatus.WAITING_FOR_REMOTE_KVS}
 
 
-def preempted_ids(eng) -> set[str]:
-    """Requests preempted and not running again yet (some of them resume through a CPU load)."""
-    waiting_for_kvs = ko.RequestStatus.WAITING_FOR_REMOTE_KVS
-    return {r.request_id for r in eng.waiting
-            if r.status == ko.RequestStatus.PREEMPTED
-            or (r.status == waiting_for_kvs and r.num_preemptions)}
+def preempted_waiting_ids(eng) -> set:
+    # MiniEngine: ids of preempted requests waiting to resume (PREEMPTED), some of them
+    # through a CPU load first (WAITING_FOR_REMOTE_KVS after a preemption)
+    preempted = set()
+    for r in eng.waiting:
+        if r.status == ko.RequestStatus.PREEMPTED:
+            preempted.add(r.request_id)
+        elif r.status == ko.RequestStatus.WAITING_FOR_REMOTE_KVS and r.num_preemptions:
+            preempted.add(r.request_id)
+    return preempted
 
-# ----------------------------------------------------------------------------- hashing and requests
+
+def recving_counts(eng) -> dict:
+    # MiniEngine: per request, the workers that reported its load so far
+    return eng._recving_counts
+
+
+def connector_reset_pending(eng) -> bool:
+    # MiniEngine: a refused connector reset that the engine retries after each step
+    return eng._connector_reset_pending
+
+
+def pending_cpu_hits(conn) -> dict:
+    # manager (ours or vLLM's): request id -> its lookup pin as a tuple (blocks per group, hit
+    # tokens[, num_computed_tokens]). Ours is a PendingCPUHit; vLLM keeps a bare tuple, of
+    # three fields in 0.34 and two in 0.29
+    hits = {}
+    for rid, hit in conn._pending_cpu_hits.items():
+        if isinstance(hit, ko.PendingCPUHit):
+            hit = (hit.hit_blocks, hit.hit_length, hit.num_computed_tokens)
+        hits[rid] = tuple(hit)
+    return hits
+
+
+
+def pending_cpu_hit_blocks(conn) -> dict:
+    # manager: request id -> the CPU blocks (per group) its lookup pin holds
+    return {rid: hit[0] for rid, hit in pending_cpu_hits(conn).items()}
+
+
+def live_loads(conn) -> dict:
+    # manager (ours or vLLM's): request id -> its load state, for loads prepared or sent
+    return conn._reqs_to_load
+
+
+def abandoned_loads(conn) -> dict:
+    # manager (ours or vLLM's): request id -> a sent load that reset() abandoned
+    return conn._abandoned_reqs_to_load
+
+
+# ==================================================================================================
+# Part 1 — the reader's tests
+# ==================================================================================================
+
+# ---- 1.1 Hashing and requests --------------------------------------------------------------------
 
 def test_hash_chain_is_deterministic_and_prefix_sensitive():
     """sha256 chain: same tokens -> same bytes (no per-process seed); a changed token changes
@@ -68,7 +183,8 @@ def test_hash_chain_is_deterministic_and_prefix_sensitive():
     b = ko.Request("b", list(range(64)), 16)
     assert a.block_hashes == b.block_hashes and len(a.block_hashes) == 4
     assert all(isinstance(h, bytes) and len(h) == 32 for h in a.block_hashes)
-    assert a.block_hashes[0] == hashlib.sha256(ko.NONE_HASH + struct.pack("<16q", *range(16))).digest()
+    first = hashlib.sha256(ko.NONE_HASH + struct.pack("<16q", *range(16))).digest()
+    assert a.block_hashes[0] == first
     c = ko.Request("c", list(range(20)) + [999] + list(range(21, 64)), 16)
     assert c.block_hashes[0] == a.block_hashes[0]
     assert all(x != y for x, y in zip(c.block_hashes[1:], a.block_hashes[1:]))
@@ -92,7 +208,7 @@ def test_group_id_key_roundtrip():
     assert ko.get_block_hash(key) == b"\x01" * 32 and ko.get_group_id(key) == 258
 
 
-# ----------------------------------------------------------------------------- block pool
+# ---- 1.2 Block pool ------------------------------------------------------------------------------
 
 def test_null_block_and_fifo_allocation():
     """Block 0 is the null block: out of the queue from the start; allocation goes in id order."""
@@ -100,9 +216,11 @@ def test_null_block_and_fifo_allocation():
     assert pool.null_block.block_id == 0 and pool.null_block.is_null
     assert free_ids(pool) == [1, 2, 3, 4, 5] and pool.get_num_free_blocks() == 5
     blocks = pool.get_new_blocks(3)
-    assert bids(blocks) == [1, 2, 3] and all(b.ref_cnt == 1 and b.block_hash is None for b in blocks)
+    assert block_ids(blocks) == [1, 2, 3]
+    assert all(b.ref_cnt == 1 and b.block_hash is None for b in blocks)
     assert pool.get_usage() == pytest.approx(3 / 5)
-    pool.touch([pool.null_block]); pool.free_blocks([pool.null_block])  # silently skipped
+    pool.touch([pool.null_block])
+    pool.free_blocks([pool.null_block])  # silently skipped
     assert pool.null_block.ref_cnt == 0 and free_ids(pool) == [4, 5]
 
 
@@ -145,7 +263,7 @@ def test_lru_eviction_order_and_touch_removes_from_queue():
     pool.touch([blocks[2]])                              # block 3 hit by another request
     assert free_ids(pool) == [4, 2, 1] and blocks[2].ref_cnt == 1
     new = pool.get_new_blocks(1)
-    assert bids(new) == [4] and new[0].block_hash is None            # evicted lazily, now
+    assert block_ids(new) == [4] and new[0].block_hash is None            # evicted lazily, now
     assert pool.get_cached_block(req.block_hashes[3], [0]) is None  # its key is gone
     assert pool.get_cached_block(req.block_hashes[2], [0]) == [blocks[2]]
     pool.free_blocks([blocks[2]])
@@ -266,7 +384,8 @@ def test_reset_prefix_cache_refused_while_in_use():
     assert pool.reset_prefix_cache() is False and len(pool.cached_block_hash_to_block) == 2
     pool.free_blocks(blocks)
     assert pool.reset_prefix_cache() is True
-    assert len(pool.cached_block_hash_to_block) == 0 and all(b.block_hash is None for b in pool.blocks)
+    assert len(pool.cached_block_hash_to_block) == 0
+    assert all(b.block_hash is None for b in pool.blocks)
 
 
 def test_caching_disabled_prepends_everything():
@@ -279,10 +398,12 @@ def test_caching_disabled_prepends_everything():
 def test_free_queue_primitives():
     blocks = [ko.KVCacheBlock(i) for i in range(5)]
     q = ko.FreeKVCacheBlockQueue(blocks)
-    assert q.popleft() is blocks[0] and bids(q.popleft_n(2)) == [1, 2]
+    assert q.popleft() is blocks[0] and block_ids(q.popleft_n(2)) == [1, 2]
     q.remove(blocks[4])
-    q.prepend_n([blocks[1], blocks[2]]); q.append(blocks[4]); q.append_n([blocks[0]])
-    assert bids(q.get_all_free_blocks()) == [1, 2, 3, 4, 0] and q.num_free_blocks == 5
+    q.prepend_n([blocks[1], blocks[2]])
+    q.append(blocks[4])
+    q.append_n([blocks[0]])
+    assert block_ids(q.get_all_free_blocks()) == [1, 2, 3, 4, 0] and q.num_free_blocks == 5
     with pytest.raises(RuntimeError):
         q.remove(ko.KVCacheBlock(9))
     empty = ko.FreeKVCacheBlockQueue([])
@@ -309,7 +430,7 @@ def test_free_queue_asserts_on_a_corrupted_sentinel():
     assert q.num_free_blocks == 0 and blocks[1].prev_free_block is None
 
 
-# ----------------------------------------------------------------------------- find_longest_cache_hit
+# ---- 1.3 find_longest_cache_hit ------------------------------------------------------------------
 
 def _cached_pool(tokens, block_size, hash_block_size, n_blocks):
     pool = ko.BlockPool(n_blocks + 2, True, hash_block_size)
@@ -343,7 +464,8 @@ def test_fine_grained_hit_needs_a_secondary_key():
     (hit,), n = ko.find_longest_cache_hit(probe.block_hashes, 28, [0], pool, 16)
     assert n == 24 and hit == blocks
     # coarse alignment (the manager's): the same lookup rounds down to whole blocks
-    (hit,), n = ko.find_longest_cache_hit(probe.block_hashes, 28, [0], pool, 16, alignment_tokens=16)
+    (hit,), n = ko.find_longest_cache_hit(probe.block_hashes, 28, [0], pool, 16,
+                                          alignment_tokens=16)
     assert n == 16 and hit == blocks[:1]
 
 
@@ -357,12 +479,13 @@ def test_multi_group_lookup_requires_every_group():
     assert n == 4 and hits == ([g0[0]], [g1[0]])
 
 
-# ----------------------------------------------------------------------------- copy worker
+# ---- 1.4 Copy worker -----------------------------------------------------------------------------
 
 # "deferred": CPU caches, the worker's CUDA branch on ko.DeferredCopyEngine (copies run later,
 # out of step); "cuda" skips without a GPU, except under KV_OFFLOAD_REQUIRE_CUDA (--gpu-check)
 CUDA = pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available() and not os.environ.get("KV_OFFLOAD_REQUIRE_CUDA"), reason="needs a GPU"))
+    not torch.cuda.is_available() and not os.environ.get("KV_OFFLOAD_REQUIRE_CUDA"),
+    reason="needs a GPU"))
 DEVICES = ["cpu", "deferred", CUDA]
 
 
@@ -402,16 +525,21 @@ def test_worker_copies_exact_blocks_both_directions(device, layout, ids):
     for r in w.cpu_caches.values():
         r.copy_(torch.randn(r.shape, generator=torch.Generator().manual_seed(2)).to(r.dtype))
     assert all(r.is_pinned() == (device == "cuda") for r in w.cpu_caches.values())
-    gpu_ids, cpu_ids = ([3, 4, 5, 6], [1, 2, 3, 4]) if ids == "contiguous" else ([9, 2, 5, 11], [7, 1, 8, 3])
+    gpu_ids, cpu_ids = ([3, 4, 5, 6], [1, 2, 3, 4])
+    if ids == "scattered":
+        gpu_ids, cpu_ids = [9, 2, 5, 11], [7, 1, 8, 3]
     for direction in ("store", "load"):
-        src, dst = (w.gpu_caches, w.cpu_caches) if direction == "store" else (w.cpu_caches, w.gpu_caches)
+        src, dst = w.gpu_caches, w.cpu_caches
+        if direction == "load":
+            src, dst = dst, src
         s_ids, d_ids = (gpu_ids, cpu_ids) if direction == "store" else (cpu_ids, gpu_ids)
         before_src = {k: v.clone() for k, v in src.items()}
         before_dst = {k: v.clone() for k, v in dst.items()}
-        w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(
-            **({"store_event": 0, "store_gpu_blocks": gpu_ids, "store_cpu_blocks": cpu_ids} if direction == "store"
-               else {"load_event": 0, "load_gpu_blocks": gpu_ids, "load_cpu_blocks": cpu_ids,
-                     "load_event_to_reqs": {0: ["r"]}})))
+        fields_ = {f"{direction}_event": 0, f"{direction}_gpu_blocks": gpu_ids,
+                   f"{direction}_cpu_blocks": cpu_ids}
+        if direction == "load":
+            fields_["load_event_to_reqs"] = {0: ["r"]}
+        w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(**fields_))
         (w.wait_for_save if direction == "store" else w.start_load_kv)()
         finish_copies(w)
         for k in src:
@@ -444,7 +572,8 @@ def test_worker_splits_flash_layout_and_dedups_shared_storage():
 
 
 def test_coalesce_runs():
-    assert ko._coalesce_runs([1, 2, 3, 7, 8, 4], [5, 6, 7, 9, 10, 1]) == [(1, 5, 3), (7, 9, 2), (4, 1, 1)]
+    runs = ko._coalesce_runs([1, 2, 3, 7, 8, 4], [5, 6, 7, 9, 10, 1])
+    assert runs == [(1, 5, 3), (7, 9, 2), (4, 1, 1)]
     assert ko._coalesce_runs([1, 2], [2, 1]) == [(1, 2, 1), (2, 1, 1)]
 
 
@@ -458,11 +587,13 @@ def test_worker_reports_an_event_with_nothing_to_copy_at_once(device):
     w.register_kv_caches(_make_caches("flash", device), 12)
     if w.copy_engine is not None:
         w.copy_engine.max_ops_per_call = 0
-    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(load_event=0, load_gpu_blocks=[3], load_cpu_blocks=[1],
+    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(load_event=0, load_gpu_blocks=[3],
+                                                          load_cpu_blocks=[1],
                                                           load_event_to_reqs={0: ["r0"]}))
     w.start_load_kv()
     w.clear_connector_metadata()
-    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(load_event=1, load_event_to_reqs={0: ["r0"], 1: ["r1"]},
+    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(load_event=1,
+                                                          load_event_to_reqs={0: ["r0"], 1: ["r1"]},
                                                           store_event=0))
     w.start_load_kv()
     w.wait_for_save()
@@ -473,14 +604,22 @@ def test_worker_reports_an_event_with_nothing_to_copy_at_once(device):
     assert w.get_finished(set())[1] == (None if device == "cpu" else {"r0"})
 
 
-# ----------------------------------------------------------------------------- toy model and engine
+# ---- 1.5 Copy worker on an asynchronous device ---------------------------------------------------
+# ko.DeferredCopyEngine stands in for torch.cuda: copies are queued and run later, out of step
+# with the compute stream, reading their source when they run. These races cannot happen with
+# CPU copies that finish inside the step. Each scenario runs once on the real worker and once
+# with a planted ordering bug, and must tell the two apart.
 
-def _story_engine(connector_cls=ko.SimpleCPUOffloadScheduler, num_gpu_blocks=300, num_cpu_blocks=300,
+# The engine drivers below also serve the end-to-end tests (1.14).
+
+def _story_engine(connector_cls=ko.SimpleCPUOffloadScheduler, num_gpu_blocks=300,
+                  num_cpu_blocks=300,
                   block_size=16, budget=512, device="cpu", workers=1, **kw):
     model = ko.ToyModel(2, 2, 16, device="cpu" if device == "deferred" else device)
     conn = connector_cls(num_cpu_blocks, block_size, **kw)
     ws = [make_worker(num_cpu_blocks, device, seed=i) for i in range(workers)]
-    eng = ko.MiniEngine(num_gpu_blocks, block_size, budget, model, conn, ws if workers > 1 else ws[0], capture_kv=True)
+    eng = ko.MiniEngine(num_gpu_blocks, block_size, budget, model, conn,
+                        ws if workers > 1 else ws[0], capture_kv=True)
     return eng, conn, model
 
 
@@ -489,160 +628,19 @@ def _prompt(n, seed=0):
 
 
 def _run_a_then_b(eng, prompt, block_size=16):
-    """Request A runs; its GPU prefix cache is dropped; B sends the same prompt. B's stats."""
+    """Request A runs; its GPU prefix cache is dropped; B sends the same prompt. Both stats."""
     eng.add_request(ko.Request("A", prompt, block_size))
     eng.run()
     assert eng.reset_gpu_prefix_cache()
     eng.add_request(ko.Request("B", prompt, block_size))
-    return eng.run()["B"]
+    return eng.run()
 
 
 def _assert_all_free(eng, conn):
     assert eng.gpu_block_pool.get_num_free_blocks() == eng.gpu_block_pool.num_gpu_blocks - 1
     assert conn.cpu_block_pool.get_num_free_blocks() == conn.num_cpu_blocks - 1
-    assert not conn.has_pending_push_work() and not conn._reqs_to_load and not conn._reqs_to_store
+    assert not conn.has_pending_push_work() and not live_loads(conn) and not conn._reqs_to_store
 
-
-def test_toy_model_is_chunking_invariant():
-    """KV of a token depends on (id, position) only: chunked writes equal one-shot expected_kv."""
-    m = ko.ToyModel(2, 2, 8)
-    toks = _prompt(40)
-    whole = m.expected_kv(toks)
-    parts = torch.cat([m.compute_kv(torch.tensor(toks[i:i + 7]), torch.arange(i, min(i + 7, 40)))
-                       for i in range(0, 40, 7)], dim=2)
-    assert torch.equal(whole, parts) and whole.shape == (2, 2, 40, 2, 8) and whole.dtype == torch.float16
-    assert not torch.equal(whole[:, :, 0], m.expected_kv([toks[1]])[:, :, 0])
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("variant", ["fixed", "registration_bug", "skip_reset_hash", "flush_bug"])
-def test_repeated_prompt_end_to_end(device, variant):
-    """A 3000-token prompt, 512-token chunks, block 16. Fixed: B loads (3000-1)//16 = 187 blocks
-    = 2992 tokens and computes 8; its KV equals expected_kv bit for bit, outputs match, pools
-    end all-free. Registration bug (vLLM 0.29): the stamped primary keys do reach the map, and
-    with hash_block_size == block_size no lookup needs a secondary key -> 2992 as fixed. The
-    reset_hash trap: no primary key is registered -> B recomputes all 3000. Flush bug: the last
-    chunk's blocks (2560..2991, confirmed in A's last step) never reach CPU -> 2560 loaded."""
-    cls, kw = ((ko.SimpleCPUOffloadScheduler, {}) if variant == "fixed" else
-               (ko.PreFixCPUOffloadScheduler, {"registration_bug": variant == "registration_bug",
-                                               "skip_reset_hash": variant == "skip_reset_hash",
-                                               "flush_bug": variant == "flush_bug"}))
-    eng, conn, model = _story_engine(cls, device=device, **kw)
-    prompt = _prompt(3000)
-    eng.add_request(ko.Request("A", prompt, 16))
-    eng.run()
-    assert eng.reset_gpu_prefix_cache()
-    eng.add_request(ko.Request("B", prompt, 16))
-    st = eng.run()
-    a, b = st["A"], st["B"]
-    expected_hit = {"fixed": 2992, "registration_bug": 2992, "skip_reset_hash": 0, "flush_bug": 2560}[variant]
-    assert b.cpu_hit_tokens == expected_hit and b.computed_tokens == 3000 - expected_hit
-    assert a.output_token_ids == b.output_token_ids and len(b.output_token_ids) == 1
-    # captured KV is on CPU: compare on one device
-    assert torch.equal(b.kv, model.expected_kv(prompt).cpu()) and torch.equal(a.kv, b.kv)
-    _assert_all_free(eng, conn)
-
-
-def test_shared_prefix_decode_and_gpu_hits():
-    """Three requests share 1000 tokens (62 whole blocks of 16), then differ. r1 arrives after r0
-    finished, GPU cache intact: 992 tokens hit on GPU and the CPU lookup (from 992 on) finds
-    nothing more. After the GPU cache is dropped, r2 loads those 62 blocks (992 tokens) from CPU."""
-    eng, conn, model = _story_engine()
-    shared = _prompt(1000)
-    reqs = [ko.Request(f"r{i}", shared + _prompt(100, seed=i + 1), 16, max_tokens=5) for i in range(3)]
-    eng.add_request(reqs[0]); eng.run()
-    eng.add_request(reqs[1]); eng.run()
-    assert eng.reset_gpu_prefix_cache()
-    eng.add_request(reqs[2]); st = eng.run()
-    assert (st["r1"].gpu_hit_tokens, st["r1"].cpu_hit_tokens) == (992, 0)
-    assert (st["r2"].gpu_hit_tokens, st["r2"].cpu_hit_tokens) == (0, 992)
-    _assert_all_free(eng, conn)
-
-
-@pytest.mark.parametrize("device", ["cpu", "deferred"])
-def test_gpu_preemption_recomputes_and_stays_exact(device):
-    """A GPU pool too small for three 600-token prompts at once forces preemption; every request
-    still ends with KV equal to expected_kv and the pools drain."""
-    eng, conn, model = _story_engine(num_gpu_blocks=60, budget=256, device=device)
-    prompts = [_prompt(600, seed=s) for s in range(3)]
-    for i, p in enumerate(prompts):
-        eng.add_request(ko.Request(f"r{i}", p, 16, max_tokens=3))
-    st = eng.run()
-    assert sum(s.computed_tokens for s in st.values()) > 3 * 602   # something was recomputed
-    for i, p in enumerate(prompts):
-        assert torch.equal(st[f"r{i}"].kv, model.expected_kv(p))
-    _assert_all_free(eng, conn)
-
-
-def test_engine_lists_new_and_resumed_requests_before_running_ones():
-    """vLLM 0.34 sends new and resumed requests (whole tables) first, then running ones, and
-    MiniEngine lists num_scheduled_tokens that way. Block 16, budget 32. Step 1: A (40 tokens)
-    computes 32 in GPU blocks 1, 2. Step 2: running A is scheduled first (8 tokens, block 3),
-    then B (24 tokens, whole table 4, 5) is admitted with the 24 left, but listed first."""
-    eng, conn, _ = _story_engine(num_gpu_blocks=16, budget=32)
-    seen = []
-    build = conn.build_connector_meta
-
-    def recording_build(so):
-        seen.append(so)
-        return build(so)
-
-    conn.build_connector_meta = recording_build
-    eng.add_request(ko.Request("A", _prompt(40), 16))
-    eng.step()
-    eng.add_request(ko.Request("B", _prompt(24, seed=1), 16))
-    eng.step()
-    so = seen[-1]
-    assert list(so.num_scheduled_tokens.items()) == [("B", 24), ("A", 8)]
-    assert so.new_block_ids == {"A": ([3],), "B": ([4, 5],)} and so.resumed_req_ids == set()
-    yielded = [(rid, ids) for rid, ids, _ in ko.yield_req_data(so)]
-    assert yielded == [("B", ([4, 5],)), ("A", ([3],))]
-
-
-def test_engine_lists_resumed_requests_first_under_preemption():
-    """In the preemption run above, each step lists every request that was running when the step
-    began after all the others (new and resumed ones), and resumed ones carry whole tables."""
-    eng, conn, _ = _story_engine(num_gpu_blocks=60, budget=256)
-    checked = Counter()
-    schedule = eng._schedule
-
-    def recording_schedule():
-        running_at_start = [r.request_id for r in eng.running]
-        so = schedule()
-        order = list(so.num_scheduled_tokens)
-        running = [rid for rid in order if rid in running_at_start]
-        assert order[len(order) - len(running):] == running, (order, running_at_start)
-        for rid in so.resumed_req_ids:
-            assert rid not in running
-            assert list(so.new_block_ids[rid][0]) == bids(eng.req_blocks[rid])
-        checked["resumed"] += len(so.resumed_req_ids)
-        checked["mixed"] += 0 < len(running) < len(order)
-        return so
-
-    eng._schedule = recording_schedule
-    for i in range(3):
-        eng.add_request(ko.Request(f"r{i}", _prompt(600, seed=i), 16, max_tokens=3))
-    eng.run()
-    assert checked["resumed"] > 0 and checked["mixed"] > 0, checked
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_two_workers_world_size_2(device):
-    """Two TP workers: a store completes only once both reported it; the story still holds."""
-    eng, conn, model = _story_engine(workers=2, world_size=2, device=device)
-    prompt = _prompt(1000)
-    eng.add_request(ko.Request("A", prompt, 16)); eng.run()
-    assert eng.reset_gpu_prefix_cache()
-    eng.add_request(ko.Request("B", prompt, 16)); st = eng.run()
-    assert st["B"].cpu_hit_tokens == 992 and torch.equal(st["B"].kv, model.expected_kv(prompt).cpu())
-    _assert_all_free(eng, conn)
-
-
-# ----------------------------------------------------------------------------- copy worker on an asynchronous device
-# ko.DeferredCopyEngine stands in for torch.cuda: copies are queued and run later, out of step
-# with the compute stream, reading their source when they run. These races cannot happen with
-# CPU copies that finish inside the step. Each scenario runs once on the real worker and once
-# with a planted ordering bug, and must tell the two apart.
 
 def test_deferred_engine_models_a_dma_engine():
     """The simulator itself, against hand-derived outcomes: a queued copy changes nothing until
@@ -721,7 +719,8 @@ def _load_into_a_block_a_forward_reads(plant_bug: bool) -> torch.Tensor:
     read = torch.zeros(2, 4, 8, dtype=torch.float16)
     with dev.stream(dev.compute):  # the running forward's read of block 2 (queued)
         read.copy_(cache[:, 2])
-    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(load_event=0, load_cpu_blocks=[1], load_gpu_blocks=[2],
+    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(load_event=0, load_cpu_blocks=[1],
+                                                          load_gpu_blocks=[2],
                                                           load_event_to_reqs={0: ["r"]}))
     w.start_load_kv()
     dev.run(w.load_stream)
@@ -780,7 +779,7 @@ class _ResetDropsQueuedLoads(ko.SimpleCPUOffloadScheduler):
     never sent, and releases its pins at once."""
 
     def reset(self) -> bool:
-        for state in self._reqs_to_load.values():
+        for state in live_loads(self).values():
             state.load_event = None
         return super().reset()
 
@@ -791,7 +790,8 @@ def _reset_while_a_load_is_queued(connector_cls) -> tuple[bool, bool]:
     on a device that runs nothing yet. reset(), then B is aborted. C (80 other tokens, 3 output
     tokens) arrives and needs 5 blocks; after one step the device runs everything queued, then
     the engine runs to the end. Returns (reset's result, C's KV == expected_kv)."""
-    eng, conn, model = _story_engine(connector_cls, num_gpu_blocks=7, num_cpu_blocks=6, device="deferred")
+    eng, conn, model = _story_engine(connector_cls, num_gpu_blocks=7, num_cpu_blocks=6,
+                                     device="deferred")
     dev = eng.workers[0].copy_engine
     prompt_a, prompt_c = _prompt(80), _prompt(80, seed=1)
     eng.add_request(ko.Request("A", prompt_a, 16))
@@ -800,15 +800,16 @@ def _reset_while_a_load_is_queued(connector_cls) -> tuple[bool, bool]:
     dev.max_ops_per_call = 0
     eng.add_request(ko.Request("B", prompt_a, 16))
     eng.step()
-    assert loading_requests(eng) == {"B": 64} and eng.workers[0].load_stream.ops, "B's load should be queued"
+    assert loading_requests(eng) == {"B": 64} and eng.workers[0].load_stream.ops, (
+        "B's load should be queued")
     reset_done = conn.reset()
     eng.abort_request("B")
     eng.add_request(ko.Request("C", prompt_c, 16, max_tokens=3))
     eng.step()  # C starts only if B's 4 blocks are free again: 2 others are
     dev.run()   # B's load lands now
     dev.max_ops_per_call = 2
-    st = eng.run()
-    return reset_done, torch.equal(st["C"].kv, model.expected_kv(prompt_c))
+    stats = eng.run()
+    return reset_done, torch.equal(stats["C"].kv, model.expected_kv(prompt_c))
 
 
 def test_async_reset_while_a_load_is_queued():
@@ -839,165 +840,38 @@ def test_async_copies_are_reported_only_after_they_ran(worker_cls):
     landed before it ran: B computes on zeros and its KV differs."""
     model = ko.ToyModel(2, 2, 16)
     conn = ko.SimpleCPUOffloadScheduler(300, 16)
-    eng = ko.MiniEngine(300, 16, 512, model, conn, worker_cls(300, copy_engine=ko.DeferredCopyEngine()),
+    eng = ko.MiniEngine(300, 16, 512, model, conn,
+                        worker_cls(300, copy_engine=ko.DeferredCopyEngine()),
                         capture_kv=True)
     prompt = _prompt(3000)
-    b = _run_a_then_b(eng, prompt)
+    b = _run_a_then_b(eng, prompt)["B"]
     assert b.cpu_hit_tokens == 2992
     assert torch.equal(b.kv, model.expected_kv(prompt)) == (worker_cls is ko.SimpleCPUOffloadWorker)
 
 
-# ----------------------------------------------------------------------------- the GPU check (--gpu-check)
-# What a GPU is needed for runs there; here, every piece that can run on CPU does.
-
-STEP_CALLS = ("bind_connector_metadata", "start_load_kv", "wait_for_save", "get_finished",
-              "build_connector_worker_meta", "clear_connector_metadata")
-
-
-def sync_checked(worker, set_mode=None):
-    """Run the worker's per-step calls under torch.cuda.set_sync_debug_mode("error"), so that a
-    hidden CPU-GPU sync in any of them raises. handle_preemptions is left out: a need_flush
-    waits for every copy by design."""
-    set_mode = set_mode or torch.cuda.set_sync_debug_mode
-
-    def checked(call):
-        def run(*args):
-            set_mode("error")
-            try:
-                return call(*args)
-            finally:
-                set_mode("default")
-        return run
-
-    for name in STEP_CALLS:
-        setattr(worker, name, checked(getattr(worker, name)))
-    return worker
-
-
-def _story_with_sync_check(device, set_mode=None, plant_sync=False):
-    eng, conn, model = _story_engine(device=device)
-    w = eng.workers[0]
-    if plant_sync:  # planted: the worker reads KV on the host, a sync, before each store
-        store = w.wait_for_save
-
-        def wait_for_save():
-            next(iter(w.gpu_caches.values()))[0].sum().item()
-            store()
-        w.wait_for_save = wait_for_save
-    sync_checked(w, set_mode)
-    prompt = _prompt(1000)
-    b = _run_a_then_b(eng, prompt)
-    assert b.cpu_hit_tokens == 992 and torch.equal(b.kv, model.expected_kv(prompt).cpu())
-
-
-@pytest.mark.parametrize("device", [CUDA])
-def test_worker_step_has_no_hidden_sync(device):
-    """The story (1000 tokens: 62 blocks stored, then loaded) with every per-step worker call
-    under set_sync_debug_mode("error"): stores, loads and polls never make the CPU wait for the
-    GPU. The check is live: a planted `.item()` before each store raises."""
-    _story_with_sync_check(device)
-    with pytest.raises(RuntimeError, match="synchronizing"):
-        _story_with_sync_check(device, plant_sync=True)
-
-
-def test_sync_check_covers_every_copy_and_poll():
-    """The CPU half of test_worker_step_has_no_hidden_sync, on the deferred engine with a stand-in
-    for set_sync_debug_mode: every copy the worker issues and every event it polls happens while
-    the mode is "error", and the mode is back to "default" between calls."""
-    mode, seen = ["default"], Counter()
-    launch, poll = ko.SimpleCPUOffloadWorker._launch, ko.SimpleCPUOffloadWorker._poll
-
-    def spy_launch(self, *args, **kwargs):
-        seen["copy", mode[0]] += 1
-        return launch(self, *args, **kwargs)
-
-    def spy_poll(self, is_store):
-        seen["poll", mode[0]] += 1
-        return poll(self, is_store)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ko.SimpleCPUOffloadWorker, "_launch", spy_launch)
-        mp.setattr(ko.SimpleCPUOffloadWorker, "_poll", spy_poll)
-        _story_with_sync_check("deferred", set_mode=lambda m: mode.__setitem__(0, m))
-    assert set(seen) == {("copy", "error"), ("poll", "error")} and mode == ["default"]
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU answer")
-def test_gpu_check_fails_without_a_gpu(capsys):
-    """No GPU: --gpu-check must not pass by skipping everything."""
-    with pytest.raises(SystemExit) as exit_:
-        ko.main(["--gpu-check"])
-    assert exit_.value.code == 2 and "no CUDA device" in capsys.readouterr().out
-
-
-def test_gpu_check_runs_the_gpu_cases_then_the_gpu_bench(monkeypatch):
-    """With a stand-in GPU: the check runs pytest -k cuda on this file with 200 fuzz examples and
-    skips turned into failures, prints the CUDA bench rows, and exits with pytest's status."""
-    import subprocess
-    calls = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(subprocess, "call", lambda argv, env: calls.append((argv, env)) or 1)
-    monkeypatch.setattr(ko, "_print_copy_rows", lambda devices: calls.append(devices))
-    with pytest.raises(SystemExit) as exit_:
-        ko.main(["--gpu-check"])
-    (argv, env), devices = calls
-    assert exit_.value.code == 1 and devices == ["cuda"]
-    assert argv[argv.index("-k") + 1] == "cuda" and argv[-1].endswith("test_kv_offload.py")
-    assert env["KV_OFFLOAD_REQUIRE_CUDA"] == "1" and env["KV_OFFLOAD_FUZZ_EXAMPLES"] == "200"
-
-
-def test_gpu_check_selects_every_gpu_case():
-    """What `-k cuda` collects under KV_OFFLOAD_REQUIRE_CUDA: the CUDA parameter of every device-
-    parametrized test (worker copies, end to end, two workers, reliability scenarios, the fuzz,
-    the sync check) and nothing else; and a selected case fails, not skips, without a GPU."""
-    import subprocess
-    import sys
-    env = dict(os.environ, KV_OFFLOAD_REQUIRE_CUDA="1")
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
-                          "-k", "cuda", __file__], env=env, capture_output=True, text=True).stdout
-    ids = [line for line in out.splitlines() if "::" in line]
-    names = {i.split("::")[1].split("[")[0] for i in ids}
-    assert {"test_worker_copies_exact_blocks_both_directions", "test_repeated_prompt_end_to_end",
-            "test_two_workers_world_size_2", "test_rel_fuzz_random_schedules", "test_worker_step_has_no_hidden_sync",
-            "test_rel_abort_while_its_load_is_in_flight", "test_rel_reset_while_a_store_and_a_load_are_in_flight",
-            "test_rel_world_size_2_one_worker_lags"} <= names
-    assert all("cuda" in i.split("[")[1] for i in ids), ids
-    if not torch.cuda.is_available():
-        one = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                              "-k", "cuda and worker_copies and flash and contiguous", __file__],
-                             env=env, capture_output=True, text=True).stdout
-        assert "1 failed" in one and "skipped" not in one, one
-
-
-# ===============================================================================================
-# Manager scenarios: vLLM's tests/v1/simple_kv_offload/test_scheduler.py in spirit, and the seven tests of PR #53532
+# ---- 1.6 Manager scenarios: the harness ----------------------------------------------------------
+# vLLM's tests/v1/simple_kv_offload/test_scheduler.py in spirit (1.6-1.12), then PR #53532's (1.13)
 BS = 16  # tokens per block unless a test says otherwise
 # registration_bug: vLLM 0.29's registration; skip_reset_hash: the fix without reset_hash() (the trap)
 VARIANTS = ("fixed", "registration_bug", "skip_reset_hash", "flush_bug")
 
 
-# -----------------------------------------------------------------------------
-# harness
 
 
-def make_scheduler(variant: str, **kw) -> ko.SimpleCPUOffloadScheduler:
+def make_scheduler(variant: str, *args, **kw) -> ko.SimpleCPUOffloadScheduler:
     if variant == "fixed":
-        return ko.SimpleCPUOffloadScheduler(**kw)
-    return ko.PreFixCPUOffloadScheduler(**kw, registration_bug=variant == "registration_bug",
+        return ko.SimpleCPUOffloadScheduler(*args, **kw)
+    return ko.PreFixCPUOffloadScheduler(*args, **kw, registration_bug=variant == "registration_bug",
                                         skip_reset_hash=variant == "skip_reset_hash",
                                         flush_bug=variant == "flush_bug")
-
-
-def ids(table) -> tuple[list[int], ...]:
-    """Block ids per group of a table of KVCacheBlocks."""
-    return tuple([b.block_id for b in grp] for grp in table)
 
 
 def assert_variant(variant: str, observed, fixed, **bugged) -> None:
     """`fixed` is vLLM's answer after PR #53532; `bugged[v]` is what pre-fix variant `v` must show
     instead (a variant not named is not affected by the scenario and must match `fixed`)."""
     for v, value in bugged.items():
-        assert value != fixed, f"a regression test whose {v} answer equals the fixed one proves nothing"
+        assert value != fixed, (
+            f"a regression test whose {v} answer equals the fixed one proves nothing")
     expected = bugged.get(variant, fixed)
     assert observed == expected, f"{variant}: observed {observed!r}, expected {expected!r}"
 
@@ -1019,12 +893,12 @@ class Harness:
         self._n = 0
 
     # --- requests -----------------------------------------------------------
-    def request(self, num_tokens=0, tokens=None) -> ko.Request:
+    def request(self, num_tokens=0, tokens=None, rid=None) -> ko.Request:
         """A request with `num_tokens` tokens no other request shares (or exactly `tokens`)."""
         self._n += 1
         if tokens is None:
             tokens = range(self._n * 100_000, self._n * 100_000 + num_tokens)
-        return ko.Request(f"r{self._n}", list(tokens), self.hbs)
+        return ko.Request(rid or f"r{self._n}", list(tokens), self.hbs)
 
     def twin(self, req: ko.Request) -> ko.Request:
         return self.request(tokens=req.all_token_ids[:req.num_prompt_tokens])
@@ -1051,26 +925,59 @@ class Harness:
         """One build_connector_meta; `new_blocks` maps req_id -> table of KVCacheBlocks."""
         out = ko.SchedulerOutput(
             num_scheduled_tokens=dict(sched_tokens or {}),
-            new_block_ids={rid: ids(t) for rid, t in (new_blocks or {}).items()},
+            new_block_ids={rid: table_ids(t) for rid, t in (new_blocks or {}).items()},
             resumed_req_ids=set(resumed), preempted_req_ids=set(preempted))
         return self.sched.build_connector_meta(out)
 
-    def prefill(self, *reqs_tokens, complete=True):
-        """Admit each (req, num_tokens) with no external hit, confirm its tokens and run one step
-        that stores them; complete the store unless told not to. Returns (meta, tables)."""
+    def schedule(self, *reqs_tokens, confirmed=True, lookup=False):
+        """One step that admits each (req, num_tokens) whole with no external hit (after a CPU
+        lookup if asked): allocated and hashed, registered, then the step's metadata. With
+        `confirmed` the tokens count as computed before the metadata is built (so this step
+        stores them); without, the forward pass confirms them after. Returns (meta, tables)."""
         tables = []
         for req, n in reqs_tokens:
-            tables.append(self.alloc(req, n))
+            if lookup:
+                self.sched.get_num_new_matched_tokens(req, 0)
+            tables.append(self.alloc(req, n, confirm=confirmed))
             self.sched.update_state_after_alloc(req, tables[-1], 0)
         meta = self.step({r.request_id: n for r, n in reqs_tokens},
                          {r.request_id: t for (r, _), t in zip(reqs_tokens, tables)})
+        for req, n in reqs_tokens:
+            req.num_computed_tokens = n
+        return meta, tables
+
+    def prefill(self, *reqs_tokens, complete=True):
+        """schedule() with the tokens confirmed: one step that stores them; the store completes
+        unless told not to. Returns (meta, tables)."""
+        meta, tables = self.schedule(*reqs_tokens)
         if complete and meta.store_event >= 0:
             self.complete_store(meta.store_event)
         return meta, tables
 
+    def prefill_then_finish(self, *reqs_tokens):
+        """Requests whose prefill ran in their last step (nothing confirmed was stored before
+        they finish): schedule(), the forward pass, then each finishes. Returns the tables."""
+        meta, tables = self.schedule(*reqs_tokens, confirmed=False)
+        assert meta.store_event == -1  # nothing confirmed yet
+        for (req, _), table in zip(reqs_tokens, tables):
+            self.finish(req, table)
+        return tables
+
+    def start_load(self, req, hit=32, num_tokens=33, send=True):
+        """`req` (a twin of a stored request) takes its CPU hit of `hit` tokens into fresh GPU
+        blocks for `num_tokens`; with `send`, a step sends the load. Returns (table, meta)."""
+        assert self.sched.get_num_new_matched_tokens(req, 0) == (hit, True)
+        table = self.alloc(req, num_tokens, cache=False, confirm=False)
+        self.sched.update_state_after_alloc(req, table, hit)
+        if not send:
+            return table, None
+        meta = self.step({req.request_id: num_tokens - hit}, {req.request_id: table})
+        assert meta.load_event >= 0
+        return table, meta
+
     def finish(self, req, table):
         """The request ends: the connector's finish hook, then the engine frees its blocks."""
-        assert self.sched.request_finished_all_groups(req, ids(table)) == (False, None)
+        assert self.sched.request_finished_all_groups(req, table_ids(table)) == (False, None)
         for grp in table:
             self.gpu.free_blocks(reversed(grp))
 
@@ -1104,36 +1011,12 @@ class Harness:
     def state(self):
         s = self.sched
         return dict(cpu=pool_state(self.cpu), gpu=pool_state(self.gpu),
-                    to_store=sorted(s._reqs_to_store), to_load=sorted(s._reqs_to_load),
+                    to_store=sorted(s._reqs_to_store), to_load=sorted(live_loads(s)),
                     in_flight=set(s._in_flight_store_gpu_blocks),
                     queued=[(list(t.gpu_block_ids), list(t.cpu_block_ids)) for t in s._pending_finished_stores])
 
 
-def map_entries(pool: ko.BlockPool) -> dict[bytes, list[ko.KVCacheBlock]]:
-    """key -> blocks of the prefix-cache map. The map holds one block id per key in `_cache`
-    and, for a key cached by several blocks, all their ids in `_dup_ids` (as vLLM 0.34 does);
-    the two must agree: every `_dup_ids` key is in `_cache`, naming its first id."""
-    m = pool.cached_block_hash_to_block
-    for key, dup_ids in m._dup_ids.items():
-        assert len(dup_ids) > 1 and m._cache.get(key) == next(iter(dup_ids)), (
-            f"map key {key.hex()[:8]}: _cache={m._cache.get(key)} disagrees with "
-            f"_dup_ids={list(dup_ids)}")
-    return {key: [pool.blocks[i] for i in m._dup_ids.get(key, [block_id])]
-            for key, block_id in m._cache.items()}
-
-
-def pool_state(pool: ko.BlockPool) -> tuple:
-    """Ref counts, free-queue order, the hash map (insertion order per key), every block's keys."""
-    return (tuple(b.ref_cnt for b in pool.blocks),
-            tuple(b.block_id for b in pool.free_block_queue.get_all_free_blocks()),
-            pool.free_block_queue.num_free_blocks,
-            tuple(sorted((k, tuple(b.block_id for b in v)) for k, v in map_entries(pool).items())),
-            tuple(sorted((i, tuple(sorted(keys))) for i, keys in pool.cached_block_hashes_by_block.items())),
-            tuple((b.block_hash, b.block_hash_num_tokens) for b in pool.blocks))
-
-
-# -----------------------------------------------------------------------------
-# store -> lookup -> load
+# ---- 1.7 Manager: store -> lookup -> load --------------------------------------------------------
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -1145,7 +1028,7 @@ def test_store_lookup_load_roundtrip(variant):
     req = h.request(2 * BS + 1)  # 33 tokens: 2 full blocks + 1
     meta, (table,) = h.prefill((req, 33))
     # fresh CPU pool: free queue [1..7]; the two stored blocks land in CPU blocks 1 and 2
-    assert (meta.store_gpu_blocks, meta.store_cpu_blocks) == (ids(table)[0][:2], [1, 2])
+    assert (meta.store_gpu_blocks, meta.store_cpu_blocks) == (table_ids(table)[0][:2], [1, 2])
     # registration: both keys in the CPU map. Cap 33-1=32 keeps both blocks: hit 32.
     # The trap: the copy ran but guard 1 kept both primaries out of the map: hit 0.
     assert_variant(variant, (h.in_cpu(req), h.probe(req)), ([True, True], 32),
@@ -1153,11 +1036,8 @@ def test_store_lookup_load_roundtrip(variant):
     if variant == "skip_reset_hash":
         return
     req2 = h.twin(req)
-    assert h.sched.get_num_new_matched_tokens(req2, 0) == (32, True)
-    table2 = h.alloc(req2, 33, cache=False, confirm=False)  # 3 GPU blocks: 2 loaded + 1 computed
-    h.sched.update_state_after_alloc(req2, table2, 32)
-    meta2 = h.step({req2.request_id: 1}, {req2.request_id: table2})
-    assert (meta2.load_gpu_blocks, meta2.load_cpu_blocks) == (ids(table2)[0][:2], [1, 2])
+    table2, meta2 = h.start_load(req2)  # 3 GPU blocks: 2 loaded + 1 computed
+    assert (meta2.load_gpu_blocks, meta2.load_cpu_blocks) == (table_ids(table2)[0][:2], [1, 2])
     assert meta2.load_event_to_reqs == {meta2.load_event: [req2.request_id]}
     # pinned during the copy: CPU 1 ref (load), GPU 2 refs (request + load)
     assert [h.cpu.blocks[i].ref_cnt for i in (1, 2)] == [1, 1]
@@ -1165,7 +1045,7 @@ def test_store_lookup_load_roundtrip(variant):
     h.complete_load(req2.request_id)
     assert [h.cpu.blocks[i].ref_cnt for i in (1, 2)] == [0, 0]
     assert [b.ref_cnt for b in table2[0]] == [1, 1, 1]
-    assert req2.request_id not in h.sched._reqs_to_load
+    assert req2.request_id not in live_loads(h.sched)
 
 
 @pytest.mark.parametrize("extra, expected_hit", [(0, 16), (1, 32), (15, 32)])
@@ -1215,7 +1095,8 @@ def test_partial_gpu_prefix_plus_cpu_load():
     table2 = h.alloc(req2, 6 * BS, prev=table2, cache=False, confirm=False)  # | ext(2) | new(2) |
     h.sched.update_state_after_alloc(req2, table2, 2 * BS)  # accepts 32 of the 64 offered
     meta2 = h.step({req2.request_id: 2 * BS + 1}, {req2.request_id: table2})
-    assert (meta2.load_gpu_blocks, meta2.load_cpu_blocks) == (ids(table2)[0][2:4], cpu_of[2:4])
+    assert (meta2.load_gpu_blocks, meta2.load_cpu_blocks) == (table_ids(table2)[0][2:4],
+                                                              cpu_of[2:4])
     # the two offered-but-declined blocks lost the lookup pin; the loaded two keep the load pin
     assert [h.cpu.blocks[i].ref_cnt for i in cpu_of] == [0, 0, 1, 1, 0, 0]
 
@@ -1228,10 +1109,7 @@ def test_load_event_to_reqs_lists_every_outstanding_load():
     metas, twins = [], []
     for _ in range(2):
         twin = h.twin(req)
-        assert h.sched.get_num_new_matched_tokens(twin, 0) == (32, True)
-        table = h.alloc(twin, 33, cache=False, confirm=False)
-        h.sched.update_state_after_alloc(twin, table, 32)
-        metas.append(h.step({twin.request_id: 1}, {twin.request_id: table}))
+        metas.append(h.start_load(twin)[1])
         twins.append(twin.request_id)
     e0, e1 = metas[0].load_event, metas[1].load_event
     assert e1 > e0 >= 0
@@ -1241,8 +1119,7 @@ def test_load_event_to_reqs_lists_every_outstanding_load():
     assert (meta3.load_event, meta3.load_event_to_reqs) == (-1, {e1: [twins[1]]})
 
 
-# -----------------------------------------------------------------------------
-# CPU pool: LRU, duplicates, in-flight dedup
+# ---- 1.8 Manager: CPU pool (LRU, duplicates, in-flight dedup) ------------------------------------
 
 
 def _fill_four(h):
@@ -1366,7 +1243,7 @@ def test_in_flight_store_dedup_across_steps():
     h = Harness()
     req = h.request(33)
     meta1, (table,) = h.prefill((req, 33), complete=False)
-    assert set(h.sched._in_flight_store_gpu_blocks) == set(ids(table)[0][:2])
+    assert set(h.sched._in_flight_store_gpu_blocks) == set(table_ids(table)[0][:2])
     assert [b.ref_cnt for b in table[0][:2]] == [2, 2]  # request + store pin
     twin = h.twin(req)  # GPU prefix hit: reuses the same GPU blocks
     h.gpu.touch(table[0][:2])
@@ -1380,19 +1257,7 @@ def test_in_flight_store_dedup_across_steps():
     assert [b.ref_cnt for b in table[0][:2]] == [2, 2]  # request + twin; the store pin is gone
 
 
-# -----------------------------------------------------------------------------
-# request lifecycle: deferred cleanup, lookup pins
-
-
-def _start_load(h, req):
-    """A twin of stored `req` (33 tokens) hits 32 on CPU and its load is sent. Returns (twin, table)."""
-    twin = h.twin(req)
-    assert h.sched.get_num_new_matched_tokens(twin, 0) == (32, True)
-    table = h.alloc(twin, 33, cache=False, confirm=False)
-    h.sched.update_state_after_alloc(twin, table, 32)
-    meta = h.step({twin.request_id: 1}, {twin.request_id: table})
-    assert meta.load_event >= 0
-    return twin, table
+# ---- 1.9 Manager: request lifecycle (deferred cleanup, lookup pins) ------------------------------
 
 
 def test_finish_during_load_defers_cleanup():
@@ -1400,14 +1265,15 @@ def test_finish_during_load_defers_cleanup():
     h = Harness()
     req = h.request(33)
     meta, _ = h.prefill((req, 33))
-    twin, table = _start_load(h, req)
+    twin = h.twin(req)
+    table, _ = h.start_load(twin)
     assert h.sched.request_finished(twin, []) == (False, None)
     h.gpu.free_blocks(table[0])  # engine frees; the loaded GPU blocks keep the load pin
-    assert twin.request_id in h.sched._reqs_to_load
+    assert twin.request_id in live_loads(h.sched)
     assert [b.ref_cnt for b in table[0]] == [1, 1, 0]
     assert [h.cpu.blocks[i].ref_cnt for i in meta.store_cpu_blocks] == [1, 1]
     h.complete_load(twin.request_id)
-    assert twin.request_id not in h.sched._reqs_to_load
+    assert twin.request_id not in live_loads(h.sched)
     assert [b.ref_cnt for b in table[0]] == [0, 0, 0]
     assert [h.cpu.blocks[i].ref_cnt for i in meta.store_cpu_blocks] == [0, 0]
 
@@ -1443,7 +1309,7 @@ def test_lookup_pin_survives_eviction_pressure():
     table = h.alloc(b, 33, cache=False, confirm=False)
     h.sched.update_state_after_alloc(b, table, 32)
     meta_b = h.step({b.request_id: 1}, {b.request_id: table})
-    assert (meta_b.load_gpu_blocks, meta_b.load_cpu_blocks) == (ids(table)[0][:2], [1, 2])
+    assert (meta_b.load_gpu_blocks, meta_b.load_cpu_blocks) == (table_ids(table)[0][:2], [1, 2])
 
 
 def test_lookup_pin_released_by_relookup_zero_alloc_and_finish():
@@ -1487,8 +1353,7 @@ def test_store_completes_after_world_size_reports(aggregate):
     assert not h.sched.has_pending_stores()
 
 
-# -----------------------------------------------------------------------------
-# block tables: null blocks, chunked prefill, preemption
+# ---- 1.10 Manager: block tables (null blocks, chunked prefill, preemption) -----------------------
 
 
 def test_null_blocks_never_in_transfer_lists():
@@ -1520,13 +1385,13 @@ def test_chunked_prefill_reads_live_block_ids():
     t1 = h.alloc(req, 2 * BS)
     h.sched.update_state_after_alloc(req, t1, 0)
     meta1 = h.step({req.request_id: 2 * BS}, {req.request_id: t1})
-    assert meta1.store_gpu_blocks == ids(t1)[0]
+    assert meta1.store_gpu_blocks == table_ids(t1)[0]
     h.complete_store(meta1.store_event)
     t2 = h.alloc(req, 4 * BS, prev=t1)
     h.sched.update_state_after_alloc(req, t2, 0)  # idempotent registration
     assert list(h.sched._reqs_to_store).count(req.request_id) == 1
     meta2 = h.step({req.request_id: 2 * BS}, {req.request_id: (t2[0][2:],)})
-    assert meta2.store_gpu_blocks == ids(t2)[0][2:4]
+    assert meta2.store_gpu_blocks == table_ids(t2)[0][2:4]
 
 
 def test_preemption_resets_table_and_cursor():
@@ -1545,7 +1410,7 @@ def test_preemption_resets_table_and_cursor():
     t2 = h.alloc(req, 3 * BS)  # resumed: fresh GPU blocks, 48 tokens recomputed
     meta2 = h.step({req.request_id: 1}, {req.request_id: t2}, resumed={req.request_id})
     # cursor reset -> all 3 blocks stored (no reset: only block 2; stale table: old ids)
-    assert meta2.store_gpu_blocks == ids(t2)[0]
+    assert meta2.store_gpu_blocks == table_ids(t2)[0]
 
 
 def test_resumed_table_replaces_old_block_ids():
@@ -1561,8 +1426,7 @@ def test_resumed_table_replaces_old_block_ids():
     assert meta2.store_gpu_blocks == [t2[0][2].block_id]
 
 
-# -----------------------------------------------------------------------------
-# several KV-cache groups
+# ---- 1.11 Manager: several KV-cache groups -------------------------------------------------------
 
 
 def test_two_groups_same_size_store_and_load():
@@ -1570,17 +1434,14 @@ def test_two_groups_same_size_store_and_load():
     h = Harness(group_block_sizes=[BS, BS])
     req = h.request(33)
     meta, (table,) = h.prefill((req, 33))
-    g0, g1 = ids(table)
+    g0, g1 = table_ids(table)
     assert sorted(meta.store_gpu_blocks) == sorted(g0[:2] + g1[:2])
     assert (h.in_cpu(req, 0), h.in_cpu(req, 1)) == ([True] * 2, [True] * 2)
     cpu_of = dict(zip(meta.store_gpu_blocks, meta.store_cpu_blocks))
-    twin = h.twin(req)
-    assert h.sched.get_num_new_matched_tokens(twin, 0) == (32, True)
-    t2 = h.alloc(twin, 33, cache=False, confirm=False)
-    h.sched.update_state_after_alloc(twin, t2, 32)
-    meta2 = h.step({twin.request_id: 1}, {twin.request_id: t2})
+    t2, meta2 = h.start_load(h.twin(req))
     # destination block i of group g receives the CPU copy of source block i of group g
-    want = {d: cpu_of[s] for g in (0, 1) for s, d in zip(ids(table)[g][:2], ids(t2)[g][:2])}
+    want = {d: cpu_of[s] for g in (0, 1) for s, d in zip(table_ids(table)[g][:2],
+                                                         table_ids(t2)[g][:2])}
     assert dict(zip(meta2.load_gpu_blocks, meta2.load_cpu_blocks)) == want
 
 
@@ -1616,206 +1477,10 @@ def test_groups_store_only_scheduler_block_aligned_prefix():
     meta, (table,) = h.prefill((req, 49))
     # 49 confirmed -> round down to 32 (vLLM HybridKVCacheCoordinator._align_cacheable):
     # group 16 stores blocks 0,1 (not 2), group 32 stores block 0
-    assert sorted(meta.store_gpu_blocks) == sorted(ids(table)[0][:2] + ids(table)[1][:1])
+    assert sorted(meta.store_gpu_blocks) == sorted(table_ids(table)[0][:2] + table_ids(table)[1][:1])
 
 
-# -----------------------------------------------------------------------------
-# the seven tests PR #53532 added
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_eager_store_preserves_secondary_block_hashes(variant):
-    """A stored block is found under its primary key and its fine-grained secondaries. vLLM 0.29
-    inserted the primary only: whole blocks hit (64), the fine-grained probe misses (0). The
-    trap registers the secondaries under the stamped primary but not the primary: b finds f0
-    (16), and a's whole-block walk misses at block 0, so it too falls back to f0 (16)."""
-    h = Harness(variant, block_size=32, hash_block_size=16)
-    a = h.request(4 * 16 + 1)  # 65 tokens: fine hashes f0..f3, two 32-blocks keyed f1 and f3
-    table = h.alloc(a, 65)
-    sec = [ko.make_block_hash_with_group_id(a.block_hashes[i], 0) for i in (0, 2)]
-    for blk, key in zip(table[0], sec):  # interior boundaries at 16 and 48 tokens
-        h.gpu._insert_block_hash(key, blk, None)
-    h.sched.update_state_after_alloc(a, table, 0)
-    meta = h.step({a.request_id: 1}, {a.request_id: table})
-    h.complete_store(meta.store_event)
-    cpu0, cpu1 = meta.store_cpu_blocks
-    secondaries = {b: set(h.cpu.cached_block_hashes_by_block.get(b, ())) for b in (cpu0, cpu1)}
-    # b shares only a's first 16 tokens: its first 32-block misses (f1 differs), the
-    # fine-grained probe finds f0 as the secondary key of CPU block cpu0 -> 16 tokens
-    b = h.request(tokens=a.all_token_ids[:16] + list(range(7, 27)))  # 36 tokens
-    _, fine_hit = ko.find_longest_cache_hit(b.block_hashes, 35, [0], h.cpu, 32)
-    _, full_hit = ko.find_longest_cache_hit(a.block_hashes, 64, [0], h.cpu, 32)
-    assert_variant(variant, (secondaries, fine_hit, full_hit),
-                   ({cpu0: {sec[0]}, cpu1: {sec[1]}}, 16, 64),
-                   registration_bug=({cpu0: set(), cpu1: set()}, 0, 64),
-                   skip_reset_hash=({cpu0: {sec[0]}, cpu1: {sec[1]}}, 16, 16))
-
-
-def _prefill_then_finish(h, *reqs_tokens):
-    """Requests whose prefill ran in their last step: nothing confirmed was stored before finishing."""
-    tables = [h.alloc(r, n, confirm=False) for r, n in reqs_tokens]
-    for (r, _), t in zip(reqs_tokens, tables):
-        h.sched.update_state_after_alloc(r, t, 0)
-    meta = h.step({r.request_id: n for r, n in reqs_tokens},
-                  {r.request_id: t for (r, _), t in zip(reqs_tokens, tables)})
-    assert meta.store_event == -1  # nothing confirmed yet
-    for (r, n), t in zip(reqs_tokens, tables):
-        r.num_computed_tokens = n  # the forward pass ran; the request ends now
-        h.finish(r, t)
-    return tables
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_finished_eager_stores_are_batched(variant):
-    """Two finish-time flushes and a running request's store go out as one store event."""
-    h = Harness(variant)
-    c = h.request(33)
-    tc = h.alloc(c, 33)  # running request with 2 confirmed blocks
-    h.sched.update_state_after_alloc(c, tc, 0)
-    a, b = h.request(33), h.request(33)
-    ta, tb = _prefill_then_finish(h, (a, 33), (b, 33))  # queue a -> CPU 1,2 and b -> CPU 3,4
-    meta = h.step({c.request_id: 1}, {c.request_id: tc})  # c's blocks get CPU 5,6 now
-    pairs = dict(zip(meta.store_gpu_blocks, meta.store_cpu_blocks))
-    ga, gb, gc = ids(ta)[0], ids(tb)[0], ids(tc)[0]
-    fixed_pairs = {ga[0]: 1, ga[1]: 2, gb[0]: 3, gb[1]: 4, gc[0]: 5, gc[1]: 6}
-    assert meta.store_event >= 0
-    h.complete_store(meta.store_event)
-    # a, b, c all 33 tokens -> hit 32 each once stored and registered
-    assert_variant(variant, (pairs, [h.probe(r) for r in (a, b, c)]),
-                   (fixed_pairs, [32, 32, 32]),
-                   skip_reset_hash=(fixed_pairs, [0, 0, 0]),
-                   flush_bug=({gc[0]: 1, gc[1]: 2}, [0, 0, 32]))
-    # the flushed GPU blocks were freed by the engine at finish; the completion drops the pin
-    assert [blk.ref_cnt for blk in ta[0] + tb[0]] == [0] * 6
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_finished_eager_store_skips_existing_cpu_cache_entries(variant):
-    """The flush skips blocks already in the CPU cache (the trap: the empty map makes it copy them again)."""
-    h = Harness(variant)
-    x = h.request(33)
-    h.prefill((x, 33))  # x's blocks 0,1 on CPU (1, 2)
-    a = h.request(tokens=x.all_token_ids[:32] + list(range(5, 22)))  # 49 tokens, shares 2 blocks
-    (ta,) = _prefill_then_finish(h, (a, 49))
-    g = ids(ta)[0]
-    # confirmed 49 -> 3 full blocks; 0 and 1 are cached -> only block 2 queued: 7 - 1 = 6 free
-    # (cached ref-0 blocks count as free). The trap: the map is empty, all 3 are copied again
-    # (4 free); pre-fix flush: nothing queued (7 free).
-    assert_variant(variant, (h.queued_flush_gpu_ids(), h.cpu.get_num_free_blocks()),
-                   ([g[2]], 6), skip_reset_hash=(g[:3], 4), flush_bug=([], 7))
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_finished_eager_store_skips_in_flight_blocks(variant):
-    """The flush skips GPU blocks whose store is already in flight."""
-    h = Harness(variant)
-    x = h.request(33)
-    meta_x, (tx,) = h.prefill((x, 33), complete=False)  # x's blocks 0,1 in flight
-    a = h.twin(x)
-    a.append_output_token_ids(list(range(5, 21)))  # grows to 49 tokens: 3 full blocks
-    h.gpu.touch(tx[0][:2])  # GPU prefix hit on x's two blocks
-    ta = (tx[0][:2] + h.gpu.get_new_blocks(2),)
-    h.gpu.cache_full_blocks(a, ta[0], 2, 3, BS, 0)
-    h.sched.update_state_after_alloc(a, ta, 0)
-    a.num_computed_tokens = 49
-    h.finish(a, ta)
-    assert_variant(variant, h.queued_flush_gpu_ids(), [ta[0][2].block_id], flush_bug=[])
-    assert set(h.sched._in_flight_store_gpu_blocks) >= set(ids(tx)[0][:2])
-
-
-def test_queued_flush_counts_as_in_flight():
-    """Blocks queued by a finish flush are not stored again by a request that shares them."""
-    h = Harness()
-    a = h.request(33)
-    (ta,) = _prefill_then_finish(h, (a, 33))  # a's blocks 0,1 queued (pinned), a freed
-    shared = ta[0][:2]
-    b = h.twin(a)
-    h.gpu.touch(shared)  # b's GPU prefix hit
-    b.num_computed_tokens = 32
-    h.sched.update_state_after_alloc(b, (shared,), 0)
-    meta = h.step({b.request_id: 1}, {b.request_id: (shared,)})
-    # one copy per block: the flush's; b's scan skips them as in flight (CPU 1, 2 from the flush)
-    assert sorted(zip(meta.store_gpu_blocks, meta.store_cpu_blocks)) == [(shared[0].block_id, 1),
-                                                                        (shared[1].block_id, 2)]
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_registration_survives_stamped_destination(variant):
-    """A CPU block already carrying its key as primary is still registered (reset_hash() first).
-    vLLM 0.29's direct insert registered it too; the fix without reset_hash() does not."""
-    h = Harness(variant)
-    req = h.request(33)
-    meta, _ = h.prefill((req, 33), complete=False)
-    for g, c in zip(meta.store_gpu_blocks, meta.store_cpu_blocks):  # vLLM 0.29's stamp
-        h.cpu.blocks[c].block_hash = h.gpu.blocks[g].block_hash
-    h.complete_store(meta.store_event)
-    assert_variant(variant, h.in_cpu(req), [True, True], skip_reset_hash=[False, False])
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_finished_eager_store_is_reported_pending_before_metadata_build(variant):
-    """has_pending_stores / has_pending_push_work are True from the finish until the flush completes."""
-    h = Harness(variant)
-    a = h.request(33)
-    _prefill_then_finish(h, (a, 33))
-    pending = lambda: (h.sched.has_pending_stores(), h.sched.has_pending_push_work())  # noqa: E731
-    seen = [pending()]                      # queued, not yet sent
-    meta = h.step()
-    seen.append(pending())                  # sent, in flight
-    if meta.store_event >= 0:
-        h.complete_store(meta.store_event)
-    seen.append(pending())                  # done
-    assert_variant(variant, (seen, len(meta.store_gpu_blocks)),
-                   ([(True, True), (True, True), (False, False)], 2),
-                   flush_bug=([(False, False)] * 3, 0))
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_finished_eager_store_covers_all_groups(variant):
-    """The flush stores the remaining confirmed blocks of every KV-cache group."""
-    h = Harness(variant, num_cpu_blocks=8, block_size=32, hash_block_size=16, group_block_sizes=[16, 32])
-    a = h.request(65)
-    (t,) = _prefill_then_finish(h, (a, 65))
-    g0, g1 = ids(t)
-    # confirmed 65: group 16 -> 4 full blocks, group 32 -> 2 full blocks = 6 (of 7 usable)
-    queued = sorted(h.queued_flush_gpu_ids())
-    meta = h.step()
-    if meta.store_event >= 0:
-        h.complete_store(meta.store_event)
-    assert_variant(variant, (queued, h.probe(a)), (sorted(g0[:4] + g1[:2]), 64),
-                   skip_reset_hash=(sorted(g0[:4] + g1[:2]), 0), flush_bug=([], 0))
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_finished_eager_store_respects_cpu_capacity(variant):
-    """The flush stops at CPU capacity instead of raising: 2 usable CPU blocks -> 2 of 4 blocks."""
-    h = Harness(variant, num_cpu_blocks=3)
-    a = h.request(65)
-    (ta,) = _prefill_then_finish(h, (a, 65))
-    g = ids(ta)[0]
-    assert_variant(variant, (h.queued_flush_gpu_ids(), h.cpu.get_num_free_blocks()),
-                   (g[:2], 0), flush_bug=([], 2))
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_reset_releases_pending_finished_eager_stores(variant):
-    """reset() releases a queued (never sent) flush at once: GPU and CPU refs back, reset succeeds."""
-    h = Harness(variant, num_gpu_blocks=16)
-    a = h.request(33)
-    (ta,) = _prefill_then_finish(h, (a, 33))
-    queued = len(h.sched._pending_finished_stores)
-    refs = [b.ref_cnt for b in ta[0]]  # flushed blocks keep only the store pin after the finish
-    assert h.sched.reset() is True
-    assert_variant(variant, (queued, refs), (1, [1, 1, 0]), flush_bug=(0, [0, 0, 0]))
-    assert [b.ref_cnt for b in ta[0]] == [0, 0, 0]
-    assert (h.gpu.get_num_free_blocks(), h.cpu.get_num_free_blocks()) == (15, 7)
-    assert (len(h.cpu.cached_block_hash_to_block), h.sched.has_pending_push_work()) == (0, False)
-    assert h.gpu.reset_prefix_cache()
-    assert h.step().store_event == -1  # nothing left to send
-
-
-# -----------------------------------------------------------------------------
-# reset() with transfers in flight
+# ---- 1.12 Manager: reset() with transfers in flight ----------------------------------------------
 
 
 def test_reset_waits_for_sent_store():
@@ -1841,11 +1506,9 @@ def test_reset_waits_for_sent_load_and_releases_unsent_pins():
     h = Harness(num_gpu_blocks=16)
     req = h.request(33)
     h.prefill((req, 33))
-    sent, t_sent = _start_load(h, req)
-    unsent = h.twin(req)
-    assert h.sched.get_num_new_matched_tokens(unsent, 0) == (32, True)
-    t_unsent = h.alloc(unsent, 33, cache=False, confirm=False)
-    h.sched.update_state_after_alloc(unsent, t_unsent, 32)  # load prepared, never sent
+    sent = h.twin(req)
+    t_sent, _ = h.start_load(sent)
+    t_unsent, _ = h.start_load(h.twin(req), send=False)  # load prepared, never sent
     looked = h.twin(req)
     h.sched.get_num_new_matched_tokens(looked, 0)  # pin only
     assert [h.cpu.blocks[i].ref_cnt for i in (1, 2)] == [3, 3]
@@ -1879,8 +1542,592 @@ def test_stale_completions_after_reset_are_ignored():
     assert h.in_cpu(x) == [True, True]
 
 
-# ===============================================================================================
-# Reliability: invariants after every step, random schedules with injected faults, the bad-input catalogue
+# ---- 1.13 The seven tests PR #53532 added --------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_eager_store_preserves_secondary_block_hashes(variant):
+    """A stored block is found under its primary key and its fine-grained secondaries. vLLM 0.29
+    inserted the primary only: whole blocks hit (64), the fine-grained probe misses (0). The
+    trap registers the secondaries under the stamped primary but not the primary: b finds f0
+    (16), and a's whole-block walk misses at block 0, so it too falls back to f0 (16)."""
+    h = Harness(variant, block_size=32, hash_block_size=16)
+    a = h.request(4 * 16 + 1)  # 65 tokens: fine hashes f0..f3, two 32-blocks keyed f1 and f3
+    table = h.alloc(a, 65)
+    sec = [ko.make_block_hash_with_group_id(a.block_hashes[i], 0) for i in (0, 2)]
+    for blk, key in zip(table[0], sec):  # interior boundaries at 16 and 48 tokens
+        h.gpu._insert_block_hash(key, blk, None)
+    h.sched.update_state_after_alloc(a, table, 0)
+    meta = h.step({a.request_id: 1}, {a.request_id: table})
+    h.complete_store(meta.store_event)
+    cpu0, cpu1 = meta.store_cpu_blocks
+    secondaries = {b: set(h.cpu.cached_block_hashes_by_block.get(b, ())) for b in (cpu0, cpu1)}
+    # b shares only a's first 16 tokens: its first 32-block misses (f1 differs), the
+    # fine-grained probe finds f0 as the secondary key of CPU block cpu0 -> 16 tokens
+    b = h.request(tokens=a.all_token_ids[:16] + list(range(7, 27)))  # 36 tokens
+    _, fine_hit = ko.find_longest_cache_hit(b.block_hashes, 35, [0], h.cpu, 32)
+    _, full_hit = ko.find_longest_cache_hit(a.block_hashes, 64, [0], h.cpu, 32)
+    assert_variant(variant, (secondaries, fine_hit, full_hit),
+                   ({cpu0: {sec[0]}, cpu1: {sec[1]}}, 16, 64),
+                   registration_bug=({cpu0: set(), cpu1: set()}, 0, 64),
+                   skip_reset_hash=({cpu0: {sec[0]}, cpu1: {sec[1]}}, 16, 16))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_finished_eager_stores_are_batched(variant):
+    """Two finish-time flushes and a running request's store go out as one store event."""
+    h = Harness(variant)
+    c = h.request(33)
+    tc = h.alloc(c, 33)  # running request with 2 confirmed blocks
+    h.sched.update_state_after_alloc(c, tc, 0)
+    a, b = h.request(33), h.request(33)
+    ta, tb = h.prefill_then_finish((a, 33), (b, 33))  # queue a -> CPU 1,2 and b -> CPU 3,4
+    meta = h.step({c.request_id: 1}, {c.request_id: tc})  # c's blocks get CPU 5,6 now
+    pairs = dict(zip(meta.store_gpu_blocks, meta.store_cpu_blocks))
+    ga, gb, gc = table_ids(ta)[0], table_ids(tb)[0], table_ids(tc)[0]
+    fixed_pairs = {ga[0]: 1, ga[1]: 2, gb[0]: 3, gb[1]: 4, gc[0]: 5, gc[1]: 6}
+    assert meta.store_event >= 0
+    h.complete_store(meta.store_event)
+    # a, b, c all 33 tokens -> hit 32 each once stored and registered
+    assert_variant(variant, (pairs, [h.probe(r) for r in (a, b, c)]),
+                   (fixed_pairs, [32, 32, 32]),
+                   skip_reset_hash=(fixed_pairs, [0, 0, 0]),
+                   flush_bug=({gc[0]: 1, gc[1]: 2}, [0, 0, 32]))
+    # the flushed GPU blocks were freed by the engine at finish; the completion drops the pin
+    assert [blk.ref_cnt for blk in ta[0] + tb[0]] == [0] * 6
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_finished_eager_store_skips_existing_cpu_cache_entries(variant):
+    """The flush skips blocks already in the CPU cache (the trap: the empty map makes it copy them again)."""
+    h = Harness(variant)
+    x = h.request(33)
+    h.prefill((x, 33))  # x's blocks 0,1 on CPU (1, 2)
+    a = h.request(tokens=x.all_token_ids[:32] + list(range(5, 22)))  # 49 tokens, shares 2 blocks
+    (ta,) = h.prefill_then_finish((a, 49))
+    g = table_ids(ta)[0]
+    # confirmed 49 -> 3 full blocks; 0 and 1 are cached -> only block 2 queued: 7 - 1 = 6 free
+    # (cached ref-0 blocks count as free). The trap: the map is empty, all 3 are copied again
+    # (4 free); pre-fix flush: nothing queued (7 free).
+    assert_variant(variant, (h.queued_flush_gpu_ids(), h.cpu.get_num_free_blocks()),
+                   ([g[2]], 6), skip_reset_hash=(g[:3], 4), flush_bug=([], 7))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_finished_eager_store_skips_in_flight_blocks(variant):
+    """The flush skips GPU blocks whose store is already in flight."""
+    h = Harness(variant)
+    x = h.request(33)
+    meta_x, (tx,) = h.prefill((x, 33), complete=False)  # x's blocks 0,1 in flight
+    a = h.twin(x)
+    a.append_output_token_ids(list(range(5, 21)))  # grows to 49 tokens: 3 full blocks
+    h.gpu.touch(tx[0][:2])  # GPU prefix hit on x's two blocks
+    ta = (tx[0][:2] + h.gpu.get_new_blocks(2),)
+    h.gpu.cache_full_blocks(a, ta[0], 2, 3, BS, 0)
+    h.sched.update_state_after_alloc(a, ta, 0)
+    a.num_computed_tokens = 49
+    h.finish(a, ta)
+    assert_variant(variant, h.queued_flush_gpu_ids(), [ta[0][2].block_id], flush_bug=[])
+    assert set(h.sched._in_flight_store_gpu_blocks) >= set(table_ids(tx)[0][:2])
+
+
+def test_queued_flush_counts_as_in_flight():
+    """Blocks queued by a finish flush are not stored again by a request that shares them."""
+    h = Harness()
+    a = h.request(33)
+    (ta,) = h.prefill_then_finish((a, 33))  # a's blocks 0,1 queued (pinned), a freed
+    shared = ta[0][:2]
+    b = h.twin(a)
+    h.gpu.touch(shared)  # b's GPU prefix hit
+    b.num_computed_tokens = 32
+    h.sched.update_state_after_alloc(b, (shared,), 0)
+    meta = h.step({b.request_id: 1}, {b.request_id: (shared,)})
+    # one copy per block: the flush's; b's scan skips them as in flight (CPU 1, 2 from the flush)
+    assert sorted(zip(meta.store_gpu_blocks, meta.store_cpu_blocks)) == [(shared[0].block_id, 1),
+                                                                        (shared[1].block_id, 2)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_registration_survives_stamped_destination(variant):
+    """A CPU block already carrying its key as primary is still registered (reset_hash() first).
+    vLLM 0.29's direct insert registered it too; the fix without reset_hash() does not."""
+    h = Harness(variant)
+    req = h.request(33)
+    meta, _ = h.prefill((req, 33), complete=False)
+    for g, c in zip(meta.store_gpu_blocks, meta.store_cpu_blocks):  # vLLM 0.29's stamp
+        h.cpu.blocks[c].block_hash = h.gpu.blocks[g].block_hash
+    h.complete_store(meta.store_event)
+    assert_variant(variant, h.in_cpu(req), [True, True], skip_reset_hash=[False, False])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_finished_eager_store_is_reported_pending_before_metadata_build(variant):
+    """has_pending_stores / has_pending_push_work are True from the finish until the flush completes."""
+    h = Harness(variant)
+    a = h.request(33)
+    h.prefill_then_finish((a, 33))
+    pending = lambda: (h.sched.has_pending_stores(), h.sched.has_pending_push_work())  # noqa: E731
+    seen = [pending()]                      # queued, not yet sent
+    meta = h.step()
+    seen.append(pending())                  # sent, in flight
+    if meta.store_event >= 0:
+        h.complete_store(meta.store_event)
+    seen.append(pending())                  # done
+    assert_variant(variant, (seen, len(meta.store_gpu_blocks)),
+                   ([(True, True), (True, True), (False, False)], 2),
+                   flush_bug=([(False, False)] * 3, 0))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_finished_eager_store_covers_all_groups(variant):
+    """The flush stores the remaining confirmed blocks of every KV-cache group."""
+    h = Harness(variant, num_cpu_blocks=8, block_size=32, hash_block_size=16,
+                group_block_sizes=[16, 32])
+    a = h.request(65)
+    (t,) = h.prefill_then_finish((a, 65))
+    g0, g1 = table_ids(t)
+    # confirmed 65: group 16 -> 4 full blocks, group 32 -> 2 full blocks = 6 (of 7 usable)
+    queued = sorted(h.queued_flush_gpu_ids())
+    meta = h.step()
+    if meta.store_event >= 0:
+        h.complete_store(meta.store_event)
+    assert_variant(variant, (queued, h.probe(a)), (sorted(g0[:4] + g1[:2]), 64),
+                   skip_reset_hash=(sorted(g0[:4] + g1[:2]), 0), flush_bug=([], 0))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_finished_eager_store_respects_cpu_capacity(variant):
+    """The flush stops at CPU capacity instead of raising: 2 usable CPU blocks -> 2 of 4 blocks."""
+    h = Harness(variant, num_cpu_blocks=3)
+    a = h.request(65)
+    (ta,) = h.prefill_then_finish((a, 65))
+    g = table_ids(ta)[0]
+    assert_variant(variant, (h.queued_flush_gpu_ids(), h.cpu.get_num_free_blocks()),
+                   (g[:2], 0), flush_bug=([], 2))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_reset_releases_pending_finished_eager_stores(variant):
+    """reset() releases a queued (never sent) flush at once: GPU and CPU refs back, reset succeeds."""
+    h = Harness(variant, num_gpu_blocks=16)
+    a = h.request(33)
+    (ta,) = h.prefill_then_finish((a, 33))
+    queued = len(h.sched._pending_finished_stores)
+    refs = [b.ref_cnt for b in ta[0]]  # flushed blocks keep only the store pin after the finish
+    assert h.sched.reset() is True
+    assert_variant(variant, (queued, refs), (1, [1, 1, 0]), flush_bug=(0, [0, 0, 0]))
+    assert [b.ref_cnt for b in ta[0]] == [0, 0, 0]
+    assert (h.gpu.get_num_free_blocks(), h.cpu.get_num_free_blocks()) == (15, 7)
+    assert (len(h.cpu.cached_block_hash_to_block), h.sched.has_pending_push_work()) == (0, False)
+    assert h.gpu.reset_prefix_cache()
+    assert h.step().store_event == -1  # nothing left to send
+
+
+# ---- 1.14 End to end: toy model and engine -------------------------------------------------------
+
+def test_toy_model_is_chunking_invariant():
+    """KV of a token depends on (id, position) only: chunked writes equal one-shot expected_kv."""
+    m = ko.ToyModel(2, 2, 8)
+    toks = _prompt(40)
+    whole = m.expected_kv(toks)
+    parts = torch.cat([m.compute_kv(torch.tensor(toks[i:i + 7]), torch.arange(i, min(i + 7, 40)))
+                       for i in range(0, 40, 7)], dim=2)
+    assert torch.equal(whole, parts)
+    assert whole.shape == (2, 2, 40, 2, 8)
+    assert whole.dtype == torch.float16
+    assert not torch.equal(whole[:, :, 0], m.expected_kv([toks[1]])[:, :, 0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_repeated_prompt_end_to_end(device, variant):
+    """A 3000-token prompt, 512-token chunks, block 16. Fixed: B loads (3000-1)//16 = 187 blocks
+    = 2992 tokens and computes 8; its KV equals expected_kv bit for bit, outputs match, pools
+    end all-free. Registration bug (vLLM 0.29): the stamped primary keys do reach the map, and
+    with hash_block_size == block_size no lookup needs a secondary key -> 2992 as fixed. The
+    reset_hash trap: no primary key is registered -> B recomputes all 3000. Flush bug: the last
+    chunk's blocks (2560..2991, confirmed in A's last step) never reach CPU -> 2560 loaded."""
+    eng, conn, model = _story_engine(functools.partial(make_scheduler, variant), device=device)
+    prompt = _prompt(3000)
+    stats = _run_a_then_b(eng, prompt)
+    a, b = stats["A"], stats["B"]
+    hits = {"fixed": 2992, "registration_bug": 2992, "skip_reset_hash": 0, "flush_bug": 2560}
+    expected_hit = hits[variant]
+    assert b.cpu_hit_tokens == expected_hit and b.computed_tokens == 3000 - expected_hit
+    assert a.output_token_ids == b.output_token_ids and len(b.output_token_ids) == 1
+    # captured KV is on CPU: compare on one device
+    assert torch.equal(b.kv, model.expected_kv(prompt).cpu()) and torch.equal(a.kv, b.kv)
+    _assert_all_free(eng, conn)
+
+
+def test_shared_prefix_decode_and_gpu_hits():
+    """Three requests share 1000 tokens (62 whole blocks of 16), then differ. r1 arrives after r0
+    finished, GPU cache intact: 992 tokens hit on GPU and the CPU lookup (from 992 on) finds
+    nothing more. After the GPU cache is dropped, r2 loads those 62 blocks (992 tokens) from CPU."""
+    eng, conn, model = _story_engine()
+    shared = _prompt(1000)
+    reqs = [ko.Request(f"r{i}", shared + _prompt(100, seed=i + 1), 16,
+                       max_tokens=5) for i in range(3)]
+    eng.add_request(reqs[0])
+    eng.run()
+    eng.add_request(reqs[1])
+    eng.run()
+    assert eng.reset_gpu_prefix_cache()
+    eng.add_request(reqs[2])
+    stats = eng.run()
+    assert (stats["r1"].gpu_hit_tokens, stats["r1"].cpu_hit_tokens) == (992, 0)
+    assert (stats["r2"].gpu_hit_tokens, stats["r2"].cpu_hit_tokens) == (0, 992)
+    _assert_all_free(eng, conn)
+
+
+@pytest.mark.parametrize("device", ["cpu", "deferred"])
+def test_gpu_preemption_recomputes_and_stays_exact(device):
+    """A GPU pool too small for three 600-token prompts at once forces preemption; every request
+    still ends with KV equal to expected_kv and the pools drain."""
+    eng, conn, model = _story_engine(num_gpu_blocks=60, budget=256, device=device)
+    prompts = [_prompt(600, seed=s) for s in range(3)]
+    for i, p in enumerate(prompts):
+        eng.add_request(ko.Request(f"r{i}", p, 16, max_tokens=3))
+    stats = eng.run()
+    assert sum(s.computed_tokens for s in stats.values()) > 3 * 602   # something was recomputed
+    for i, p in enumerate(prompts):
+        assert torch.equal(stats[f"r{i}"].kv, model.expected_kv(p))
+    _assert_all_free(eng, conn)
+
+
+def test_engine_lists_new_and_resumed_requests_before_running_ones():
+    """vLLM 0.34 sends new and resumed requests (whole tables) first, then running ones, and
+    MiniEngine lists num_scheduled_tokens that way. Block 16, budget 32. Step 1: A (40 tokens)
+    computes 32 in GPU blocks 1, 2. Step 2: running A is scheduled first (8 tokens, block 3),
+    then B (24 tokens, whole table 4, 5) is admitted with the 24 left, but listed first."""
+    eng, conn, _ = _story_engine(num_gpu_blocks=16, budget=32)
+    seen = []
+    build = conn.build_connector_meta
+
+    def recording_build(scheduler_output):
+        seen.append(scheduler_output)
+        return build(scheduler_output)
+
+    conn.build_connector_meta = recording_build
+    eng.add_request(ko.Request("A", _prompt(40), 16))
+    eng.step()
+    eng.add_request(ko.Request("B", _prompt(24, seed=1), 16))
+    eng.step()
+    scheduler_output = seen[-1]
+    assert list(scheduler_output.num_scheduled_tokens.items()) == [("B", 24), ("A", 8)]
+    assert scheduler_output.new_block_ids == {"A": ([3],), "B": ([4, 5],)}
+    assert scheduler_output.resumed_req_ids == set()
+    yielded = [(rid, ids) for rid, ids, _ in ko.yield_req_data(scheduler_output)]
+    assert yielded == [("B", ([4, 5],)), ("A", ([3],))]
+
+
+def test_engine_lists_resumed_requests_first_under_preemption():
+    """In the preemption run above, each step lists every request that was running when the step
+    began after all the others (new and resumed ones), and resumed ones carry whole tables."""
+    eng, conn, _ = _story_engine(num_gpu_blocks=60, budget=256)
+    checked = Counter()
+    schedule = eng._schedule
+
+    def recording_schedule():
+        running_at_start = [r.request_id for r in eng.running]
+        scheduler_output = schedule()
+        order = list(scheduler_output.num_scheduled_tokens)
+        running = [rid for rid in order if rid in running_at_start]
+        assert order[len(order) - len(running):] == running, (order, running_at_start)
+        for rid in scheduler_output.resumed_req_ids:
+            assert rid not in running
+            assert list(scheduler_output.new_block_ids[rid][0]) == block_ids(eng.req_blocks[rid])
+        checked["resumed"] += len(scheduler_output.resumed_req_ids)
+        checked["mixed"] += 0 < len(running) < len(order)
+        return scheduler_output
+
+    eng._schedule = recording_schedule
+    for i in range(3):
+        eng.add_request(ko.Request(f"r{i}", _prompt(600, seed=i), 16, max_tokens=3))
+    eng.run()
+    assert checked["resumed"] > 0 and checked["mixed"] > 0, checked
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_workers_world_size_2(device):
+    """Two TP workers: a store completes only once both reported it; the story still holds."""
+    eng, conn, model = _story_engine(workers=2, world_size=2, device=device)
+    prompt = _prompt(1000)
+    stats = _run_a_then_b(eng, prompt)
+    assert stats["B"].cpu_hit_tokens == 992
+    assert torch.equal(stats["B"].kv, model.expected_kv(prompt).cpu())
+    _assert_all_free(eng, conn)
+
+
+# ---- 1.15 End to end: the GPU check (--gpu-check) ------------------------------------------------
+# What a GPU is needed for runs there; here, every piece that can run on CPU does.
+
+STEP_CALLS = ("bind_connector_metadata", "start_load_kv", "wait_for_save", "get_finished",
+              "build_connector_worker_meta", "clear_connector_metadata")
+
+
+def sync_checked(worker, set_mode=None):
+    """Run the worker's per-step calls under torch.cuda.set_sync_debug_mode("error"), so that a
+    hidden CPU-GPU sync in any of them raises. handle_preemptions is left out: a need_flush
+    waits for every copy by design."""
+    set_mode = set_mode or torch.cuda.set_sync_debug_mode
+
+    def checked(call):
+        def run(*args):
+            set_mode("error")
+            try:
+                return call(*args)
+            finally:
+                set_mode("default")
+        return run
+
+    for name in STEP_CALLS:
+        setattr(worker, name, checked(getattr(worker, name)))
+    return worker
+
+
+def _story_with_sync_check(device, set_mode=None, plant_sync=False):
+    eng, conn, model = _story_engine(device=device)
+    w = eng.workers[0]
+    if plant_sync:  # planted: the worker reads KV on the host, a sync, before each store
+        store = w.wait_for_save
+
+        def wait_for_save():
+            next(iter(w.gpu_caches.values()))[0].sum().item()
+            store()
+        w.wait_for_save = wait_for_save
+    sync_checked(w, set_mode)
+    prompt = _prompt(1000)
+    b = _run_a_then_b(eng, prompt)["B"]
+    assert b.cpu_hit_tokens == 992 and torch.equal(b.kv, model.expected_kv(prompt).cpu())
+
+
+@pytest.mark.parametrize("device", [CUDA])
+def test_worker_step_has_no_hidden_sync(device):
+    """The story (1000 tokens: 62 blocks stored, then loaded) with every per-step worker call
+    under set_sync_debug_mode("error"): stores, loads and polls never make the CPU wait for the
+    GPU. The check is live: a planted `.item()` before each store raises."""
+    _story_with_sync_check(device)
+    with pytest.raises(RuntimeError, match="synchronizing"):
+        _story_with_sync_check(device, plant_sync=True)
+
+
+def test_sync_check_covers_every_copy_and_poll():
+    """The CPU half of test_worker_step_has_no_hidden_sync, on the deferred engine with a stand-in
+    for set_sync_debug_mode: every copy the worker issues and every event it polls happens while
+    the mode is "error", and the mode is back to "default" between calls."""
+    mode, seen = ["default"], Counter()
+    launch, poll = ko.SimpleCPUOffloadWorker._launch, ko.SimpleCPUOffloadWorker._poll
+
+    def spy_launch(self, *args, **kwargs):
+        seen["copy", mode[0]] += 1
+        return launch(self, *args, **kwargs)
+
+    def spy_poll(self, is_store):
+        seen["poll", mode[0]] += 1
+        return poll(self, is_store)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ko.SimpleCPUOffloadWorker, "_launch", spy_launch)
+        mp.setattr(ko.SimpleCPUOffloadWorker, "_poll", spy_poll)
+        _story_with_sync_check("deferred", set_mode=lambda m: mode.__setitem__(0, m))
+    assert set(seen) == {("copy", "error"), ("poll", "error")} and mode == ["default"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU answer")
+def test_gpu_check_fails_without_a_gpu(capsys):
+    """No GPU: --gpu-check must not pass by skipping everything."""
+    with pytest.raises(SystemExit) as exit_:
+        ko.main(["--gpu-check"])
+    assert exit_.value.code == 2 and "no CUDA device" in capsys.readouterr().out
+
+
+def test_gpu_check_runs_the_gpu_cases_then_the_gpu_bench(monkeypatch):
+    """With a stand-in GPU: the check runs pytest -k cuda on this file with 200 fuzz examples and
+    skips turned into failures, prints the CUDA bench rows, and exits with pytest's status."""
+    import subprocess
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(subprocess, "call", lambda argv, env: calls.append((argv, env)) or 1)
+    monkeypatch.setattr(ko, "_print_copy_rows", lambda devices: calls.append(devices))
+    with pytest.raises(SystemExit) as exit_:
+        ko.main(["--gpu-check"])
+    (argv, env), devices = calls
+    assert exit_.value.code == 1 and devices == ["cuda"]
+    assert argv[argv.index("-k") + 1] == "cuda" and argv[-1].endswith("test_kv_offload.py")
+    assert env["KV_OFFLOAD_REQUIRE_CUDA"] == "1" and env["KV_OFFLOAD_FUZZ_EXAMPLES"] == "200"
+
+
+def test_gpu_check_selects_every_gpu_case():
+    """What `-k cuda` collects under KV_OFFLOAD_REQUIRE_CUDA: the CUDA parameter of every device-
+    parametrized test (worker copies, end to end, two workers, reliability scenarios, the fuzz,
+    the sync check) and nothing else; and a selected case fails, not skips, without a GPU."""
+    import subprocess
+    import sys
+    env = dict(os.environ, KV_OFFLOAD_REQUIRE_CUDA="1")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "--collect-only",
+                          "-k", "cuda", __file__], env=env, capture_output=True, text=True).stdout
+    ids = [line for line in out.splitlines() if "::" in line]
+    names = {i.split("::")[1].split("[")[0] for i in ids}
+    assert {"test_worker_copies_exact_blocks_both_directions", "test_repeated_prompt_end_to_end",
+            "test_two_workers_world_size_2", "test_rel_fuzz_random_schedules",
+            "test_worker_step_has_no_hidden_sync",
+            "test_rel_abort_while_its_load_is_in_flight",
+            "test_rel_reset_while_a_store_and_a_load_are_in_flight",
+            "test_rel_world_size_2_one_worker_lags"} <= names
+    assert all("cuda" in i.split("[")[1] for i in ids), ids
+    if not torch.cuda.is_available():
+        one = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                              "-k", "cuda and worker_copies and flash and contiguous", __file__],
+                             env=env, capture_output=True, text=True).stdout
+        assert "1 failed" in one and "skipped" not in one, one
+
+
+# ---- 1.16 The notebook and the README ------------------------------------------------------------
+# The notebook executes headless, and its key claims hold through kv_offload
+NOTEBOOK = pathlib.Path(ko.__file__).resolve().parent / "walkthrough.ipynb"
+
+
+def _nb_text(cell) -> str:
+    """All stream and text/plain output of one executed code cell."""
+    parts = []
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "stream":
+            parts.append(out["text"])
+        elif "text/plain" in out.get("data", {}):
+            parts.append(out["data"]["text/plain"])
+    return "".join(parts)
+
+
+def _nb_tagged(nb, tag: str) -> str:
+    cells = [c for c in nb.cells
+             if c.cell_type == "code" and tag in c.get("metadata", {}).get("tags", [])]
+    assert len(cells) == 1, f"expected exactly one notebook cell tagged {tag!r}, found {len(cells)}"
+    return _nb_text(cells[0])
+
+
+@pytest.fixture(scope="module")
+def executed_notebook():
+    """walkthrough.ipynb executed headless, top to bottom (cwd = the repository root)."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("ipykernel")
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+    try:
+        KernelSpecManager().get_kernel_spec("python3")
+    except NoSuchKernel:
+        pytest.skip("no python3 Jupyter kernel installed")
+    if not NOTEBOOK.exists():
+        pytest.fail(f"{NOTEBOOK} is missing")
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    # raises CellExecutionError (naming the cell and the traceback) as soon as a cell fails
+    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    return nb
+
+
+def test_notebook_executes_without_errors(executed_notebook):
+    errors = [o for c in executed_notebook.cells if c.cell_type == "code"
+              for o in c.outputs if o.get("output_type") == "error"]
+    assert not errors, f"notebook cell raised: {errors[0].get('ename')}: {errors[0].get('evalue')}"
+    pngs = sum("image/png" in o.get("data", {}) for c in executed_notebook.cells if c.cell_type == "code"
+               for o in c.outputs)
+    assert pngs >= 3, f"the notebook drew {pngs} pictures, expected at least 3"
+
+
+def test_notebook_claims_in_its_outputs(executed_notebook):
+    """The numbers the prose relies on, read from the freshly executed notebook (each derived in
+    the module's tests: 97 tokens = 6 blocks of 16 + 1, cap 96; blocks of 8 hashed every 4;
+    a 64-block prompt against CPU pools around 64 blocks; 217 blocks at 7 per step)."""
+    nb = executed_notebook
+    claims = {  # tag of the cell -> what its output must say
+        "claim-029": [r"0.29: len\(cached_block_hash_to_block\) = 6; cached_block_hashes_by_block = \{\}",
+                      r"0.29 lookup for the same prompt: 96 hit tokens"],
+        "claim-fine": [r"0.29 +CPU secondary keys: 0; fine-grained hit: 8 hit tokens",
+                       r"fixed +CPU secondary keys: 1; fine-grained hit: 12 hit tokens"],
+        "claim-capacity": [r"0.29 .*56: 0, 57: 896,.* 72: 896\}",
+                           r"fixed .*64: 0, 65: 1008,.* 72: 1008\}"],
+        "claim-trap": [r"0.29 +map entries: 6; lookup for the same prompt: 96 hit tokens",
+                       r"no reset_hash +map entries: 0; lookup for the same prompt: 0 hit tokens",
+                       r"fixed +map entries: 6; lookup for the same prompt: 96 hit tokens"],
+        "claim-bug2": [r"flush bug +31 steps, 210 of 217", r"fixed +32 steps, 217 of 217"],
+    }
+    for tag, patterns in claims.items():
+        text = _nb_tagged(nb, tag)
+        for pattern in patterns:
+            assert re.search(pattern, text), (tag, pattern, text)
+    story = _nb_tagged(nb, "claim-story").splitlines()
+    expected = {"0.29": "1024 tokens computed, 3072 loaded",
+                "no reset_hash": "4096 tokens computed,    0 loaded",
+                "fixed": "  16 tokens computed, 4080 loaded"}
+    for name, counts in expected.items():
+        line = next(line for line in story if line.startswith(name + " "))
+        assert counts in line, line
+        assert "same output token as A: True" in line and "KV equals expected_kv: True" in line
+
+
+README = pathlib.Path(ko.__file__).resolve().parent / "README.md"
+
+
+def _readme_table(text: str, header_start: str) -> dict[str, dict[str, str]]:
+    """Rows of one of the README's demo tables: row name -> {column: cell}."""
+    lines = text[text.index(header_start):].splitlines()
+    columns = re.split(r"\s{2,}", lines[1].strip())
+    rows = {}
+    for line in lines[2:]:
+        cells = re.split(r"\s{2,}", line.strip())
+        if len(cells) != len(columns) + 1:
+            break
+        rows[cells[0]] = dict(zip(columns, cells[1:]))
+    return rows
+
+
+def test_readme_numbers_match_the_code():
+    """Every count the README prints comes from the code as it is now: the demo's two tables
+    (each non-timing row, each column) and the number of tests in the file map."""
+    text = README.read_text()
+    main_table = _readme_table(text, "```\n                            0.29 (both)")
+    small_table = _readme_table(text, "The same, with a CPU pool of 448 blocks")
+    assert len(main_table) >= 6 and len(small_table) == 3, (main_table, small_table)
+    for name, (cls, kwargs) in ko.STORY_VARIANTS.items():
+        r = ko.run_story(cls, 8192, **kwargs)
+        for row, cells in main_table.items():
+            assert cells[name] == str(r[row]), (name, row, cells[name], r[row])
+        if name in small_table["cpu_hit_tokens"]:
+            r = ko.run_story(cls, 8192, num_cpu_blocks=448, **kwargs)
+            for row, cells in small_table.items():
+                assert cells[name] == str(r[row]), (name, row, cells[name], r[row])
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
+                                "no:cacheprovider", __file__], capture_output=True,
+                               text=True).stdout
+    num_tests = int(re.search(r"(\d+) tests collected", collected).group(1))
+    assert f"| {num_tests} tests (CPU;" in text, (
+        f"the README's file map should say {num_tests} tests")
+
+
+def test_notebook_is_committed_with_outputs():
+    """Readers open it on the web before running anything: every code cell must carry its output."""
+    nbformat = pytest.importorskip("nbformat")
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and all(c.execution_count is not None for c in code), (
+        "notebook saved without executing it")
+    assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), (
+        "cells were not run top to bottom")
+    pngs = sum("image/png" in o.get("data", {}) for c in code for o in c.outputs)
+    assert pngs >= 3, f"committed notebook has {pngs} pictures, expected at least 3"
+    assert not any(o.get("output_type") == "error" for c in code for o in c.outputs)
+    too_long = [len(c.source.splitlines()) for c in code if len(c.source.splitlines()) > 15]
+    assert not too_long, f"code cells of {too_long} lines: keep notebook cells to 15 lines or fewer"
+    assert "import kv_offload as ko" in code[0].source
+
+
+# ==================================================================================================
+# Part 2 — reliability
+# ==================================================================================================
+# Invariants after every step, random schedules with injected faults, the bad-input catalogue.
 # Quick profile in CI (300 derandomized schedules per device: cpu, deferred); long:
 # KV_OFFLOAD_FUZZ_EXAMPLES=3000 python -m pytest -k fuzz, which prints its seed; replay a run
 # with the same KV_OFFLOAD_FUZZ_EXAMPLES and KV_OFFLOAD_FUZZ_SEED=<the seed>.
@@ -1901,8 +2148,7 @@ def test_stale_completions_after_reset_are_ignored():
 REL_BS = 4  # tokens per block in every schedule: prompts of tens of tokens span a handful of blocks
 
 
-# -----------------------------------------------------------------------------
-# Invariants (check_invariants is the entry point other tests call)
+# ---- 2.1 Invariants (check_invariants is the entry point other tests call) -----------------------
 
 def rel_unwrap(obj):
     """The real connector / worker behind fault-injection proxies (or obj itself)."""
@@ -1918,17 +2164,23 @@ def rel_check_pool(pool: ko.BlockPool, name: str) -> None:
     free, prev, cur = [], q.fake_free_list_head, q.fake_free_list_head.next_free_block
     while cur is not q.fake_free_list_tail:
         assert cur is not None, f"{name}: free list broken after block {prev.block_id}"
-        assert cur.prev_free_block is prev, f"{name}: back link of free block {cur.block_id} is wrong"
+        assert cur.prev_free_block is prev, (
+            f"{name}: back link of free block {cur.block_id} is wrong")
         free.append(cur)
-        assert len(free) < pool.num_gpu_blocks, f"{name}: free list has a cycle or holds the null block"
+        assert len(free) < pool.num_gpu_blocks, (
+            f"{name}: free list has a cycle or holds the null block")
         prev, cur = cur, cur.next_free_block
-    assert q.fake_free_list_tail.prev_free_block is prev, f"{name}: tail sentinel's back link is wrong"
-    assert len(free) == q.num_free_blocks, f"{name}: num_free_blocks={q.num_free_blocks}, list has {len(free)}"
+    assert q.fake_free_list_tail.prev_free_block is prev, (
+        f"{name}: tail sentinel's back link is wrong")
+    assert len(free) == q.num_free_blocks, (
+        f"{name}: num_free_blocks={q.num_free_blocks}, list has {len(free)}")
     in_free = {b.block_id for b in free}
     assert len(in_free) == len(free), f"{name}: a block is in the free list twice"
     null = pool.null_block
-    assert null is pool.blocks[0] and null.is_null and null.block_hash is None, f"{name}: null block changed"
-    assert 0 not in in_free and 0 not in pool.cached_block_hashes_by_block, f"{name}: null block freed or hashed"
+    assert null is pool.blocks[0] and null.is_null and null.block_hash is None, (
+        f"{name}: null block changed")
+    assert 0 not in in_free and 0 not in pool.cached_block_hashes_by_block, (
+        f"{name}: null block freed or hashed")
     for i, b in enumerate(pool.blocks):
         assert b.block_id == i, f"{name}: blocks[{i}] has id {b.block_id}"
         if i == 0:
@@ -1938,10 +2190,12 @@ def rel_check_pool(pool: ko.BlockPool, name: str) -> None:
         assert (b.ref_cnt == 0) == (i in in_free), (
             f"{name}: block {i} has ref_cnt={b.ref_cnt} but is {'' if i in in_free else 'not '}in the free queue")
         if b.ref_cnt:
-            assert b.prev_free_block is None and b.next_free_block is None, f"{name}: used block {i} still linked"
+            assert b.prev_free_block is None and b.next_free_block is None, (
+                f"{name}: used block {i} still linked")
     for b in free:
         assert pool.blocks[b.block_id] is b, f"{name}: free list holds a foreign block {b.block_id}"
-    entries = map_entries(pool)
+    contents = map_contents(pool.cached_block_hash_to_block)
+    entries = {key: [pool.blocks[i] for i in ids] for key, ids in contents.items()}
     secondary = pool.cached_block_hashes_by_block
     for key, blocks in entries.items():  # every map key points at a block that carries it
         assert blocks, f"{name}: empty map entry"
@@ -1954,11 +2208,14 @@ def rel_check_pool(pool: ko.BlockPool, name: str) -> None:
             assert any(x is b for x in entries.get(b.block_hash, ())), (
                 f"{name}: block {b.block_id}'s primary key is not in the map (the bug-1 shape)")
         for key in secondary.get(b.block_id, ()):
-            assert b.block_hash is not None and key != b.block_hash, f"{name}: block {b.block_id} bad secondary"
-            assert any(x is b for x in entries.get(key, ())), f"{name}: block {b.block_id} secondary not in map"
+            assert b.block_hash is not None and key != b.block_hash, (
+                f"{name}: block {b.block_id} bad secondary")
+            assert any(x is b for x in entries.get(key, ())), (
+                f"{name}: block {b.block_id} secondary not in map")
     assert all(secondary.values()), f"{name}: empty secondary-key set left behind"
     if not pool.enable_caching:
-        assert not entries and all(b.block_hash is None for b in pool.blocks), f"{name}: hashed without caching"
+        assert not entries and all(b.block_hash is None for b in pool.blocks), (
+            f"{name}: hashed without caching")
 
 
 # expected KV per (model, tokens, first position): ToyModel's KV depends on (token, position) only
@@ -1967,12 +2224,14 @@ _REL_KV_CACHE: dict[tuple, torch.Tensor] = {}
 
 def rel_expected_block(model: ko.ToyModel, tokens: tuple[int, ...], start: int) -> torch.Tensor:
     """[num_layers, 2, len(tokens), H, D]: the KV of `tokens` at positions start, start+1, ..."""
-    key = (model.num_layers, model.num_kv_heads, model.head_dim, model.dtype, model.rounds, tokens, start)
+    key = (model.num_layers, model.num_kv_heads, model.head_dim, model.dtype, model.rounds, tokens,
+           start)
     if key not in _REL_KV_CACHE:
         if len(_REL_KV_CACHE) > 200_000:
             _REL_KV_CACHE.clear()
         t = torch.as_tensor(tokens, dtype=torch.int64, device=model.device)
-        _REL_KV_CACHE[key] = model.compute_kv(t, torch.arange(start, start + len(tokens), device=model.device)).cpu()
+        _REL_KV_CACHE[key] = model.compute_kv(t, torch.arange(start, start + len(tokens),
+                                                              device=model.device)).cpu()
     return _REL_KV_CACHE[key]
 
 
@@ -1995,7 +2254,8 @@ def rel_check_cached_kv(engine: ko.MiniEngine, requests) -> None:
     prefixes: dict[bytes, tuple[list[int], int]] = {}
     for r in requests:
         for i, h in enumerate(r.block_hashes):
-            prefixes.setdefault(ko.make_block_hash_with_group_id(h, 0), (r.all_token_ids, (i + 1) * hbs))
+            prefixes.setdefault(ko.make_block_hash_with_group_id(h, 0),
+                                (r.all_token_ids, (i + 1) * hbs))
 
     def check(block_kv: torch.Tensor, key: bytes, where: str) -> None:  # block_kv: [L, 2, bs, H, D]
         assert key in prefixes, f"{where}: cached under a key no request produced"
@@ -2006,7 +2266,8 @@ def rel_check_cached_kv(engine: ko.MiniEngine, requests) -> None:
             f"{where}: KV differs from expected_kv of the prefix its key names ({end} tokens)")
 
     def keys(pool: ko.BlockPool, b: ko.KVCacheBlock) -> list[bytes]:
-        return [b.block_hash, *pool.cached_block_hashes_by_block.get(b.block_id, ())] if b.block_hash else []
+        return [b.block_hash,
+                *pool.cached_block_hashes_by_block.get(b.block_id, ())] if b.block_hash else []
 
     gpu = engine.gpu_block_pool
     layers = list(engine.kv_caches.values())  # each (2, num_blocks, bs, H, D)
@@ -2019,12 +2280,14 @@ def rel_check_cached_kv(engine: ko.MiniEngine, requests) -> None:
     for w_i, w in enumerate(rel_unwrap(w) for w in engine.workers):
         for b in conn.cpu_block_pool.blocks:
             for key in keys(conn.cpu_block_pool, b):
-                kv = torch.stack([torch.stack([w.cpu_caches[f"{n}.k"][b.block_id], w.cpu_caches[f"{n}.v"][b.block_id]])
+                kv = torch.stack([torch.stack([w.cpu_caches[f"{n}.k"][b.block_id],
+                                               w.cpu_caches[f"{n}.v"][b.block_id]])
                                   for n in engine.kv_caches])
                 check(kv, key, f"CPU block {b.block_id} (worker {w_i})")
 
 
-def check_invariants(engine: ko.MiniEngine, requests=None, *, allow_stale_store_counts: bool = False) -> None:
+def check_invariants(engine: ko.MiniEngine, requests=None, *,
+                     allow_stale_store_counts: bool = False) -> None:
     """Everything that must hold between two engine steps, for any schedule.
 
     - Both pools are well formed (rel_check_pool): free queue == the ref-0 blocks, map <-> hashes.
@@ -2045,11 +2308,15 @@ def check_invariants(engine: ko.MiniEngine, requests=None, *, allow_stale_store_
     running = [r.request_id for r in engine.running]
     waiting = [r.request_id for r in engine.waiting]
     assert len(set(running + waiting)) == len(running) + len(waiting), "a request is queued twice"
-    assert all(r.status == ko.RequestStatus.RUNNING for r in engine.running), "running, not RUNNING"
-    assert not any(r.status in (ko.RequestStatus.RUNNING,) or ko.RequestStatus.is_finished(r.status)
-                   for r in engine.waiting), "a waiting request is RUNNING or finished"
-    assert set(engine.requests) == set(running + waiting), "engine.requests is not running + waiting"
-    assert set(engine.req_blocks) <= set(running + waiting), "a finished request still has a block table"
+    # a request's state is its status (vLLM's RequestStatus), and it matches its queue
+    statuses = ko.RequestStatus
+    assert all(r.status == statuses.RUNNING for r in engine.running), "running, not RUNNING"
+    for r in engine.waiting:
+        assert r.status != statuses.RUNNING, f"{r.request_id} waits with status RUNNING"
+        assert not statuses.is_finished(r.status), f"{r.request_id} waits, but finished"
+    assert set(engine.requests) == set(running + waiting), "engine.requests is not the queues"
+    assert set(engine.req_blocks) <= set(running + waiting), (
+        "a finished request still has a block table")
     for r in engine.running:
         assert ko.cdiv(r.num_computed_tokens, engine.block_size) <= len(engine.req_blocks[r.request_id])
     want_gpu = Counter(b.block_id for blocks in engine.req_blocks.values() for b in blocks if not b.is_null)
@@ -2061,67 +2328,82 @@ def check_invariants(engine: ko.MiniEngine, requests=None, *, allow_stale_store_
         live = list(conn._store_event_to_blocks.values())
         queued = list(conn._pending_finished_stores)
         abandoned = list(conn._abandoned_store_event_to_blocks.values())
-        load_states = {**conn._abandoned_reqs_to_load, **conn._reqs_to_load}
+        load_states = {**abandoned_loads(conn), **live_loads(conn)}
         loads = [s.transfer_meta for s in load_states.values()]
         want_cpu = Counter()
         for t in live + queued + abandoned + loads:
             assert len(t.gpu_block_ids) == len(t.cpu_block_ids), f"transfer with unequal sides: {t}"
-            assert 0 not in t.gpu_block_ids and 0 not in t.cpu_block_ids, f"null block in a transfer: {t}"
+            assert 0 not in t.gpu_block_ids and 0 not in t.cpu_block_ids, (
+                f"null block in a transfer: {t}")
             want_gpu.update(t.gpu_block_ids)
             want_cpu.update(t.cpu_block_ids)
-        for pending in conn._pending_cpu_hits.values():
-            hit_blocks = pending.hit_blocks
+        for hit_blocks in pending_cpu_hit_blocks(conn).values():
             want_cpu.update(b.block_id for grp in hit_blocks for b in grp if not b.is_null)
         got = Counter({b.block_id: b.ref_cnt for b in cpu.blocks[1:] if b.ref_cnt})
-        assert got == want_cpu, f"CPU refs not accounted for: pool has {dict(got)}, holders {dict(want_cpu)}"
+        assert got == want_cpu, (
+            f"CPU refs not accounted for: pool has {dict(got)}, holders {dict(want_cpu)}")
         store_dsts = Counter(c for t in live + queued + abandoned for c in t.cpu_block_ids)
-        assert all(n == 1 for n in store_dsts.values()), f"a CPU block is the destination of two stores: {store_dsts}"
+        assert all(n == 1 for n in store_dsts.values()), (
+            f"a CPU block is the destination of two stores: {store_dsts}")
         for b in cpu.blocks:
             assert b.block_hash is None or b.block_id not in store_dsts, (
                 f"CPU block {b.block_id} is cached before its copy completed")
         load_dsts = Counter(g for t in loads for g in t.gpu_block_ids)
-        assert all(n == 1 for n in load_dsts.values()), f"a GPU block is the destination of two loads: {load_dsts}"
+        assert all(n == 1 for n in load_dsts.values()), (
+            f"a GPU block is the destination of two loads: {load_dsts}")
         for g in load_dsts:
-            assert gpu.blocks[g].block_hash is None, f"GPU block {g} is cached while its load is in flight"
+            assert gpu.blocks[g].block_hash is None, (
+                f"GPU block {g} is cached while its load is in flight")
         for c in (c for t in loads for c in t.cpu_block_ids):
-            assert cpu.blocks[c].block_hash is not None, f"a load reads CPU block {c}, which holds no cached KV"
+            assert cpu.blocks[c].block_hash is not None, (
+                f"a load reads CPU block {c}, which holds no cached KV")
         sources = Counter(g for t in live + queued for g in t.gpu_block_ids)
-        assert all(n == 1 for n in sources.values()), f"a GPU block is copied by two live stores: {sources}"
+        assert all(n == 1 for n in sources.values()), (
+            f"a GPU block is copied by two live stores: {sources}")
         assert conn._in_flight_store_gpu_blocks == set(sources), (
             f"in-flight set {sorted(conn._in_flight_store_gpu_blocks)} != live/queued store sources {sorted(sources)}")
         for g in sources:
-            assert gpu.blocks[g].block_hash is not None, f"store source GPU block {g} lost its hash while pinned"
+            assert gpu.blocks[g].block_hash is not None, (
+                f"store source GPU block {g} lost its hash while pinned")
         # event bookkeeping
         live_ev, abandoned_ev = set(conn._store_event_to_blocks), set(conn._abandoned_store_event_to_blocks)
         assert not live_ev & abandoned_ev, "a store event is both live and abandoned"
-        assert all(e < conn._store_event_counter for e in live_ev | abandoned_ev), "store event from the future"
+        assert all(e < conn._store_event_counter for e in live_ev | abandoned_ev), (
+            "store event from the future")
         for e, rids in conn._store_event_to_reqs.items():
             assert e in live_ev and rids, f"store event {e} -> {rids} is not live"
             for rid in rids:
-                assert e in conn._reqs_to_store[rid].store_events, f"{rid} does not know store event {e}"
+                assert e in conn._reqs_to_store[rid].store_events, (
+                    f"{rid} does not know store event {e}")
         for rid, state in conn._reqs_to_store.items():
             for e in state.store_events:
-                assert rid in conn._store_event_to_reqs.get(e, ()), f"{rid} waits for unknown store event {e}"
-            assert not state.finished or state.store_events, f"{rid} finished, no store in flight, not cleaned up"
+                assert rid in conn._store_event_to_reqs.get(e, ()), (
+                    f"{rid} waits for unknown store event {e}")
+            assert not state.finished or state.store_events, (
+                f"{rid} finished, no store in flight, not cleaned up")
         for e, count in conn._store_event_pending_counts.items():
             if not allow_stale_store_counts:
-                assert e in live_ev | abandoned_ev, f"count {count} kept for finished/unknown store event {e} (RB-3)"
+                assert e in live_ev | abandoned_ev, (
+                    f"count {count} kept for finished/unknown store event {e} (RB-3)")
                 assert 0 < count < conn.world_size, f"store event {e} pending count {count}"
         for e, rids in conn._load_event_to_reqs.items():
             assert rids and all(rid in load_states and load_states[rid].load_event == e for rid in rids), (
                 f"load event {e} -> {rids} disagrees with the load states")
         for rid, state in load_states.items():
-            assert state.load_event is None or rid in conn._load_event_to_reqs.get(state.load_event, ()), (
+            listed = conn._load_event_to_reqs.get(state.load_event, ())
+            assert state.load_event is None or rid in listed, (
                 f"sent load of {rid} is not listed under its event")
         # engine <-> connector
         for rid in loading_requests(engine):
             assert rid in load_states, f"{rid} waits for a load the connector does not have"
-        for rid, state in conn._reqs_to_load.items():
-            assert rid in loading_requests(engine) or state.finished, f"live load of {rid}: neither loading nor finished"
-        for rid in conn._pending_cpu_hits:
+        for rid, state in live_loads(conn).items():
+            assert rid in loading_requests(engine) or state.finished, (
+                f"live load of {rid}: neither loading nor finished")
+        for rid in pending_cpu_hits(conn):
             assert rid in waiting, f"lookup pin of {rid}, which is not waiting"
     got = Counter({b.block_id: b.ref_cnt for b in gpu.blocks[1:] if b.ref_cnt})
-    assert got == want_gpu, f"GPU refs not accounted for: pool has {dict(got)}, holders {dict(want_gpu)}"
+    assert got == want_gpu, (
+        f"GPU refs not accounted for: pool has {dict(got)}, holders {dict(want_gpu)}")
     if requests is not None:
         rel_check_cached_kv(engine, requests)
 
@@ -2130,18 +2412,28 @@ def rel_check_idle(engine: ko.MiniEngine, *, allow_stale_store_counts: bool = Fa
     """The end of a run: every pool free but its null block, nothing pending anywhere."""
     conn = rel_unwrap(engine.connector)
     gpu = engine.gpu_block_pool
-    assert gpu.get_num_free_blocks() == gpu.num_gpu_blocks - 1, "GPU blocks still in use after the run"
-    assert not (engine.waiting or engine.running or engine.requests or engine.req_blocks
-                or engine.num_cached_blocks or engine._recving_counts), "engine not idle"
+    assert gpu.get_num_free_blocks() == gpu.num_gpu_blocks - 1, (
+        "GPU blocks still in use after the run")
+    assert not engine.waiting, "engine not idle: requests wait"
+    assert not engine.running, "engine not idle: requests run"
+    assert not engine.requests, "engine not idle: unfinished requests"
+    assert not engine.req_blocks, "engine not idle: a block table is left"
+    assert not engine.num_cached_blocks, "engine not idle: a cached-block count is left"
+    assert not recving_counts(engine), "engine not idle: a load report count is left"
+
     if conn is None:
         return
     cpu = conn.cpu_block_pool
-    assert cpu.get_num_free_blocks() == cpu.num_gpu_blocks - 1, "CPU blocks still in use after the run"
-    assert not conn.has_pending_push_work() and not conn.has_pending_stores(), "push work left after the run"
+    assert cpu.get_num_free_blocks() == cpu.num_gpu_blocks - 1, (
+        "CPU blocks still in use after the run")
+    assert not conn.has_pending_push_work() and not conn.has_pending_stores(), (
+        "push work left after the run")
     leftovers = {name: getattr(conn, name) for name in (
-        "_reqs_to_load", "_abandoned_reqs_to_load", "_load_event_to_reqs", "_pending_cpu_hits", "_reqs_to_store",
-        "_store_event_to_blocks", "_store_event_to_reqs", "_abandoned_store_event_to_blocks",
-        "_in_flight_store_gpu_blocks", "_pending_finished_stores")}
+        "_load_event_to_reqs", "_reqs_to_store", "_store_event_to_blocks", "_store_event_to_reqs",
+        "_abandoned_store_event_to_blocks", "_in_flight_store_gpu_blocks",
+                                                        "_pending_finished_stores")}
+    leftovers.update(live_loads=live_loads(conn), abandoned_loads=abandoned_loads(conn),
+                     pending_cpu_hits=pending_cpu_hits(conn))
     if not allow_stale_store_counts:
         leftovers["_store_event_pending_counts"] = conn._store_event_pending_counts
     left = {k: v for k, v in leftovers.items() if v}
@@ -2151,15 +2443,16 @@ def rel_check_idle(engine: ko.MiniEngine, *, allow_stale_store_counts: bool = Fa
                     or w._store_events or w._completed_store_events), "worker has copies or reports left"
 
 
-# -----------------------------------------------------------------------------
-# Fault injection in the worker -> manager channel (no change to the module: proxies)
+# ---- 2.2 Fault injection in the worker -> manager channel (proxies) ------------------------------
 
 @dataclass(frozen=True)
 class RelFaults:
     load_delay: int = 0   # a worker holds each load report 0..load_delay steps
-    store_delay: int = 0  # a worker holds each store report 0..store_delay steps (per worker: partial counts)
+    # a worker holds each store report 0..store_delay steps (per worker: partial counts)
+    store_delay: int = 0
     conn_delay: int = 0   # the connector sees each aggregated store report 0..conn_delay steps late
-    dup: bool = False     # reports already delivered are delivered again later (and after each reset)
+    # reports already delivered are delivered again later (and after each reset)
+    dup: bool = False
     split: bool = False   # a step's load and store reports reach the connector in random order
     exact: bool = False   # every delay is exactly its maximum (scripted scenarios)
     seed: int = 0
@@ -2220,7 +2513,7 @@ class RelFaultyWorker(RelProxy):
 
     def _rel_safe_recv_dup(self, rid: str) -> bool:
         conn, eng = rel_unwrap(self._rel_engine.connector), self._rel_engine
-        return not (rid in loading_requests(eng) or rid in conn._reqs_to_load or rid in conn._abandoned_reqs_to_load
+        return not (rid in loading_requests(eng) or rid in live_loads(conn) or rid in abandoned_loads(conn)
                     or any(r == rid for _, r in self._rel_recv))
 
     def build_connector_worker_meta(self):
@@ -2263,9 +2556,9 @@ class RelFaultyConnector(RelProxy):
         within the step, and the request then no longer looks like one that loads."""
         eng = self._rel_engine
         if num_external_tokens:
-            assert not eng._connector_reset_pending, (
+            assert not connector_reset_pending(eng), (
                 f"{request.request_id} was served a CPU hit while a refused reset was pending")
-            self._rel_log.resumed_with_load += request.request_id in preempted_ids(eng)
+            self._rel_log.resumed_with_load += request.request_id in preempted_waiting_ids(eng)
         return self._rel_inner.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def update_connector_output(self, connector_output: ko.KVConnectorOutput) -> None:
@@ -2306,7 +2599,8 @@ class RelFaultyConnector(RelProxy):
             elif e not in inner._store_event_to_blocks:
                 log.ignored_reports += 1
         live_before = set(inner._store_event_to_blocks)
-        inner.update_connector_output(ko.KVConnectorOutput(set(), ko.SimpleCPUOffloadWorkerMetadata(dict(m))))
+        inner.update_connector_output(ko.KVConnectorOutput(set(),
+                                                           ko.SimpleCPUOffloadWorkerMetadata(dict(m))))
         self._rel_delivered.append(m)
         log.partial_counts += bool(inner._store_event_pending_counts)
         # a store abandoned by reset() caches nothing when it completes
@@ -2333,8 +2627,7 @@ class RelFaultyConnector(RelProxy):
         return bool(self._rel_held)
 
 
-# -----------------------------------------------------------------------------
-# Schedules: a plan, the driver that runs it, and the hypothesis strategy that draws plans
+# ---- 2.3 Random schedules: a plan, its driver, the strategies, the fuzz --------------------------
 
 @dataclass(frozen=True)
 class RelPlan:
@@ -2367,7 +2660,8 @@ class RelLog:
     steps: int = 0
     preemptions: int = 0
     preempted_while_storing: int = 0
-    resumed_with_load: int = 0   # a preempted request came back through a CPU load (RelFaultyConnector)
+    # a preempted request came back through a CPU load (RelFaultyConnector)
+    resumed_with_load: int = 0
     cpu_hit_tokens: int = 0
     aborts: int = 0
     aborts_while_loading: int = 0
@@ -2384,8 +2678,10 @@ class RelLog:
     stale_reports: int = 0       # store reports of events abandoned by a reset
     ignored_reports: int = 0     # store reports of events already finished (repeats)
     partial_counts: int = 0      # deliveries after which a store event waited for another worker
-    cpu_evictions: int = 0       # steps in which a cached CPU block was evicted (reused for a new store)
-    worker_reports: Counter = field(default_factory=Counter)  # store event -> worker reports released
+    # steps in which a cached CPU block was evicted (reused for a new store)
+    cpu_evictions: int = 0
+    # store event -> worker reports released
+    worker_reports: Counter = field(default_factory=Counter)
 
 
 def rel_prompt(bases, base: int, prefix_len: int, suffix) -> list[int]:
@@ -2397,7 +2693,8 @@ def rel_max_need(plan_ops, bases, bs: int = REL_BS) -> int:
     return max([ko.cdiv(len(rel_prompt(bases, *op[1:4])) + op[4], bs) for op in plan_ops if op[0] == "add"] or [1])
 
 
-REL_MODEL = dict(num_layers=1, num_kv_heads=1, head_dim=4)  # ToyModel(1, 1, 4): tiny, fast, still exact
+# ToyModel(1, 1, 4): tiny, fast, still exact
+REL_MODEL = dict(num_layers=1, num_kv_heads=1, head_dim=4)
 
 
 def rel_build(plan: RelPlan):
@@ -2405,33 +2702,36 @@ def rel_build(plan: RelPlan):
     log = RelLog()
     rng = random.Random(plan.faults.seed)
     model = ko.ToyModel(**REL_MODEL, device="cpu" if plan.device == "deferred" else plan.device)
-    conn = ko.SimpleCPUOffloadScheduler(plan.num_cpu_blocks, REL_BS, hash_block_size=plan.hash_block_size,
+    conn = ko.SimpleCPUOffloadScheduler(plan.num_cpu_blocks, REL_BS,
+                                        hash_block_size=plan.hash_block_size,
                                         world_size=plan.world_size)
     proxy = RelFaultyConnector(conn, plan.faults, rng, log)
-    workers = [RelFaultyWorker(make_worker(plan.num_cpu_blocks, plan.device, seed=plan.faults.seed + i),
+    workers = [RelFaultyWorker(make_worker(plan.num_cpu_blocks, plan.device,
+                                           seed=plan.faults.seed + i),
                                plan.faults, rng, log, plan.world_size)
                for i in range(plan.world_size)]
     engine = ko.MiniEngine(plan.num_gpu_blocks, REL_BS, plan.budget, model, proxy,
                            workers if plan.world_size > 1 else workers[0], capture_kv=True)
     for p in (proxy, *workers):
         p._rel_engine = engine
-    return SimpleNamespace(engine=engine, conn=conn, proxy=proxy, workers=workers, model=model, log=log,
+    return SimpleNamespace(engine=engine, conn=conn, proxy=proxy, workers=workers, model=model,
+                           log=log,
                            requests={}, aborted=set())
 
 
 def rel_step(run, n: int = 1) -> None:
     eng, log = run.engine, run.log
     for _ in range(n):
-        resumed_before = preempted_ids(eng)
-        storing = {rid for rid, st_ in run.conn._reqs_to_store.items() if st_.store_events}
+        resumed_before = set(preempted_waiting_ids(eng))
+        storing = {rid for rid, state in run.conn._reqs_to_store.items() if state.store_events}
         cached = {b.block_id: b.block_hash for b in run.conn.cpu_block_pool.blocks if b.block_hash is not None}
         eng.step()
         log.steps += 1
-        newly_preempted = preempted_ids(eng) - resumed_before
-        log.preemptions += len(newly_preempted)
-        log.preempted_while_storing += len(newly_preempted & storing)
+        preempted = preempted_waiting_ids(eng) - resumed_before
+        log.preemptions += len(preempted)
+        log.preempted_while_storing += len(preempted & storing)
         log.cpu_evictions += any(run.conn.cpu_block_pool.blocks[i].block_hash != h for i, h in cached.items())
-        log.steps_with_pins += bool(run.conn._pending_cpu_hits)
+        log.steps_with_pins += bool(pending_cpu_hits(run.conn))
         check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
 
 
@@ -2441,17 +2741,18 @@ def rel_abort(run, k: int = 0, rid: str | None = None) -> None:
     eng, conn, log = run.engine, run.conn, run.log
 
     def storing(rid):
-        st_ = conn._reqs_to_store.get(rid)
-        return st_ is not None and bool(st_.store_events)
+        state = conn._reqs_to_store.get(rid)
+        return state is not None and bool(state.store_events)
 
     if rid is None:
-        live = sorted(eng.running + eng.waiting, key=lambda r: (r.request_id not in loading_requests(eng),
+        live = sorted(eng.running + eng.waiting,
+                      key=lambda r: (r.request_id not in loading_requests(eng),
                                                                 not storing(r.request_id)))
         if not live:
             return
         rid = live[k % len(live)].request_id
     log.aborts += 1
-    log.aborts_with_pin += rid in conn._pending_cpu_hits
+    log.aborts_with_pin += rid in pending_cpu_hits(conn)
     log.aborts_while_loading += rid in loading_requests(eng)
     log.aborts_while_storing += storing(rid)
     eng.abort_request(rid)
@@ -2470,7 +2771,8 @@ def rel_run_plan(plan: RelPlan, max_steps: int = 3000, *, before_reset=None):
         if kind == "add":
             _, base, prefix_len, suffix, max_tokens = op
             rid = f"r{len(run.requests)}"
-            req = ko.Request(rid, rel_prompt(plan.bases, base, prefix_len, suffix), plan.hash_block_size, max_tokens)
+            req = ko.Request(rid, rel_prompt(plan.bases, base, prefix_len, suffix),
+                             plan.hash_block_size, max_tokens)
             eng.add_request(req)
             run.requests[rid] = req
         elif kind == "step":
@@ -2481,7 +2783,7 @@ def rel_run_plan(plan: RelPlan, max_steps: int = 3000, *, before_reset=None):
             rel_abort(run, *((0, op[1]) if isinstance(op[1], str) else (op[1],)))
         elif kind in ("reset", "reset_connector"):
             log.resets += 1
-            log.resets_with_pins += bool(run.conn._pending_cpu_hits)
+            log.resets_with_pins += bool(pending_cpu_hits(run.conn))
             log.resets_with_queued_flush += bool(run.conn._pending_finished_stores)
             reset = eng.reset_connector_cache if kind == "reset" else run.proxy.reset
             log.resets_refused += not reset()
@@ -2506,7 +2808,7 @@ def rel_stalled(run) -> bool:
     only admit the head of the queue, and if it does not, nothing will ever change again."""
     eng, conn = run.engine, run.conn
     return bool(eng.waiting) and not (eng.running or loading_requests(eng) or conn.has_pending_push_work()
-                                      or conn._reqs_to_load or conn._abandoned_reqs_to_load
+                                      or live_loads(conn) or abandoned_loads(conn)
                                       or run.proxy.rel_holding() or any(w.rel_holding() for w in run.workers))
 
 
@@ -2554,12 +2856,14 @@ def rel_finish(run, max_steps: int = 3000, before_reset=None) -> None:
         log.cpu_hit_tokens += stats.cpu_hit_tokens
         if rid in run.aborted:
             assert stats.kv is None, f"{rid} was aborted but has captured KV"
-            assert stats.output_token_ids == want[:len(stats.output_token_ids)], f"{rid}: wrong output before abort"
+            assert stats.output_token_ids == want[:len(stats.output_token_ids)], (
+                f"{rid}: wrong output before abort")
         else:
             assert stats.kv is not None, f"{rid} never finished"
             assert torch.equal(stats.kv, model.expected_kv(req.prompt_token_ids).cpu()), (
                 f"{rid}: KV differs from expected_kv")
-            assert stats.output_token_ids == want, f"{rid}: outputs {stats.output_token_ids} != {want}"
+            assert stats.output_token_ids == want, (
+                f"{rid}: outputs {stats.output_token_ids} != {want}")
     if before_reset is not None:
         before_reset(run)
     # idle: both prefix caches can now be dropped, and are
@@ -2570,13 +2874,16 @@ def rel_finish(run, max_steps: int = 3000, before_reset=None) -> None:
     rel_check_idle(eng)
 
 
-REL_TOKENS = st.integers(0, 40)  # a small vocabulary: unrelated prompts collide on short prefixes too
-REL_OTHER_TOKENS = st.integers(41, 80)  # for a prompt that must share no prefix with REL_TOKENS ones
+# a small vocabulary: unrelated prompts collide on short prefixes too
+REL_TOKENS = st.integers(0, 40)
+# for a prompt that must share no prefix with REL_TOKENS ones
+REL_OTHER_TOKENS = st.integers(41, 80)
 
 
 def rel_faults(draw) -> RelFaults:
     return RelFaults(load_delay=draw(st.integers(0, 3)), store_delay=draw(st.integers(0, 3)),
-                     conn_delay=draw(st.integers(0, 2)), dup=draw(st.booleans()), split=draw(st.booleans()),
+                     conn_delay=draw(st.integers(0, 2)), dup=draw(st.booleans()),
+                     split=draw(st.booleans()),
                      seed=draw(st.integers(0, 2 ** 16)))
 
 
@@ -2588,7 +2895,8 @@ def rel_generic_plans(draw, max_ops: int = 16) -> RelPlan:
     bases = tuple(tuple(draw(st.lists(REL_TOKENS, min_size=2 * REL_BS, max_size=7 * REL_BS)))
                   for _ in range(draw(st.integers(1, 2))))
     prefix_len = st.one_of(st.just(7 * REL_BS), st.integers(0, 7 * REL_BS))
-    add = st.tuples(st.just("add"), st.integers(0, 1), prefix_len, st.lists(REL_TOKENS, max_size=5).map(tuple),
+    add = st.tuples(st.just("add"), st.integers(0, 1), prefix_len,
+                    st.lists(REL_TOKENS, max_size=5).map(tuple),
                     st.integers(1, 4))
     step = st.tuples(st.just("step"), st.integers(1, 6))
     short = st.tuples(st.just("step"), st.integers(1, 2))
@@ -2596,7 +2904,8 @@ def rel_generic_plans(draw, max_ops: int = 16) -> RelPlan:
     reset, reset_gpu, drain = st.just(("reset",)), st.just(("reset_gpu",)), st.just(("drain",))
 
     def again_of(b):  # a request that repeats all of base b: a CPU hit once the GPU copy is gone
-        return st.tuples(st.just("add"), st.just(b), st.just(7 * REL_BS), st.lists(REL_TOKENS, max_size=3).map(tuple),
+        return st.tuples(st.just("add"), st.just(b), st.just(7 * REL_BS),
+                         st.lists(REL_TOKENS, max_size=3).map(tuple),
                          st.integers(1, 3))
 
     again = st.integers(0, 1).flatmap(again_of)
@@ -2605,10 +2914,12 @@ def rel_generic_plans(draw, max_ops: int = 16) -> RelPlan:
                     st.lists(REL_TOKENS, max_size=2).map(tuple), st.integers(5, 10))
     # chunks of ops that tend to reach the dangerous windows
     chunk = st.one_of(
-        st.tuples(add), st.tuples(add), st.tuples(step), st.tuples(abort), st.tuples(reset), st.tuples(reset_gpu),
+        st.tuples(add), st.tuples(add), st.tuples(step), st.tuples(abort), st.tuples(reset),
+                      st.tuples(reset_gpu),
         st.tuples(add, add, add, step),                  # a burst: chunked prefill competes
         st.tuples(dec, dec, dec, dec, step, abort),      # decodes grow together: preemption
-        st.tuples(again, drain, reset_gpu, again, short, abort),  # GPU cache dropped, CPU hit, abort mid-load
+        # GPU cache dropped, CPU hit, abort mid-load
+        st.tuples(again, drain, reset_gpu, again, short, abort),
         st.tuples(drain, reset_gpu, again, short, reset),  # reset while the load (and stores) run
         st.tuples(drain, reset_gpu, again, again, step),   # two CPU hits on one prefix, competing
         st.tuples(step, reset),                          # reset while copies run
@@ -2629,7 +2940,8 @@ def rel_generic_plans(draw, max_ops: int = 16) -> RelPlan:
 
 def rel_window_tail(draw, fits: list[tuple]) -> tuple:
     """A few ops after a window, drawn from ones that fit the window's tight pools."""
-    ops = st.sampled_from([("step", 1), ("step", 3), ("drain",), ("reset",), ("reset_gpu",), ("abort", 0), *fits])
+    ops = st.sampled_from([("step", 1), ("step", 3), ("drain",), ("reset",), ("reset_gpu",),
+                           ("abort", 0), *fits])
     return tuple(draw(st.lists(ops, max_size=4)))
 
 
@@ -2643,7 +2955,8 @@ def rel_pin_window_plans(draw, window_op: tuple) -> RelPlan:
     bs = REL_BS
     hit, r, f = draw(st.integers(2, 5)), draw(st.integers(1, bs)), draw(st.integers(bs, 3 * bs))
     x_tokens = tuple(draw(st.lists(REL_TOKENS, min_size=hit * bs + r, max_size=hit * bs + r)))
-    f_tokens = tuple(draw(st.lists(REL_OTHER_TOKENS, min_size=f, max_size=f)))  # no hash in common with X
+    # no hash in common with X
+    f_tokens = tuple(draw(st.lists(REL_OTHER_TOKENS, min_size=f, max_size=f)))
     x = ("add", 0, len(x_tokens), (), 1)
     filler = ("add", 1, f, (), draw(st.integers(2, (hit - 1) * bs + 1)))  # fits the pool on its own
     usable = ko.cdiv(f + 1, bs) + hit - 1  # X's hit needs `hit` blocks: one more than are free
@@ -2651,7 +2964,8 @@ def rel_pin_window_plans(draw, window_op: tuple) -> RelPlan:
            *rel_window_tail(draw, [x, filler]))
     return RelPlan(ops=ops, bases=(x_tokens, f_tokens), num_gpu_blocks=1 + usable,
                    num_cpu_blocks=1 + usable + hit + draw(st.integers(0, 3)),
-                   budget=draw(st.integers(f + 1, 16)),  # F prefills in one step, then X is looked up
+                   # F prefills in one step, then X is looked up
+                   budget=draw(st.integers(f + 1, 16)),
                    hash_block_size=draw(st.sampled_from([bs, bs // 2])),
                    world_size=draw(st.sampled_from([1, 2])), faults=rel_faults(draw))
 
@@ -2668,7 +2982,8 @@ def rel_resume_window_plans(draw) -> RelPlan:
     p_max_tokens = bs * usable - p + 1 - draw(st.integers(0, bs - 1))  # P's last block is the U-th
     r_max_tokens = bs * usable - r + 1 - draw(st.integers(0, 2))       # R outlives the preemption
     r_tokens = tuple(draw(st.lists(REL_TOKENS, min_size=r, max_size=r)))
-    p_tokens = tuple(draw(st.lists(REL_OTHER_TOKENS, min_size=p, max_size=p)))  # no hash in common with R
+    # no hash in common with R
+    p_tokens = tuple(draw(st.lists(REL_OTHER_TOKENS, min_size=p, max_size=p)))
     prefill_p, prefill_r = ("add", 1, p, (), p_max_tokens), ("add", 0, r, (), r_max_tokens)
     ops = (prefill_p, prefill_r, ("drain",), *rel_window_tail(draw, [prefill_r]))
     return RelPlan(ops=ops, bases=(r_tokens, p_tokens), num_gpu_blocks=1 + usable,
@@ -2703,7 +3018,8 @@ REL_FUZZ_SEED = None
 if REL_FUZZ_EXAMPLES:
     REL_FUZZ_SEED = int(os.environ.get("KV_OFFLOAD_FUZZ_SEED") or random.SystemRandom().randrange(2 ** 32))
 rel_fuzz_settings = settings(
-    max_examples=REL_FUZZ_EXAMPLES or 300, derandomize=not REL_FUZZ_EXAMPLES, database=None, deadline=None,
+    max_examples=REL_FUZZ_EXAMPLES or 300, derandomize=not REL_FUZZ_EXAMPLES, database=None,
+                             deadline=None,
     print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -2719,9 +3035,11 @@ def rel_print(config, line: str) -> None:
 
 # What a run went through (RelLog), reported per device; the rare windows must each be reached
 # in >= 5% of the quick profile's schedules (rel_pin_window_plans, rel_resume_window_plans)
-REL_REACHED = ("preemptions", "preempted_while_storing", "resumed_with_load", "cpu_hit_tokens", "cpu_evictions",
+REL_REACHED = ("preemptions", "preempted_while_storing", "resumed_with_load", "cpu_hit_tokens",
+               "cpu_evictions",
                "aborts_while_loading", "aborts_while_storing", "aborts_with_pin", "steps_with_pins",
-               "resets_refused", "resets_with_pins", "resets_with_queued_flush", "stale_reports", "partial_counts",
+               "resets_refused", "resets_with_pins", "resets_with_queued_flush", "stale_reports",
+               "partial_counts",
                "duplicate_reports", "ignored_reports")
 REL_RARE_WINDOWS = ("resumed_with_load", "resets_with_pins", "aborts_with_pin")
 
@@ -2732,9 +3050,10 @@ def test_rel_fuzz_random_schedules(device, pytestconfig):
     later, per worker (world size 1 and 2), on top of the injected report faults."""
     if REL_FUZZ_SEED is not None and not getattr(pytestconfig, "_rel_seed_shown", False):
         pytestconfig._rel_seed_shown = True  # once per session: every device uses the seed
-        rel_print(pytestconfig, f"fuzz long profile: {REL_FUZZ_EXAMPLES} schedules per device, seed "
-                                f"{REL_FUZZ_SEED}; replay: KV_OFFLOAD_FUZZ_EXAMPLES={REL_FUZZ_EXAMPLES} "
-                                f"KV_OFFLOAD_FUZZ_SEED={REL_FUZZ_SEED} python -m pytest -k fuzz")
+        rel_print(pytestconfig,
+                  f"fuzz long profile: {REL_FUZZ_EXAMPLES} schedules per device, seed "
+                  f"{REL_FUZZ_SEED}; replay: KV_OFFLOAD_FUZZ_EXAMPLES={REL_FUZZ_EXAMPLES} "
+                  f"KV_OFFLOAD_FUZZ_SEED={REL_FUZZ_SEED} python -m pytest -k fuzz")
     logs: list[RelLog] = []
 
     @rel_fuzz_settings
@@ -2760,11 +3079,11 @@ def test_rel_fuzz_random_schedules(device, pytestconfig):
     assert not rare, f"rare windows reached in < 5% of {len(logs)} schedules: {rare}"
 
 
-# -----------------------------------------------------------------------------
-# Scripted interleavings: each one is reached on every CI run (the log says so), not by chance
+# ---- 2.4 Scripted interleavings (each reached on every run, not by chance) -----------------------
 
 REL_DEVICES = DEVICES
-REL_BASE_A = tuple(range(1, 21))        # 20 tokens: 5 blocks, 4 of them a CPU hit (cap: num_tokens - 1)
+# 20 tokens: 5 blocks, 4 of them a CPU hit (cap: num_tokens - 1)
+REL_BASE_A = tuple(range(1, 21))
 REL_BASE_B = tuple(range(100, 116))     # 16 tokens, shares nothing with A
 REL_FULL_A, REL_FULL_B = ("add", 0, 20, (), 1), ("add", 1, 16, (), 1)
 
@@ -2782,7 +3101,8 @@ def test_rel_abort_while_its_load_is_in_flight(device):
     """A is stored; the GPU cache is dropped; B (A's prompt) hits 16 tokens on CPU and is aborted
     while its load report is still on the way. The load's pins (both pools) must stay until the
     report, then go; nothing else may leak."""
-    plan = rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), REL_FULL_A, ("step", 1), ("abort", "r1"),
+    plan = rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), REL_FULL_A, ("step", 1),
+                    ("abort", "r1"),
                     faults=RelFaults(load_delay=3, exact=True), device=device)
     run = rel_run_plan(plan)
     assert run.log.aborts_while_loading == 1 and run.engine.stats["r1"].cpu_hit_tokens == 16
@@ -2813,11 +3133,15 @@ def test_rel_reset_while_a_finish_flush_is_queued():
 def test_rel_reset_while_a_store_and_a_load_are_in_flight(device):
     """reset() with a sent store and a sent load: both are abandoned (reset returns False), their
     late reports release the pins and cache nothing; a later reset succeeds."""
-    plan = rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), REL_FULL_B, ("step", 1), REL_FULL_A, ("step", 1),
+    plan = rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), REL_FULL_B, ("step", 1), REL_FULL_A,
+                    ("step", 1),
                     ("reset",),
-                    budget=12, faults=RelFaults(load_delay=2, store_delay=2, exact=True, split=True), device=device)
+                    budget=12, faults=RelFaults(load_delay=2, store_delay=2, exact=True,
+                                                split=True), device=device)
     run = rel_run_plan(plan)
-    assert run.log.resets_refused == 1 and run.log.stale_reports >= 1 and run.engine.stats["r2"].cpu_hit_tokens == 16
+    assert run.log.resets_refused == 1
+    assert run.log.stale_reports >= 1
+    assert run.engine.stats["r2"].cpu_hit_tokens == 16
 
 
 REL_BASE_C = tuple(range(200, 212))     # 12 tokens, shares nothing with A or B
@@ -2839,7 +3163,8 @@ def test_rel_refused_reset_is_retried_and_serves_no_stale_hit(reset):
         b_hits.append(run.conn.get_num_new_matched_tokens(probe, 0)[0])
         run.conn.request_finished(probe, [])
 
-    plan = rel_plan(REL_FULL_A, REL_FULL_B, ("drain",), ("reset_gpu",), ("hold", 0), ("add", 2, 12, (), 1),
+    plan = rel_plan(REL_FULL_A, REL_FULL_B, ("drain",), ("reset_gpu",), ("hold", 0),
+                    ("add", 2, 12, (), 1),
                     ("step", 2), (reset,), REL_FULL_A, ("step", 2), ("release", 0),
                     bases=(REL_BASE_A, REL_BASE_B, REL_BASE_C), num_cpu_blocks=16)
     run = rel_run_plan(plan, before_reset=probe_b)
@@ -2851,7 +3176,8 @@ def test_rel_refused_reset_is_retried_and_serves_no_stale_hit(reset):
 def rel_pin_plan(last_op) -> RelPlan:
     # A stored; GPU cache dropped; B (16 tokens, then decodes) holds 5 of 7 usable GPU blocks;
     # A again: a CPU hit of 16 tokens needs 4 blocks, 2 are free -> it waits, holding its lookup pin
-    return rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), ("add", 1, 16, (), 8), ("step", 2), REL_FULL_A,
+    return rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), ("add", 1, 16, (), 8), ("step", 2),
+                    REL_FULL_A,
                     ("step", 1), last_op, num_gpu_blocks=8, num_cpu_blocks=12)
 
 
@@ -2868,8 +3194,10 @@ def test_rel_abort_while_a_lookup_pin_is_held():
 def test_rel_preemption_while_stores_are_in_flight():
     """Three long decodes outgrow 7 GPU blocks: a request is preempted while its stores are still
     unreported; its blocks stay pinned by the stores (not reused by the others) until they complete."""
-    plan = rel_plan(("add", 0, 12, (), 10), ("add", 1, 12, (), 10), ("add", 0, 8, (7,), 10), ("step", 6),
-                    faults=RelFaults(store_delay=2, load_delay=1, seed=1), num_gpu_blocks=8, budget=4)
+    plan = rel_plan(("add", 0, 12, (), 10), ("add", 1, 12, (), 10), ("add", 0, 8, (7,), 10),
+                    ("step", 6),
+                    faults=RelFaults(store_delay=2, load_delay=1, seed=1), num_gpu_blocks=8,
+                    budget=4)
     run = rel_run_plan(plan)
     assert run.log.preempted_while_storing >= 1
 
@@ -2881,11 +3209,14 @@ def test_rel_world_size_2_one_worker_lags(device):
     plan = rel_plan(("hold", 1), REL_FULL_A, ("step", 4), ("reset",), ("step", 1), ("release", 1),
                     REL_FULL_A, world_size=2, device=device)
     run = rel_run_plan(plan)
-    assert run.log.partial_counts >= 1 and run.log.resets_refused == 1 and run.log.stale_reports >= 1
+    assert run.log.partial_counts >= 1
+    assert run.log.resets_refused == 1
+    assert run.log.stale_reports >= 1
 
 
 def test_rel_duplicate_and_stale_reports_are_ignored():
-    plan = rel_plan(REL_FULL_A, ("step", 2), ("reset",), REL_FULL_B, ("drain",), ("reset_gpu",), REL_FULL_A,
+    plan = rel_plan(REL_FULL_A, ("step", 2), ("reset",), REL_FULL_B, ("drain",), ("reset_gpu",),
+                    REL_FULL_A,
                     faults=RelFaults(dup=True, store_delay=1, load_delay=1, seed=3))
     run = rel_run_plan(plan)
     assert run.log.duplicate_reports >= 1 and run.log.ignored_reports >= 1
@@ -2893,14 +3224,14 @@ def test_rel_duplicate_and_stale_reports_are_ignored():
 
 def test_rel_one_block_cpu_pool():
     """A CPU pool of one usable block: every store evicts the previous one; still exact."""
-    plan = rel_plan(REL_FULL_A, REL_FULL_B, ("drain",), ("reset_gpu",), REL_FULL_A, ("add", 0, 4, (9,), 2),
+    plan = rel_plan(REL_FULL_A, REL_FULL_B, ("drain",), ("reset_gpu",), REL_FULL_A,
+                    ("add", 0, 4, (9,), 2),
                     num_cpu_blocks=2, faults=RelFaults(store_delay=1, seed=2))
     run = rel_run_plan(plan)
     assert run.log.cpu_evictions >= 1
 
 
-# -----------------------------------------------------------------------------
-# Failures the generator found, kept as named regression tests
+# ---- 2.5 Failures the generator found, kept as regression tests ----------------------------------
 
 # RB-1 (fixed) as the generator first found it (shrunk): 9 usable GPU blocks, budget 2. r2 (11 tokens,
 # 3 outputs) runs while r3 (r1's 28-token prompt) gets 24 tokens from the GPU and CPU caches (a load)
@@ -2908,9 +3239,11 @@ def test_rel_one_block_cpu_pool():
 # is queued *ahead* of r3. Now r2 needs 4 blocks, 3 are free, and r3 never gets its turn. The fix:
 # requests that hold blocks are admitted first.
 REL_RB1_PLAN = RelPlan(
-    ops=(("add", 0, 28, (0, 0, 0, 0, 0), 1), ("abort", 0), ("add", 0, 28, (), 1), ("add", 1, 28, (0,), 3),
+    ops=(("add", 0, 28, (0, 0, 0, 0, 0), 1), ("abort", 0), ("add", 0, 28, (), 1),
+         ("add", 1, 28, (0,), 3),
          ("step", 1), ("add", 0, 28, (), 1)),
-    bases=((0, 31, 13, 32, 0, 0, 0, 33, 25, 35, 40, 31, 29, 23, 30, 22, 0, 32, 38, 27, 0, 12, 29, 39, 0, 0, 0, 0),
+    bases=((0, 31, 13, 32, 0, 0, 0, 33, 25, 35, 40, 31, 29, 23, 30, 22, 0, 32, 38, 27, 0, 12, 29,
+            39, 0, 0, 0, 0),
            (0,) * 10),
     num_gpu_blocks=10, num_cpu_blocks=12, budget=2)
 
@@ -2926,7 +3259,8 @@ def test_rel_regression_a_landed_load_is_progress():
     same before and after, but the step made progress (r3 now holds its blocks), so it is not a
     stall. (4 GPU blocks, budget 2: r3 then computes 2 tokens a step.)"""
     plan = RelPlan(ops=(("add", 0, 28, (), 1), ("add", 0, 28, (), 1), ("drain",), ("reset_gpu",),
-                        ("add", 0, 28, (), 1), ("step", 1), ("abort", 0), ("reset_gpu",), ("add", 0, 28, (), 1)),
+                        ("add", 0, 28, (), 1), ("step", 1), ("abort", 0), ("reset_gpu",),
+                        ("add", 0, 28, (), 1)),
                    bases=((0,) * 8,), num_gpu_blocks=4, num_cpu_blocks=2, budget=2)
     run = rel_run_plan(plan)
     assert run.engine.stats["r3"].cpu_hit_tokens == 4
@@ -2938,7 +3272,8 @@ def test_rel_rb1_minimal_engine_run_finishes():
     CPU load land, waits holding 6 blocks. 'b' grows into a 4th block, finds none free, preempts
     itself and is queued ahead of 'c': it needs 4 blocks, 3 are free, and 'c' never ran. Every
     request fits the pool on its own, so run() must finish."""
-    e = ko.MiniEngine(10, REL_BS, 2, ko.ToyModel(**REL_MODEL), ko.SimpleCPUOffloadScheduler(12, REL_BS),
+    e = ko.MiniEngine(10, REL_BS, 2, ko.ToyModel(**REL_MODEL),
+                      ko.SimpleCPUOffloadScheduler(12, REL_BS),
                       ko.SimpleCPUOffloadWorker(12))
     prompt = list(range(1, 29))
     e.add_request(ko.Request("a", prompt, REL_BS))
@@ -2950,11 +3285,12 @@ def test_rel_rb1_minimal_engine_run_finishes():
     except RuntimeError:
         stuck = [(r.request_id, len(e.req_blocks.get(r.request_id, []))) for r in e.waiting]
         pytest.fail(f"stalled: waiting (request, blocks held) {stuck}, running {e.running}, "
-                    f"{e.gpu_block_pool.get_num_free_blocks()} GPU blocks free")  # [('b', 0), ('c', 6)], [], 3
+                    # [('b', 0), ('c', 6)], [], 3
+                    f"{e.gpu_block_pool.get_num_free_blocks()} GPU blocks free")
     assert [len(stats[r].output_token_ids) for r in "abc"] == [1, 3, 1]
 
 
-# -----------------------------------------------------------------------------
+# ---- 2.6 The bad-input catalogue -----------------------------------------------------------------
 # Bad-input catalogue: every bad call of the public API, in one table. Each must raise a
 # ValueError (a TypeError for a wrong type) whose message names the argument and the value,
 # leave a full snapshot of every object unchanged, and leave a world that still finishes its
@@ -2965,13 +3301,15 @@ def rel_plain(x):
     defining fields, dicts in insertion order, sets sorted."""
     if isinstance(x, torch.Tensor):
         t = x.detach().cpu().contiguous()
-        return ("tensor", str(t.dtype), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return ("tensor", str(t.dtype), tuple(t.shape),
+                t.reshape(-1).view(torch.uint8).numpy().tobytes())
     if isinstance(x, ko.KVCacheBlock):
         return ("block", x.block_id, x.ref_cnt, x.block_hash)
     if isinstance(x, ko.Request):
-        return ("request", x.request_id, x.num_computed_tokens, tuple(x.all_token_ids), len(x.block_hashes))
-    if isinstance(x, (ko.BlockPool, RelProxy, ko.SimpleCPUOffloadScheduler, ko.SimpleCPUOffloadWorker,
-                      ko.MiniEngine, ko.ToyModel)):
+        return ("request", x.request_id, x.num_computed_tokens, tuple(x.all_token_ids),
+                len(x.block_hashes))
+    if isinstance(x, (ko.BlockPool, RelProxy, ko.SimpleCPUOffloadScheduler,
+                      ko.SimpleCPUOffloadWorker, ko.MiniEngine, ko.ToyModel)):
         return (type(x).__name__, id(x))  # snapshotted on their own
     if isinstance(x, ko.DeferredCopyEngine):  # queued copies and the random state that runs them
         return ("copy engine", x.rng.getstate(), tuple((len(s.ops), s.num_done) for s in x.streams))
@@ -3041,8 +3379,10 @@ def rel_world(device: str = "cpu"):
         assert conn.get_num_new_matched_tokens(r, 0) == (12, True)
     c_blocks, d_blocks = eng.gpu_block_pool.get_new_blocks(4), eng.gpu_block_pool.get_new_blocks(4)
     conn.update_state_after_alloc(d, (d_blocks,), 12)
-    return SimpleNamespace(engine=eng, conn=conn, worker=worker, model=model, gpu=eng.gpu_block_pool,
-                           cpu=conn.cpu_block_pool, a=a, b=b, c=c, c_blocks=c_blocks, d=d, d_blocks=d_blocks,
+    return SimpleNamespace(engine=eng, conn=conn, worker=worker, model=model,
+                           gpu=eng.gpu_block_pool,
+                           cpu=conn.cpu_block_pool, a=a, b=b, c=c, c_blocks=c_blocks, d=d,
+                           d_blocks=d_blocks,
                            requests={"a": a, "b": b, "c": c, "d": d},
                            live_event=next(iter(conn._store_event_to_blocks)),
                            spare_conn=ko.SimpleCPUOffloadScheduler(8, REL_BS, world_size=2),
@@ -3064,7 +3404,8 @@ def rel_world_finish(w) -> None:
     again = ko.Request("a again", list(w.a.prompt_token_ids), REL_BS)
     w.engine.add_request(again)
     stats = w.engine.run()["a again"]
-    assert stats.cpu_hit_tokens == 12 and torch.equal(stats.kv, w.model.expected_kv(again.prompt_token_ids))
+    assert stats.cpu_hit_tokens == 12
+    assert torch.equal(stats.kv, w.model.expected_kv(again.prompt_token_ids))
     check_invariants(w.engine, [*w.requests.values(), again], allow_stale_store_counts=True)
     rel_check_idle(w.engine, allow_stale_store_counts=True)
 
@@ -3105,6 +3446,15 @@ def _bind_and(meta, copy: str):
     return call
 
 
+def _copy_row(name, gpu_ids, cpu_ids, exc, match, *, load=False, event=99):
+    """A worker row of BAD_CALLS: bind the metadata of one store (or load) event with these
+    block ids, then issue its copy (wait_for_save / start_load_kv)."""
+    kind, copy = ("load", "start_load_kv") if load else ("store", "wait_for_save")
+    meta = _meta(**{f"{kind}_event": event, f"{kind}_gpu_blocks": gpu_ids,
+                    f"{kind}_cpu_blocks": cpu_ids})
+    return ("worker", f"bind + {copy}({name})", _bind_and(meta, copy), exc, match)
+
+
 def _register(caches, num_gpu_blocks=None):
     return lambda w: rel_unwrap(w.worker).register_kv_caches(caches(), num_gpu_blocks)
 
@@ -3112,7 +3462,8 @@ def _register(caches, num_gpu_blocks=None):
 def _engine(num_gpu_blocks=14, block_size=REL_BS, budget=8, *, conn="live", worker="spare"):
     """MiniEngine(...) built from the world's parts: the live ones or the spares."""
     def call(w):
-        connector = {"live": w.conn, "spare": w.spare_conn, "fresh": ko.SimpleCPUOffloadScheduler(8, REL_BS)}[conn]
+        connector = {"live": w.conn, "spare": w.spare_conn,
+                     "fresh": ko.SimpleCPUOffloadScheduler(8, REL_BS)}[conn]
         workers = {"live": rel_unwrap(w.worker), "spare": w.spare_worker,
                    "two spares": [w.spare_worker, ko.SimpleCPUOffloadWorker(8)],
                    "6 CPU blocks": ko.SimpleCPUOffloadWorker(6)}[worker]
@@ -3147,9 +3498,12 @@ BAD_CALLS = [
     ("pool", "touch(cached free, then a CPU block): foreign",
      lambda w: w.gpu.touch([_free_cached_gpu_block(w), w.cpu.blocks[1]]),
      _V, r"KVCacheBlock\(block_id=1.* is not a block of this pool"),
-    ("pool", "touch(cached free, then a block id): wrong type (RB-5)",  # took refs, then AttributeError
-     lambda w: w.gpu.touch([_free_cached_gpu_block(w), 3]), _V, r"touch: 3 is not a block of this pool"),
-    ("pool", "free_blocks(in use, then a block id): wrong type (RB-5)",  # dropped refs, then AttributeError
+    # took refs, then AttributeError
+    ("pool", "touch(cached free, then a block id): wrong type (RB-5)",
+     lambda w: w.gpu.touch([_free_cached_gpu_block(w), 3]), _V,
+     r"touch: 3 is not a block of this pool"),
+    # dropped refs, then AttributeError
+    ("pool", "free_blocks(in use, then a block id): wrong type (RB-5)",
      lambda w: w.gpu.free_blocks([_in_use_gpu_block(w), 3]),
      _V, r"free_blocks: 3 is not a block of this pool"),
     ("pool", "BlockPool(0 blocks)", lambda w: ko.BlockPool(0, True, REL_BS),
@@ -3165,7 +3519,8 @@ BAD_CALLS = [
     ("manager", "get_num_new_matched_tokens(beyond num_tokens)",
      lambda w: w.conn.get_num_new_matched_tokens(w.c, w.c.num_tokens + REL_BS),
      _V, r"num_computed_tokens=17 outside \[0, 13\]"),
-    ("manager", "get_num_new_matched_tokens(4.0)", lambda w: w.conn.get_num_new_matched_tokens(w.c, 4.0),
+    ("manager", "get_num_new_matched_tokens(4.0)",
+     lambda w: w.conn.get_num_new_matched_tokens(w.c, 4.0),
      _T, r"num_computed_tokens must be an int, got 4\.0"),
     # --- manager: allocation and loads
     ("manager", "update_state_after_alloc(misaligned external tokens)",
@@ -3178,7 +3533,8 @@ BAD_CALLS = [
      lambda w: w.conn.update_state_after_alloc(w.c, (w.c_blocks,), 12.0),
      _T, r"num_external_tokens must be an int, got 12\.0"),
     ("manager", "update_state_after_alloc(external tokens, no lookup)",
-     lambda w: w.conn.update_state_after_alloc(ko.Request("e", list(range(1, 14)), REL_BS), (w.c_blocks,), 4),
+     lambda w: w.conn.update_state_after_alloc(ko.Request("e", list(range(1, 14)), REL_BS),
+                                               (w.c_blocks,), 4),
      _V, r"e: num_external_tokens=4 but get_num_new_matched_tokens\(\) offered no CPU hit"),
     ("manager", "update_state_after_alloc(more than the hit)",
      lambda w: w.conn.update_state_after_alloc(w.c, (w.c_blocks,), 16),
@@ -3189,21 +3545,26 @@ BAD_CALLS = [
     ("manager", "update_state_after_alloc(two groups for one)",
      lambda w: w.conn.update_state_after_alloc(w.c, (w.c_blocks, w.c_blocks), 12),
      _V, r"blocks has 2 groups, expected 1"),
-    ("manager", "update_state_after_alloc(blocks of no pool) (RB-4)",  # consumed the pin, then IndexError
-     lambda w: w.conn.update_state_after_alloc(w.c, ([ko.KVCacheBlock(40 + i) for i in range(4)],), 12),
+    # consumed the pin, then IndexError
+    ("manager", "update_state_after_alloc(blocks of no pool) (RB-4)",
+     lambda w: w.conn.update_state_after_alloc(w.c, ([ko.KVCacheBlock(40 + i) for i in range(4)],),
+                                               12),
      _V, r"load destination KVCacheBlock\(block_id=40.* is not a block of the GPU pool"),
-    ("manager", "update_state_after_alloc(request id of a running request) (RB-2)",  # merged into b's state
+    # merged into b's state
+    ("manager", "update_state_after_alloc(request id of a running request) (RB-2)",
      lambda w: w.conn.update_state_after_alloc(ko.Request("b", [7] * 9, REL_BS), (w.c_blocks,), 0),
      _V, r"request id 'b' is already in use by a running request"),
     ("manager", "update_state_after_alloc(load into a running request's cached block)",
      _load_into(_in_use_gpu_block),
      _V, r"load destination KVCacheBlock\(block_id=\d+.* is cached \(it holds live KV"),
-    ("manager", "update_state_after_alloc(load into the null block)", _load_into(lambda w: w.gpu.null_block),
+    ("manager", "update_state_after_alloc(load into the null block)",
+     _load_into(lambda w: w.gpu.null_block),
      _V, r"load destination KVCacheBlock\(block_id=0.* is the null block"),
     ("manager", "update_state_after_alloc(load into a free block nobody allocated)",
      _load_into(_free_uncached_gpu_block),
      _V, r"load destination KVCacheBlock\(block_id=\d+.* is free \(allocated to no request\)"),
-    ("manager", "update_state_after_alloc(load into one block twice)", _load_into(lambda w: w.c_blocks[1]),
+    ("manager", "update_state_after_alloc(load into one block twice)",
+     _load_into(lambda w: w.c_blocks[1]),
      _V, r"a GPU block appears twice among the load destinations \[(\d+), \1"),
     # --- manager: a step's metadata
     ("manager", "build_connector_meta(block id out of range)",
@@ -3226,11 +3587,13 @@ BAD_CALLS = [
      lambda w: w.conn.request_finished_all_groups(w.b, ([-1],)),
      _V, r"block_ids: GPU block id -1 out of range"),
     ("manager", "request_finished_all_groups(block id 64)",
-     lambda w: w.conn.request_finished_all_groups(w.b, ([w.engine.req_blocks["b"][0].block_id, 64],)),
+     lambda w: w.conn.request_finished_all_groups(w.b,
+                                                  ([w.engine.req_blocks["b"][0].block_id, 64],)),
      _V, r"block_ids: GPU block id 64 out of range \[0, 18\)"),
     ("manager", "request_finished_all_groups(a stale call: an earlier request with b's id)",
       # dropped b's stores
-     lambda w: w.conn.request_finished_all_groups(ko.Request("b", list(range(20, 31)), REL_BS), ([],)),
+     lambda w: w.conn.request_finished_all_groups(ko.Request("b", list(range(20, 31)), REL_BS),
+                                                  ([],)),
      _V, r"request_finished_all_groups: request id 'b' belongs to another, live request"),
     ("manager", "request_finished(a stale call: an earlier request with b's id)",
      lambda w: w.conn.request_finished(ko.Request("b", list(range(20, 31)), REL_BS), []),
@@ -3246,8 +3609,10 @@ BAD_CALLS = [
      r"a completed store event must be an int, got True"),
     ("manager", "update_connector_output(a store event not issued yet)",
       # with 2 workers: kept, then completed early
-     lambda w: _report({w.conn._store_event_counter: 1})(w), _V, r"store event \d+, which was never issued"),
-    ("manager", "update_connector_output(finished_recving names a load never sent)",  # dropped d's pins
+     lambda w: _report({w.conn._store_event_counter: 1})(w), _V,
+     r"store event \d+, which was never issued"),
+    # dropped d's pins
+    ("manager", "update_connector_output(finished_recving names a load never sent)",
      _report({}, {"d"}), _V, r"finished_recving names 'd', whose load was never sent"),
     ("manager", "update_connector_output(None)", lambda w: w.conn.update_connector_output(None),
      _T, r"connector_output must be a KVConnectorOutput, got None"),
@@ -3262,12 +3627,16 @@ BAD_CALLS = [
     ("manager", "bind_gpu_block_pool(None)", lambda w: w.conn.bind_gpu_block_pool(None),
      _T, r"gpu_block_pool must be a BlockPool, got None"),
     *[("manager", f"SimpleCPUOffloadScheduler({kw})",
-       (lambda kw: lambda w: ko.SimpleCPUOffloadScheduler(8, **kw))(kw), _V, r"block sizes must nest") for kw in [
-        dict(block_size=16, hash_block_size=12),                          # hash does not divide block
+       (lambda kw: lambda w: ko.SimpleCPUOffloadScheduler(8, **kw))(kw), _V,
+       r"block sizes must nest") for kw in [
+        # hash does not divide block
+        dict(block_size=16, hash_block_size=12),
         dict(block_size=16, hash_block_size=32),                          # hash larger than block
         dict(block_size=32, hash_block_size=16, group_block_sizes=[24]),  # group does not divide 32
-        dict(block_size=32, hash_block_size=16, group_block_sizes=[16, 64]),  # group larger than block
-        dict(block_size=32, hash_block_size=16, group_block_sizes=[8]),   # hash does not divide group
+        # group larger than block
+        dict(block_size=32, hash_block_size=16, group_block_sizes=[16, 64]),
+        # hash does not divide group
+        dict(block_size=32, hash_block_size=16, group_block_sizes=[8]),
         dict(block_size=8, hash_block_size=2, group_block_sizes=[8, 6]),  # block size not their LCM
         dict(block_size=REL_BS, hash_block_size=3)]],
     ("manager", "SimpleCPUOffloadScheduler(world_size 0)",
@@ -3279,52 +3648,46 @@ BAD_CALLS = [
     ("manager", "SimpleCPUOffloadScheduler(world_size NaN)",
      lambda w: ko.SimpleCPUOffloadScheduler(8, REL_BS, world_size=NAN),
      _T, r"world_size must be an int, got nan"),
-    ("manager", "SimpleCPUOffloadScheduler(block_size 4.0)", lambda w: ko.SimpleCPUOffloadScheduler(8, 4.0),
+    ("manager", "SimpleCPUOffloadScheduler(block_size 4.0)",
+     lambda w: ko.SimpleCPUOffloadScheduler(8, 4.0),
      _T, r"block_size must be an int, got 4\.0"),
-    ("manager", "SimpleCPUOffloadScheduler(1 CPU block)", lambda w: ko.SimpleCPUOffloadScheduler(1, REL_BS),
+    ("manager", "SimpleCPUOffloadScheduler(1 CPU block)",
+     lambda w: ko.SimpleCPUOffloadScheduler(1, REL_BS),
      _V, r"num_cpu_blocks must be an int >= 2, got 1"),
-    ("manager", "SimpleCPUOffloadScheduler(0 CPU blocks)", lambda w: ko.SimpleCPUOffloadScheduler(0, REL_BS),
+    ("manager", "SimpleCPUOffloadScheduler(0 CPU blocks)",
+     lambda w: ko.SimpleCPUOffloadScheduler(0, REL_BS),
      _V, r"num_cpu_blocks must be an int >= 2, got 0"),
     # --- copy worker: a step's calls with bad metadata (bind, then the copy)
-    ("worker", "bind + wait_for_save(GPU source out of range)",
-     _bind_and(_meta(store_event=99, store_gpu_blocks=[1, 99], store_cpu_blocks=[1, 2]), "wait_for_save"),
-     _V, r"store: source block ids \[99\] out of range \[0, 18\)"),
-    ("worker", "bind + wait_for_save(GPU source 18)",
-     _bind_and(_meta(store_event=99, store_gpu_blocks=[18], store_cpu_blocks=[1]), "wait_for_save"),
-     _V, r"store: source block ids \[18\] out of range \[0, 18\)"),
-    ("worker", "bind + wait_for_save(CPU destination out of range)",
-     _bind_and(_meta(store_event=99, store_gpu_blocks=[1], store_cpu_blocks=[8]), "wait_for_save"),
-     _V, r"store: destination block ids \[8\] out of range \[0, 8\)"),
-    ("worker", "bind + start_load_kv(negative CPU source)",
-     _bind_and(_meta(load_event=99, load_gpu_blocks=[5], load_cpu_blocks=[-1]), "start_load_kv"),
-     _V, r"load: source block ids \[-1\] out of range \[0, 8\)"),
-    ("worker", "bind + start_load_kv(CPU source out of range)",
-     _bind_and(_meta(load_event=99, load_gpu_blocks=[5], load_cpu_blocks=[10]), "start_load_kv"),
-     _V, r"load: source block ids \[10\] out of range \[0, 8\)"),
-    ("worker", "bind + start_load_kv(negative GPU destination)",
-     _bind_and(_meta(load_event=99, load_gpu_blocks=[-1], load_cpu_blocks=[1]), "start_load_kv"),
-     _V, r"load: destination block ids \[-1\] out of range \[0, 18\)"),
-    ("worker", "bind + start_load_kv(ids 5.0)",
-     _bind_and(_meta(load_event=99, load_gpu_blocks=[5.0], load_cpu_blocks=[1]), "start_load_kv"),
-     _T, r"load: destination block ids \[5\.0\] are not ints"),
-    ("worker", "bind + wait_for_save(id True)",
-     _bind_and(_meta(store_event=99, store_gpu_blocks=[True], store_cpu_blocks=[1]), "wait_for_save"),
-     _T, r"store: source block ids \[True\] are not ints"),
-    ("worker", "bind + wait_for_save(unequal id counts)",
-     _bind_and(_meta(store_event=99, store_gpu_blocks=[1, 2], store_cpu_blocks=[1]), "wait_for_save"),
-     _V, r"store: 2 source ids but 1 destination ids"),
-    ("worker", "bind + wait_for_save(store event index that does not grow)",
-     _bind_and(_meta(store_event=0, store_gpu_blocks=[1], store_cpu_blocks=[1]), "wait_for_save"),
-     _V, r"store_event=0 after store_event=\d+: event indices must grow"),
-    ("worker", "bind + start_load_kv(load event 1.5)",
-     _bind_and(_meta(load_event=1.5, load_gpu_blocks=[5], load_cpu_blocks=[1]), "start_load_kv"),
-     _T, r"load_event must be an int, got 1\.5"),
-    ("worker", "bind_connector_metadata(None)", lambda w: rel_unwrap(w.worker).bind_connector_metadata(None),
+    _copy_row("GPU source out of range", [1, 99], [1, 2],
+              _V, r"store: source block ids \[99\] out of range \[0, 18\)"),
+    _copy_row("GPU source 18", [18], [1], _V,
+              r"store: source block ids \[18\] out of range \[0, 18\)"),
+    _copy_row("CPU destination out of range", [1], [8],
+              _V, r"store: destination block ids \[8\] out of range \[0, 8\)"),
+    _copy_row("negative CPU source", [5], [-1],
+              _V, r"load: source block ids \[-1\] out of range \[0, 8\)", load=True),
+    _copy_row("CPU source out of range", [5], [10],
+              _V, r"load: source block ids \[10\] out of range \[0, 8\)", load=True),
+    _copy_row("negative GPU destination", [-1], [1],
+              _V, r"load: destination block ids \[-1\] out of range \[0, 18\)", load=True),
+    _copy_row("ids 5.0", [5.0], [1], _T, r"load: destination block ids \[5\.0\] are not ints",
+              load=True),
+    _copy_row("id True", [True], [1], _T, r"store: source block ids \[True\] are not ints"),
+    _copy_row("unequal id counts", [1, 2], [1], _V, r"store: 2 source ids but 1 destination ids"),
+    _copy_row("store event index that does not grow", [1], [1],
+              _V, r"store_event=0 after store_event=\d+: event indices must grow", event=0),
+    _copy_row("load event 1.5", [5], [1], _T, r"load_event must be an int, got 1\.5", load=True,
+              event=1.5),
+    ("worker", "bind_connector_metadata(None)",
+     lambda w: rel_unwrap(w.worker).bind_connector_metadata(None),
      _T, r"metadata must be a SimpleCPUOffloadMetadata, got None"),
     # --- copy worker: registration and construction
-    ("worker", "register_kv_caches(a second time)",  # its zeroed mirrors were served (review defect)
-     lambda w: rel_unwrap(w.worker).register_kv_caches(w.engine.kv_caches, 18), _V, r"already registered"),
-    ("worker", "register_kv_caches(wrong block count)", _register(lambda: {"x": torch.zeros(5, 4)}, 14),
+    # its zeroed mirrors were served (review defect)
+    ("worker", "register_kv_caches(a second time)",
+     lambda w: rel_unwrap(w.worker).register_kv_caches(w.engine.kv_caches, 18), _V,
+     r"already registered"),
+    ("worker", "register_kv_caches(wrong block count)",
+     _register(lambda: {"x": torch.zeros(5, 4)}, 14),
      _V, r"KV cache 'x' has shape \(5, 4\): expected \[14, \.\.\.\]"),
     ("worker", "register_kv_caches(two caches, 6 and 5 blocks)",
      _register(lambda: {"a": torch.zeros(6, 2), "b": torch.zeros(5, 2)}),
@@ -3335,7 +3698,8 @@ BAD_CALLS = [
      _V, r"KV cache region 'x' is not contiguous"),
     ("worker", "register_kv_caches(0-dim tensor) (RB-6)",  # IndexError
      _register(lambda: {"x": torch.zeros(())}), _V, r"at least 2 dims"),
-    ("worker", "register_kv_caches(14.0 blocks)", _register(lambda: {"x": torch.zeros(14, 4)}, 14.0),
+    ("worker", "register_kv_caches(14.0 blocks)",
+     _register(lambda: {"x": torch.zeros(14, 4)}, 14.0),
      _T, r"num_gpu_blocks must be an int, got 14\.0"),
     ("worker", "SimpleCPUOffloadWorker(1 CPU block)", lambda w: ko.SimpleCPUOffloadWorker(1),
      _V, r"num_cpu_blocks must be an int >= 2, got 1"),
@@ -3346,12 +3710,14 @@ BAD_CALLS = [
      _V, r"unknown or finished request id 'nope'"),
     ("engine", "abort_request(finished request)", lambda w: w.engine.abort_request("a"),
      _V, r"unknown or finished request id 'a'"),
-    ("engine", "add_request(reused id)", lambda w: w.engine.add_request(ko.Request("a", [5, 6, 7], REL_BS)),
+    ("engine", "add_request(reused id)",
+     lambda w: w.engine.add_request(ko.Request("a", [5, 6, 7], REL_BS)),
      _V, r"request id 'a' is already in use"),
     ("engine", "add_request(hash_block_size mismatch)",
      lambda w: w.engine.add_request(ko.Request("z", [5, 6, 7], 2)),
      _V, r"request hash_block_size 2 != engine's 4"),
-    ("engine", "add_request(longer than the GPU pool) (RB-7)",  # accepted; run() spun to 'no progress'
+    # accepted; run() spun to 'no progress'
+    ("engine", "add_request(longer than the GPU pool) (RB-7)",
      lambda w: w.engine.add_request(ko.Request("big", list(range(80)), REL_BS)),
      _V, r"'big' needs more GPU blocks than the pool has"),
     ("engine", "add_request(None)", lambda w: w.engine.add_request(None),
@@ -3372,11 +3738,14 @@ BAD_CALLS = [
      _V, r"worker and connector disagree on num_cpu_blocks"),
     ("engine", "MiniEngine(2 workers, world_size 1)", _engine(conn="fresh", worker="two spares"),
      _V, r"2 workers but the connector's world_size is 1"),
-    ("engine", "MiniEngine(1 worker, world_size 2)", _engine(conn="spare"),  # its stores never completed
+    # its stores never completed
+    ("engine", "MiniEngine(1 worker, world_size 2)", _engine(conn="spare"),
      _V, r"1 workers but the connector's world_size is 2"),
-    ("engine", "MiniEngine(a worker that serves another engine)", _engine(conn="fresh", worker="live"),
+    ("engine", "MiniEngine(a worker that serves another engine)",
+     _engine(conn="fresh", worker="live"),
      _V, r"a worker's KV caches are already registered"),
-    ("engine", "MiniEngine(a new worker on the live connector)",  # the next completion failed half-applied
+    # the next completion failed half-applied
+    ("engine", "MiniEngine(a new worker on the live connector)",
      _engine(), _V, r"the connector serves another engine"),
     ("engine", "ToyModel(num_layers 0)", lambda w: ko.ToyModel(0, 1, 4),
      _V, r"num_layers must be an int >= 1, got 0"),
@@ -3401,12 +3770,14 @@ BAD_CALLS = [
     ("engine", "Request(token id -1)", lambda w: ko.Request("e", [-1], REL_BS),
      _V, r"token id -1 at index 0 is outside \[0, 2\*\*63\)"),
     ("engine", "request.append_output_token_ids(1.5) on a running request",
-     lambda w: w.b.append_output_token_ids([3, 1.5]), _T, r"token id 1\.5 at index 1 is not an int"),
+     lambda w: w.b.append_output_token_ids([3, 1.5]), _T,
+     r"token id 1\.5 at index 1 is not an int"),
 ]
 
 
 @pytest.mark.parametrize("device, call, exc, match", [
-    pytest.param(device, call, exc, match, id=f"{layer}: {name}" + (f" [{device}]" if device != "cpu" else ""))
+    pytest.param(device, call, exc, match,
+                 id=f"{layer}: {name}" + (f" [{device}]" if device != "cpu" else ""))
     for layer, name, call, exc, match in BAD_CALLS
     for device in (("cpu", "deferred") if layer == "worker" else ("cpu",))])
 def test_bad_call_raises_and_changes_nothing(device, call, exc, match):
@@ -3422,29 +3793,15 @@ def test_bad_call_raises_and_changes_nothing(device, call, exc, match):
 
 def test_bad_call_catalogue_covers_every_layer():
     layers = Counter(layer for layer, *_ in BAD_CALLS)
-    assert set(layers) == {"pool", "manager", "worker", "engine"} and min(layers.values()) >= 10, layers
+    assert set(layers) == {"pool", "manager", "worker", "engine"} and min(layers.values()) >= 10, (
+        layers)
 
 
-# -----------------------------------------------------------------------------
-# Module bugs found here, now fixed, with a behaviour to show (see the RB-n legend above)
+# ---- 2.7 Module bugs found here, now fixed (see the RB-n legend in Part 2) -----------------------
 
-def rel_manager(num_gpu_blocks=20, num_cpu_blocks=10, world_size=1):
-    gpu = ko.BlockPool(num_gpu_blocks, True, REL_BS)
-    conn = ko.SimpleCPUOffloadScheduler(num_cpu_blocks, REL_BS, world_size=world_size)
-    conn.bind_gpu_block_pool(gpu)
-    return gpu, conn
-
-
-def rel_start(gpu, conn, rid, tokens):
-    """A request scheduled whole: looked up, allocated, registered, prefilled (hashed, computed)."""
-    req = ko.Request(rid, tokens, REL_BS)
-    blocks = gpu.get_new_blocks(ko.cdiv(len(tokens), REL_BS))
-    conn.get_num_new_matched_tokens(req, 0)
-    conn.update_state_after_alloc(req, (blocks,), 0)
-    gpu.cache_full_blocks(req, blocks, 0, len(tokens) // REL_BS, REL_BS, 0)
-    conn.build_connector_meta(ko.SchedulerOutput({rid: len(tokens)}, {rid: ([b.block_id for b in blocks],)}))
-    req.num_computed_tokens = len(tokens)
-    return req, blocks
+def rel_harness(world_size=1) -> Harness:
+    """The manager harness of Part 1 with blocks of REL_BS tokens, 19 GPU and 9 CPU blocks."""
+    return Harness(num_cpu_blocks=10, num_gpu_blocks=20, block_size=REL_BS, world_size=world_size)
 
 
 def test_rel_reused_request_id_is_stored():  # RB-2 (fixed)
@@ -3452,41 +3809,39 @@ def test_rel_reused_request_id_is_stored():  # RB-2 (fixed)
     reported: its state stays, marked finished. A new request reuses the id 'x' (vLLM clients may
     reuse ids once a request is done). Its 2 full blocks must be stored like anyone else's, also
     after a stale request_finished_all_groups() for the old 'x' (a ValueError, nothing changed)."""
-    gpu, conn = rel_manager()
-    x1, b1 = rel_start(gpu, conn, "x", list(range(8)) + [99])
-    m1 = conn.build_connector_meta(ko.SchedulerOutput({"x": 1}))  # decode step: blocks 0, 1 stored
+    h = rel_harness()
+    x1 = h.request(tokens=list(range(8)) + [99], rid="x")
+    _, (t1,) = h.schedule((x1, 9), confirmed=False, lookup=True)
+    m1 = h.step({"x": 1})  # decode step: blocks 0, 1 stored
     assert m1.store_event == 0 and len(m1.store_gpu_blocks) == 2
-    conn.request_finished_all_groups(x1, ([b.block_id for b in b1],))
-    gpu.free_blocks(reversed(b1))
-    x2, b2 = rel_start(gpu, conn, "x", list(range(50, 58)) + [1])
+    h.finish(x1, t1)
+    x2 = h.request(tokens=list(range(50, 58)) + [1], rid="x")
+    _, (t2,) = h.schedule((x2, 9), confirmed=False, lookup=True)
     # issue 13: a late finish for the old 'x' dropped the new one's store state (never stored)
     with pytest.raises(ValueError, match="request id 'x' belongs to another, live request"):
-        conn.request_finished_all_groups(x1, ([b.block_id for b in b1],))
-    stored = list(conn.build_connector_meta(ko.SchedulerOutput({"x": 1})).store_gpu_blocks)
-    conn.update_connector_output(
-        ko.KVConnectorOutput(kv_connector_worker_meta=ko.SimpleCPUOffloadWorkerMetadata({0: 1})))
-    conn.request_finished_all_groups(x2, ([b.block_id for b in b2],))
-    stored += conn.build_connector_meta(ko.SchedulerOutput()).store_gpu_blocks
-    assert stored == [b.block_id for b in b2[:2]], f"the new 'x' stored {stored}"
+        h.sched.request_finished_all_groups(x1, table_ids(t1))
+    stored = list(h.step({"x": 1}).store_gpu_blocks)
+    h.complete_store(0)
+    h.sched.request_finished_all_groups(x2, table_ids(t2))
+    stored += h.step().store_gpu_blocks
+    assert stored == block_ids(t2[0][:2]), f"the new 'x' stored {stored}"
 
 
 def test_rel_repeated_report_of_a_finished_store_is_kept_until_reset():  # RB-3: vLLM parity
     """world_size 2: a late repeat of an already completed store event is counted and kept, as
     vLLM 0.34 keeps it (update_connector_output sums counts per event id, and event ids are never
     reused, so it can never complete anything); reset() drops it. Nothing is cached twice."""
-    gpu, conn = rel_manager(world_size=2)
-    req, blocks = rel_start(gpu, conn, "a", list(range(8)) + [99])
-    event = conn.build_connector_meta(ko.SchedulerOutput({"a": 1})).store_event
-    report = lambda n: conn.update_connector_output(  # noqa: E731
-        ko.KVConnectorOutput(kv_connector_worker_meta=ko.SimpleCPUOffloadWorkerMetadata({event: n})))
-    report(2)  # both workers: the event completes
-    assert len(conn.cpu_block_pool.cached_block_hash_to_block) == 2
-    report(1)  # a late repeat from one worker
-    assert conn._store_event_pending_counts == {event: 1}
-    assert len(conn.cpu_block_pool.cached_block_hash_to_block) == 2
-    conn.request_finished_all_groups(req, ([b.block_id for b in blocks],))
-    gpu.free_blocks(reversed(blocks))
-    assert conn.reset() and conn._store_event_pending_counts == {}
+    h = rel_harness(world_size=2)
+    req = h.request(tokens=list(range(8)) + [99], rid="a")
+    _, (table,) = h.schedule((req, 9), confirmed=False, lookup=True)
+    event = h.step({"a": 1}).store_event
+    h.complete_store(event, 2)  # both workers: the event completes
+    assert len(h.cpu.cached_block_hash_to_block) == 2
+    h.complete_store(event, 1)  # a late repeat from one worker
+    assert h.sched._store_event_pending_counts == {event: 1}
+    assert len(h.cpu.cached_block_hash_to_block) == 2
+    h.finish(req, table)
+    assert h.sched.reset() and h.sched._store_event_pending_counts == {}
 
 
 def test_rel_report_of_an_unissued_store_event_is_refused():  # issue 13
@@ -3494,17 +3849,16 @@ def test_rel_report_of_an_unissued_store_event_is_refused():  # issue 13
     event 0 was issued, one real worker report completed it while the other worker's copy could
     still be queued. Now the early report is a ValueError that records nothing, and event 0 needs
     both real reports: its 2 blocks are cached only after the second."""
-    gpu, conn = rel_manager(world_size=2)
-    early = ko.KVConnectorOutput(kv_connector_worker_meta=ko.SimpleCPUOffloadWorkerMetadata({0: 1}))
+    h = rel_harness(world_size=2)
     with pytest.raises(ValueError, match="store event 0, which was never issued"):
-        conn.update_connector_output(early)
-    req, blocks = rel_start(gpu, conn, "a", list(range(8)) + [99])
-    event = conn.build_connector_meta(ko.SchedulerOutput({"a": 1})).store_event
-    assert event == 0
+        h.complete_store(0, 1)
+    req = h.request(tokens=list(range(8)) + [99], rid="a")
+    h.schedule((req, 9), confirmed=False, lookup=True)
+    assert h.step({"a": 1}).store_event == 0
     cached = []
     for _ in range(2):  # worker 0's report, then worker 1's
-        conn.update_connector_output(early)
-        cached.append(len(conn.cpu_block_pool.cached_block_hash_to_block))
+        h.complete_store(0, 1)
+        cached.append(len(h.cpu.cached_block_hash_to_block))
     assert cached == [0, 2]
 
 
@@ -3516,7 +3870,8 @@ def test_rel_rejected_copy_is_never_reported_complete(direction):
         bad = _meta(store_event=0, store_gpu_blocks=[9], store_cpu_blocks=[1])
         good = _meta(store_event=1, store_gpu_blocks=[2], store_cpu_blocks=[2])
     else:
-        bad = _meta(load_event=0, load_gpu_blocks=[1], load_cpu_blocks=[7], load_event_to_reqs={0: ["bad"]})
+        bad = _meta(load_event=0, load_gpu_blocks=[1], load_cpu_blocks=[7],
+                    load_event_to_reqs={0: ["bad"]})
         good = _meta(load_event=1, load_gpu_blocks=[1], load_cpu_blocks=[2],
                      load_event_to_reqs={0: ["bad"], 1: ["ok"]})
     with pytest.raises(ValueError, match="out of range"):  # at bind, or at the copy
@@ -3531,13 +3886,13 @@ def test_rel_rejected_copy_is_never_reported_complete(direction):
     assert done == ({1} if direction == "store" else {"ok"}), f"reported complete: {done}"
 
 
-# -----------------------------------------------------------------------------
-# The checker checks: each planted corruption is caught (a checker that passes everything proves nothing)
+# ---- 2.8 The checker checks: each planted corruption is caught -----------------------------------
 
 def rel_midflight():
     """A run stopped mid-flight: A stored; the GPU cache dropped; B prefilling with a store whose
     report worker 0 holds; A again with a 16-token load whose report is held too."""
-    plan = rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), ("add", 1, 16, (), 4), ("step", 1), ("hold", 0),
+    plan = rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), ("add", 1, 16, (), 4), ("step", 1),
+                    ("hold", 0),
                     REL_FULL_A, ("step", 2), budget=12)
     run = rel_build(plan)
     for op in plan.ops:
@@ -3553,7 +3908,8 @@ def rel_midflight():
             assert run.engine.reset_gpu_prefix_cache()
         elif op[0] == "hold":
             run.workers[op[1]].rel_hold = True
-    assert loading_requests(run.engine) and run.conn._store_event_to_blocks, "mid-flight: a load and a store in flight"
+    assert loading_requests(run.engine) and run.conn._store_event_to_blocks, (
+        "mid-flight: a load and a store in flight")
     return run
 
 
@@ -3601,8 +3957,8 @@ def _plant_corrupt_gpu_kv(run):
 
 
 def _plant_lost_load(run):
-    rid = next(iter(run.conn._reqs_to_load))
-    del run.conn._reqs_to_load[rid]
+    rid = next(iter(live_loads(run.conn)))
+    del live_loads(run.conn)[rid]
 
 
 @pytest.mark.parametrize("plant, message", [
@@ -3624,7 +3980,8 @@ def test_rel_check_invariants_catches(plant, message):
         check_invariants(run.engine, run.requests.values())
 
 
-@pytest.mark.parametrize("part", ["gpu", "cpu", "kv", "connector", "worker", "engine", "requests", "spares"])
+@pytest.mark.parametrize("part", ["gpu", "cpu", "kv", "connector", "worker", "engine", "requests",
+                                  "spares"])
 def test_rel_snapshot_sees_every_part(part):
     world = rel_world()
     before = rel_snapshot(world)
@@ -3634,7 +3991,7 @@ def test_rel_snapshot_sees_every_part(part):
         "kv": lambda: world.engine.kv_caches["layers.0"][1, 3].add_(1),
         "connector": lambda: world.conn._in_flight_store_gpu_blocks.add(13),
         "worker": lambda: rel_unwrap(world.worker).cpu_caches["layers.0.k"][7].add_(1),
-        "engine": lambda: world.engine._recving_counts.update(a=1),
+        "engine": lambda: world.engine.waiting.append(world.c),
         "requests": lambda: world.c.append_output_token_ids(5),
         "spares": lambda: world.spare_conn.bind_gpu_block_pool(world.gpu),
     }[part]
@@ -3642,143 +3999,14 @@ def test_rel_snapshot_sees_every_part(part):
     assert before[part] != rel_snapshot(world)[part]
 
 
-# ===============================================================================================
-# The notebook: it executes headless, and its key claims hold through kv_offload
-NOTEBOOK = pathlib.Path(ko.__file__).resolve().parent / "walkthrough.ipynb"
-
-
-def _nb_text(cell) -> str:
-    """All stream and text/plain output of one executed code cell."""
-    parts = []
-    for out in cell.get("outputs", []):
-        if out.get("output_type") == "stream":
-            parts.append(out["text"])
-        elif "text/plain" in out.get("data", {}):
-            parts.append(out["data"]["text/plain"])
-    return "".join(parts)
-
-
-def _nb_tagged(nb, tag: str) -> str:
-    cells = [c for c in nb.cells if c.cell_type == "code" and tag in c.get("metadata", {}).get("tags", [])]
-    assert len(cells) == 1, f"expected exactly one notebook cell tagged {tag!r}, found {len(cells)}"
-    return _nb_text(cells[0])
-
-
-@pytest.fixture(scope="module")
-def executed_notebook():
-    """walkthrough.ipynb executed headless, top to bottom (cwd = the repository root)."""
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    pytest.importorskip("matplotlib")
-    pytest.importorskip("ipykernel")
-    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
-    try:
-        KernelSpecManager().get_kernel_spec("python3")
-    except NoSuchKernel:
-        pytest.skip("no python3 Jupyter kernel installed")
-    if not NOTEBOOK.exists():
-        pytest.fail(f"{NOTEBOOK} is missing")
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    # raises CellExecutionError (naming the cell and the traceback) as soon as a cell fails
-    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
-                            resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
-    return nb
-
-
-def test_notebook_executes_without_errors(executed_notebook):
-    errors = [o for c in executed_notebook.cells if c.cell_type == "code"
-              for o in c.outputs if o.get("output_type") == "error"]
-    assert not errors, f"notebook cell raised: {errors[0].get('ename')}: {errors[0].get('evalue')}"
-    pngs = sum("image/png" in o.get("data", {}) for c in executed_notebook.cells if c.cell_type == "code"
-               for o in c.outputs)
-    assert pngs >= 3, f"the notebook drew {pngs} pictures, expected at least 3"
-
-
-def test_notebook_claims_in_its_outputs(executed_notebook):
-    """The numbers the prose relies on, read from the freshly executed notebook (each derived in
-    the module's tests: 97 tokens = 6 blocks of 16 + 1, cap 96; blocks of 8 hashed every 4;
-    a 64-block prompt against CPU pools around 64 blocks; 217 blocks at 7 per step)."""
-    nb = executed_notebook
-    claims = {  # tag of the cell -> what its output must say
-        "claim-029": [r"0.29: len\(cached_block_hash_to_block\) = 6; cached_block_hashes_by_block = \{\}",
-                      r"0.29 lookup for the same prompt: 96 hit tokens"],
-        "claim-fine": [r"0.29 +CPU secondary keys: 0; fine-grained hit: 8 hit tokens",
-                       r"fixed +CPU secondary keys: 1; fine-grained hit: 12 hit tokens"],
-        "claim-capacity": [r"0.29 .*56: 0, 57: 896,.* 72: 896\}", r"fixed .*64: 0, 65: 1008,.* 72: 1008\}"],
-        "claim-trap": [r"0.29 +map entries: 6; lookup for the same prompt: 96 hit tokens",
-                       r"no reset_hash +map entries: 0; lookup for the same prompt: 0 hit tokens",
-                       r"fixed +map entries: 6; lookup for the same prompt: 96 hit tokens"],
-        "claim-bug2": [r"flush bug +31 steps, 210 of 217", r"fixed +32 steps, 217 of 217"],
-    }
-    for tag, patterns in claims.items():
-        text = _nb_tagged(nb, tag)
-        for pattern in patterns:
-            assert re.search(pattern, text), (tag, pattern, text)
-    story = _nb_tagged(nb, "claim-story").splitlines()
-    expected = {"0.29": "1024 tokens computed, 3072 loaded", "no reset_hash": "4096 tokens computed,    0 loaded",
-                "fixed": "  16 tokens computed, 4080 loaded"}
-    for name, counts in expected.items():
-        line = next(line for line in story if line.startswith(name + " "))
-        assert counts in line, line
-        assert "same output token as A: True" in line and "KV equals expected_kv: True" in line
-
-
-README = pathlib.Path(ko.__file__).resolve().parent / "README.md"
-
-
-def _readme_table(text: str, header_start: str) -> dict[str, dict[str, str]]:
-    """Rows of one of the README's demo tables: row name -> {column: cell}."""
-    lines = text[text.index(header_start):].splitlines()
-    columns = re.split(r"\s{2,}", lines[1].strip())
-    rows = {}
-    for line in lines[2:]:
-        cells = re.split(r"\s{2,}", line.strip())
-        if len(cells) != len(columns) + 1:
-            break
-        rows[cells[0]] = dict(zip(columns, cells[1:]))
-    return rows
-
-
-def test_readme_numbers_match_the_code():
-    """Every count the README prints comes from the code as it is now: the demo's two tables
-    (each non-timing row, each column) and the number of tests in the file map."""
-    text = README.read_text()
-    main_table = _readme_table(text, "```\n                            0.29 (both)")
-    small_table = _readme_table(text, "The same, with a CPU pool of 448 blocks")
-    assert len(main_table) >= 6 and len(small_table) == 3, (main_table, small_table)
-    for name, (cls, kwargs) in ko.STORY_VARIANTS.items():
-        r = ko.run_story(cls, 8192, **kwargs)
-        for row, cells in main_table.items():
-            assert cells[name] == str(r[row]), (name, row, cells[name], r[row])
-        if name in small_table["cpu_hit_tokens"]:
-            r = ko.run_story(cls, 8192, num_cpu_blocks=448, **kwargs)
-            for row, cells in small_table.items():
-                assert cells[name] == str(r[row]), (name, row, cells[name], r[row])
-    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
-                                "no:cacheprovider", __file__], capture_output=True, text=True).stdout
-    num_tests = int(re.search(r"(\d+) tests collected", collected).group(1))
-    assert f"| {num_tests} tests (CPU;" in text, f"the README's file map should say {num_tests} tests"
-
-
-def test_notebook_is_committed_with_outputs():
-    """Readers open it on the web before running anything: every code cell must carry its output."""
-    nbformat = pytest.importorskip("nbformat")
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    assert code and all(c.execution_count is not None for c in code), "notebook saved without executing it"
-    assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), "cells were not run top to bottom"
-    pngs = sum("image/png" in o.get("data", {}) for c in code for o in c.outputs)
-    assert pngs >= 3, f"committed notebook has {pngs} pictures, expected at least 3"
-    assert not any(o.get("output_type") == "error" for c in code for o in c.outputs)
-    too_long = [len(c.source.splitlines()) for c in code if len(c.source.splitlines()) > 15]
-    assert not too_long, f"code cells of {too_long} lines: keep notebook cells to 15 lines or fewer"
-    assert "import kv_offload as ko" in code[0].source
-
-
-# ===============================================================================================
-# Differential tests against vLLM 0.34 itself (skipped without it). To run them:
+# ==================================================================================================
+# Part 3 — the vLLM differential
+# ==================================================================================================
+# Against vLLM 0.34 itself (skipped without it). To run them:
 #   pip download --no-deps vllm==0.34.0; unzip its vllm/ folder outside the repo; put it on
 #   PYTHONPATH; pip install the pure-Python modules its imports ask for (README: Comparing with vLLM).
+
+# ---- 3.1 Importing vLLM, comparing states --------------------------------------------------------
 
 VLLM_VERSION: str | None = None  # the version of the vLLM that imports here, e.g. "0.34.0"
 try:  # vLLM's sources (a wheel unzipped on PYTHONPATH) and their few pure-Python deps
@@ -3832,38 +4060,6 @@ needs_vllm = pytest.mark.skipif(VLLM_MISSING is not None, reason=str(VLLM_MISSIN
 DIFF_SEEDS = int(os.environ.get("KV_OFFLOAD_DIFF_SEEDS") or 4)
 
 
-def _bid(b):
-    return None if b is None else b.block_id
-
-
-def map_contents(m) -> dict:
-    """key -> block ids in insertion order. vLLM 0.34 (and ours) keep one id per key in `_cache`
-    and every id of a key of several blocks in `_dup_ids`; before 0.34 vLLM kept a bare block
-    or a {block_id: block} dict per key."""
-    if hasattr(m, "_dup_ids"):
-        return {key: list(m._dup_ids.get(key, [block_id])) for key, block_id in m._cache.items()}
-    return {key: [b.block_id for b in v.values()] if isinstance(v, dict) else [v.block_id]
-            for key, v in m._cache.items()}
-
-
-def vpool_state(pool) -> dict:
-    blocks = pool.blocks
-    return {
-        "num_free": pool.get_num_free_blocks(),
-        "free_queue": [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
-        "ref_cnt": [b.ref_cnt for b in blocks],
-        "block_hash": [b.block_hash for b in blocks],
-        "block_hash_num_tokens": [b.block_hash_num_tokens for b in blocks],
-        "links": [(_bid(b.prev_free_block), _bid(b.next_free_block)) for b in blocks],
-        "is_null": [b.is_null for b in blocks],
-        "null_block": pool.null_block.block_id,
-        "secondaries": {k: set(v) for k, v in pool.cached_block_hashes_by_block.items()},
-        "hash_map": map_contents(pool.cached_block_hash_to_block),
-        "hash_map_len": len(pool.cached_block_hash_to_block),
-        "usage": round(pool.get_usage(), 9),
-    }
-
-
 def _short(v):
     if isinstance(v, bytes):
         return v.hex()[:12]
@@ -3878,7 +4074,8 @@ def _short(v):
 
 def _describe(a, b) -> str:
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        return "at index: " + repr({i: (_short(x), _short(y)) for i, (x, y) in enumerate(zip(a, b)) if x != y})
+        diff = {i: (_short(x), _short(y)) for i, (x, y) in enumerate(zip(a, b)) if x != y}
+        return "at index: " + repr(diff)
     return f"ours={_short(a)!r}\n      vllm={_short(b)!r}"
 
 
@@ -3908,16 +4105,7 @@ def call_both(what: str, f_ours, f_vllm):
     return res[0], res[1], exc[0]
 
 
-# =============================================================================
-# Hash chains with a lot of shared prefixes
-
-def make_hashes(tokens: list[int], hbs: int) -> list[bytes]:
-    out, parent = [], None
-    for i in range(len(tokens) // hbs):
-        parent = ko.hash_block_tokens(parent, tokens[i * hbs:(i + 1) * hbs])
-        out.append(parent)
-    return out
-
+# ---- 3.2 Hash chains with a lot of shared prefixes -----------------------------------------------
 
 class TokenSource:
     """Prompts over a tiny alphabet built on a few shared stems, so prefixes collide often."""
@@ -3934,8 +4122,7 @@ class TokenSource:
         return stem[:keep] + [rng.randrange(self.alphabet) for _ in range(n - keep)]
 
 
-# =============================================================================
-# a) FreeKVCacheBlockQueue and BlockPool
+# ---- 3.3 FreeKVCacheBlockQueue and BlockPool -----------------------------------------------------
 
 @needs_vllm
 @pytest.mark.parametrize("seed", range(6))
@@ -3976,15 +4163,19 @@ def test_free_queue_differential(seed):
         assert_same(oq.num_free_blocks, vq.num_free_blocks, what + " num_free_blocks")
         assert_same([b.block_id for b in oq.get_all_free_blocks()],
                     [b.block_id for b in vq.get_all_free_blocks()], what + " order")
-        assert_same([(_bid(b.prev_free_block), _bid(b.next_free_block)) for b in ob],
-                    [(_bid(b.prev_free_block), _bid(b.next_free_block)) for b in vb], what + " links")
+        assert_same([tuple(block_ids([b.prev_free_block, b.next_free_block])) for b in ob],
+                    [tuple(block_ids([b.prev_free_block, b.next_free_block])) for b in vb],
+                    what + " links")
 
 
-def v_find_longest_cache_hit(block_hashes, max_length, group_ids, pool, block_size, alignment_tokens):
-    spec = VFullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float16)
+def v_find_longest_cache_hit(block_hashes, max_length, group_ids, pool, block_size,
+                             alignment_tokens):
+    spec = VFullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8,
+                              dtype=torch.float16)
     return VFullAttentionManager.find_longest_cache_hit(
         block_hashes=block_hashes, max_length=max_length, kv_cache_group_ids=group_ids,
-        block_pool=pool, kv_cache_spec=spec, drop_eagle_block=False, alignment_tokens=alignment_tokens)
+        block_pool=pool, kv_cache_spec=spec, drop_eagle_block=False,
+                                                        alignment_tokens=alignment_tokens)
 
 
 def compare_lookup(pair, hashes, max_length, group_ids, block_size, align, what):
@@ -3994,8 +4185,10 @@ def compare_lookup(pair, hashes, max_length, group_ids, block_size, align, what)
     kw = {} if align is None else {"alignment_tokens": align}
     (ob, oh), (vb, vh), _ = call_both(
         what,
-        lambda: ko.find_longest_cache_hit(hashes, max_length, group_ids, pair.ours, block_size, **kw),
-        lambda: v_find_longest_cache_hit(hashes, max_length, group_ids, pair.vllm, block_size, v_align))
+        lambda: ko.find_longest_cache_hit(hashes, max_length, group_ids, pair.ours, block_size,
+                                          **kw),
+        lambda: v_find_longest_cache_hit(hashes, max_length, group_ids, pair.vllm, block_size,
+                                         v_align))
     assert_same((oh, [[b.block_id for b in g] for g in ob]),
                 (vh, [[b.block_id for b in g] for g in vb]), what)
     return oh, [[b.block_id for b in g] for g in ob]
@@ -4008,7 +4201,7 @@ class PoolPair:
         self.vllm = VBlockPool(n, caching, hbs)
 
     def check(self, what: str) -> None:
-        assert_same(vpool_state(self.ours), vpool_state(self.vllm), what)
+        assert_same(pool_state(self.ours), pool_state(self.vllm), what)
 
     def ob(self, ids):
         return [self.ours.blocks[i] for i in ids]
@@ -4031,7 +4224,8 @@ class PoolTrace:
         self.tokens = TokenSource(rng, alphabet=2, stem_len=6 * block_size)
         self.reqs: list[SimpleNamespace] = []  # live requests: hashes, block ids, num_cached, group
         self.pins: list[int] = []              # extra refs from touch / raw allocations
-        self.known_keys: list[bytes] = []      # hashes seen, for get_cached_block / _insert_block_hash
+        # hashes seen, for get_cached_block / _insert_block_hash
+        self.known_keys: list[bytes] = []
         self.ops = 0
         self.lookups = 0
 
@@ -4040,7 +4234,7 @@ class PoolTrace:
                 f"op#{self.ops} {op}")
 
     def new_hashes(self) -> list[bytes]:
-        h = make_hashes(self.tokens.prompt(6 * self.bs), self.hbs)
+        h = ko.Request("p", self.tokens.prompt(6 * self.bs), self.hbs).block_hashes
         self.known_keys.extend(h)
         return h
 
@@ -4064,7 +4258,8 @@ class PoolTrace:
         p.vllm.touch(p.vb(hit_ids))
         p.check(self.what("new_request touch"))
         a, b, exc = call_both(self.what("new_request get_new_blocks"),
-                              lambda: p.ours.get_new_blocks(n_new), lambda: p.vllm.get_new_blocks(n_new))
+                              lambda: p.ours.get_new_blocks(n_new),
+                              lambda: p.vllm.get_new_blocks(n_new))
         if exc is not None:  # the touch took evictable hits out of the queue: no room after all
             assert isinstance(exc, ValueError), exc
             p.ours.free_blocks(p.ob(hit_ids))
@@ -4085,8 +4280,10 @@ class PoolTrace:
         num_full = rng.randint(r.num_cached + 1, hi)
         req = SimpleNamespace(block_hashes=r.hashes)
         call_both(self.what(f"cache_full_blocks({r.num_cached}->{num_full}, g{r.group})"),
-                  lambda: p.ours.cache_full_blocks(req, p.ob(r.blocks), r.num_cached, num_full, self.bs, r.group),
-                  lambda: p.vllm.cache_full_blocks(req, p.vb(r.blocks), r.num_cached, num_full, self.bs, r.group))
+                  lambda: p.ours.cache_full_blocks(req, p.ob(r.blocks), r.num_cached, num_full,
+                                                   self.bs, r.group),
+                  lambda: p.vllm.cache_full_blocks(req, p.vb(r.blocks), r.num_cached, num_full,
+                                                   self.bs, r.group))
         r.num_cached = num_full
 
     def op_cache_partial_block(self):
@@ -4105,8 +4302,10 @@ class PoolTrace:
         req = SimpleNamespace(block_hashes=r.hashes, mm_features=[])
         ok, vk, _ = call_both(
             self.what(f"cache_partial_block(block#{j}, {num_tokens} tokens)"),
-            lambda: p.ours.cache_partial_block(req, p.ours.blocks[r.blocks[j]], num_tokens, r.group),
-            lambda: p.vllm.cache_partial_block(req, p.vllm.blocks[r.blocks[j]], num_tokens, r.group, self.bs))
+            lambda: p.ours.cache_partial_block(req, p.ours.blocks[r.blocks[j]], num_tokens,
+                                               r.group),
+            lambda: p.vllm.cache_partial_block(req, p.vllm.blocks[r.blocks[j]], num_tokens, r.group,
+                                               self.bs))
         assert_same(ok, vk, self.what("cache_partial_block return"))
 
     def op_insert_block_hash(self):
@@ -4137,11 +4336,13 @@ class PoolTrace:
         if not self.reqs:
             return
         r = self.reqs.pop(rng.randrange(len(self.reqs)))
-        order = list(reversed(r.blocks)) if rng.random() < 0.8 else rng.sample(r.blocks, len(r.blocks))
+        order = list(reversed(r.blocks)) if rng.random() < 0.8 else rng.sample(r.blocks,
+                                                                               len(r.blocks))
         if rng.random() < 0.2:
             order.insert(rng.randint(0, len(order)), 0)  # the null block is skipped silently
         call_both(self.what(f"free_blocks(request {order})"),
-                  lambda: p.ours.free_blocks(iter(p.ob(order))), lambda: p.vllm.free_blocks(p.vb(order)))
+                  lambda: p.ours.free_blocks(iter(p.ob(order))),
+                  lambda: p.vllm.free_blocks(p.vb(order)))
 
     def op_touch(self):
         rng, p = self.rng, self.pair
@@ -4149,7 +4350,8 @@ class PoolTrace:
         ids = rng.sample(cands, rng.randint(0, min(4, len(cands))))
         if rng.random() < 0.2:
             ids.append(0)
-        call_both(self.what(f"touch({ids})"), lambda: p.ours.touch(p.ob(ids)), lambda: p.vllm.touch(p.vb(ids)))
+        call_both(self.what(f"touch({ids})"), lambda: p.ours.touch(p.ob(ids)),
+                  lambda: p.vllm.touch(p.vb(ids)))
         self.pins.extend(i for i in ids if i != 0)
 
     def op_unpin(self):
@@ -4167,11 +4369,13 @@ class PoolTrace:
 
     def op_get_new_blocks(self):
         rng, p = self.rng, self.pair
-        k = rng.randint(0, p.ours.get_num_free_blocks() + 2)  # may over-allocate: ValueError on both
+        # may over-allocate: ValueError on both
+        k = rng.randint(0, p.ours.get_num_free_blocks() + 2)
         a, b, exc = call_both(self.what(f"get_new_blocks({k})"),
                               lambda: p.ours.get_new_blocks(k), lambda: p.vllm.get_new_blocks(k))
         if exc is None:
-            assert_same([x.block_id for x in a], [x.block_id for x in b], self.what("get_new_blocks ids"))
+            assert_same([x.block_id for x in a], [x.block_id for x in b],
+                        self.what("get_new_blocks ids"))
             self.pins.extend(x.block_id for x in a)
         else:
             assert isinstance(exc, ValueError), exc
@@ -4182,17 +4386,20 @@ class PoolTrace:
             return
         key = rng.choice(self.known_keys)
         gids = rng.choice([[0], [1], [0, 1], [1, 0]])
-        a, b, _ = call_both(self.what("get_cached_block"), lambda: p.ours.get_cached_block(key, gids),
+        a, b, _ = call_both(self.what("get_cached_block"),
+                            lambda: p.ours.get_cached_block(key, gids),
                             lambda: p.vllm.get_cached_block(key, gids))
         assert_same(None if a is None else [x.block_id for x in a],
-                    None if b is None else [x.block_id for x in b], self.what("get_cached_block result"))
+                    None if b is None else [x.block_id for x in b],
+                    self.what("get_cached_block result"))
 
     def op_lookup(self):
         rng, p = self.rng, self.pair
-        hashes = make_hashes(self.tokens.prompt(6 * self.bs), self.hbs)
+        hashes = ko.Request("p", self.tokens.prompt(6 * self.bs), self.hbs).block_hashes
         max_len = rng.randint(0, len(hashes) * self.hbs + self.hbs)
         aligns = [None, self.hbs, self.bs] if self.scale > 1 else [None, self.bs]
-        compare_lookup(p, hashes, max_len, rng.choice([[0], [1], [0, 1]]), self.bs, rng.choice(aligns),
+        compare_lookup(p, hashes, max_len, rng.choice([[0], [1], [0, 1]]), self.bs,
+                       rng.choice(aligns),
                        self.what(f"find_longest_cache_hit(max_length={max_len})"))
         self.lookups += 1
 
@@ -4211,7 +4418,8 @@ class PoolTrace:
         assert_same(a, b, self.what("reset_prefix_cache result"))
 
     def run(self, n_ops: int) -> None:
-        ops = [(self.op_new_request, 5), (self.op_cache_full_blocks, 5), (self.op_cache_partial_block, 2),
+        ops = [(self.op_new_request, 5), (self.op_cache_full_blocks, 5),
+               (self.op_cache_partial_block, 2),
                (self.op_insert_block_hash, 2), (self.op_finish_request, 3), (self.op_touch, 2),
                (self.op_unpin, 2), (self.op_get_new_blocks, 1), (self.op_get_cached_block, 2),
                (self.op_lookup, 2), (self.op_reset, 0.3)]
@@ -4242,8 +4450,7 @@ def test_block_pool_differential(seed, n, caching, hbs, bs):
     trace.run(400)
 
 
-# =============================================================================
-# b) find_longest_cache_hit on random pools
+# ---- 3.4 find_longest_cache_hit on random pools --------------------------------------------------
 
 @needs_vllm
 @pytest.mark.parametrize("hbs,bs", [(2, 2), (2, 4), (1, 4), (2, 8)])
@@ -4254,7 +4461,7 @@ def test_find_longest_cache_hit_differential(seed, hbs, bs):
     for _ in range(6):  # build a pool with full keys, partial entries and secondaries ...
         trace.run(40)
         for _ in range(60):  # ... then probe it
-            hashes = make_hashes(trace.tokens.prompt(6 * bs), hbs)
+            hashes = ko.Request("p", trace.tokens.prompt(6 * bs), hbs).block_hashes
             if rng.random() < 0.3 and trace.reqs:  # a prefix that is in the pool for sure
                 hashes = rng.choice(trace.reqs).hashes
             max_len = rng.randint(0, len(hashes) * hbs + bs)
@@ -4265,20 +4472,23 @@ def test_find_longest_cache_hit_differential(seed, hbs, bs):
                            f"max_length={max_len} align={align} groups={gids}")
 
 
-# =============================================================================
-# c) SimpleCPUOffloadScheduler, driven like vLLM's scheduler drives it
+# ---- 3.5 SimpleCPUOffloadScheduler, driven like vLLM's scheduler drives it -----------------------
 
-def make_vllm_scheduler(num_gpu_blocks, num_cpu_blocks, block_size, hash_block_size, group_block_sizes,
+def make_vllm_scheduler(num_gpu_blocks, num_cpu_blocks, block_size, hash_block_size,
+                        group_block_sizes,
                         world_size):
     """vLLM's manager from a real KVCacheConfig and a stand-in VllmConfig holding just the
     attributes its constructor (eager mode) reads."""
     page = 1024
-    groups = [VKVCacheGroupSpec([f"layer_{g}"], VFullAttentionSpec(block_size=s, num_kv_heads=1, head_size=8,
+    groups = [VKVCacheGroupSpec([f"layer_{g}"],
+                                VFullAttentionSpec(block_size=s, num_kv_heads=1, head_size=8,
                                                                     dtype=torch.float16))
               for g, s in enumerate(group_block_sizes)]
-    tensors = [VKVCacheTensor(size=num_gpu_blocks * page, layers=[f"layer_{g}" for g in range(len(groups))],
+    tensors = [VKVCacheTensor(size=num_gpu_blocks * page,
+                              layers=[f"layer_{g}" for g in range(len(groups))],
                               layer_stride=num_gpu_blocks * page, block_stride=page)]
-    kv_cache_config = VKVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
+    kv_cache_config = VKVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=tensors,
+                                     kv_cache_groups=groups)
     vllm_config = SimpleNamespace(
         kv_events_config=None,
         parallel_config=SimpleNamespace(decode_context_parallel_size=1, world_size=world_size),
@@ -4302,33 +4512,23 @@ def make_vllm_scheduler(num_gpu_blocks, num_cpu_blocks, block_size, hash_block_s
 V_EXTRA_OUTPUT_FIELDS = {"num_common_prefix_blocks": []} if V_IS_029 else {}
 
 
-def _pending_hit(v):
-    """A pending CPU hit as one comparable tuple: ours is a PendingCPUHit, vLLM's a bare tuple
-    (0.34: hit blocks per group, hit length, num_computed_tokens; 0.29: the first two)."""
-    if isinstance(v, ko.PendingCPUHit):
-        v = (v.hit_blocks, v.hit_length, v.num_computed_tokens)
-    return (_ids(v[0]), *v[1:])
-
-
-def _ids(groups):
-    return [[b.block_id for b in g] for g in groups]
-
-
 def manager_state(m) -> dict:
     def store(s):
-        return ([list(x) for x in s.block_ids], list(s.num_stored_blocks), sorted(s.store_events), s.finished)
+        return ([list(x) for x in s.block_ids], list(s.num_stored_blocks), sorted(s.store_events),
+                s.finished)
 
     def load(s):
-        return (list(s.transfer_meta.gpu_block_ids), list(s.transfer_meta.cpu_block_ids), s.load_event, s.finished)
+        return (list(s.transfer_meta.gpu_block_ids), list(s.transfer_meta.cpu_block_ids),
+                s.load_event, s.finished)
 
     def tm(t):
         return (list(t.gpu_block_ids), list(t.cpu_block_ids))
 
     state = {
         "reqs_to_store": [(k, store(v)) for k, v in m._reqs_to_store.items()],
-        "reqs_to_load": [(k, load(v)) for k, v in m._reqs_to_load.items()],
-        "abandoned_reqs_to_load": [(k, load(v)) for k, v in m._abandoned_reqs_to_load.items()],
-        "pending_cpu_hits": [(k, _pending_hit(v)) for k, v in m._pending_cpu_hits.items()],
+        "reqs_to_load": [(k, load(v)) for k, v in live_loads(m).items()],
+        "abandoned_reqs_to_load": [(k, load(v)) for k, v in abandoned_loads(m).items()],
+        "pending_cpu_hits": [(k, (table_ids(v[0]), *v[1:])) for k, v in pending_cpu_hits(m).items()],
         "load_event_to_reqs": [(k, list(v)) for k, v in m._load_event_to_reqs.items()],
         "store_event_to_blocks": [(k, tm(v)) for k, v in m._store_event_to_blocks.items()],
         "abandoned_store_event_to_blocks": [(k, tm(v)) for k, v in m._abandoned_store_event_to_blocks.items()],
@@ -4392,7 +4592,8 @@ class ManagerTrace:
     decode, preemption, build_connector_meta, store/load completions from world_size workers in
     any interleaving, request_finished_all_groups, request_finished, reset()."""
 
-    def __init__(self, seed, num_gpu_blocks, num_cpu_blocks, block_size, hash_block_size, group_block_sizes,
+    def __init__(self, seed, num_gpu_blocks, num_cpu_blocks, block_size, hash_block_size,
+                 group_block_sizes,
                  world_size=1, budget=8, max_prompt=40, ours_cls=None, **ours_kwargs):
         self.rng = rng = random.Random(seed)
         self.seed = seed
@@ -4419,8 +4620,10 @@ class ManagerTrace:
         self.step_no = 0
         self.calls = 0
         self.finished_total = 0
-        self.stats = {"cpu_hits": 0, "stores": 0, "loads": 0, "preemptions": 0, "resets": 0, "resets_refused": 0,
-                      "flushes": 0, "cpu_secondaries": 0, "declined_or_partial_hits": 0, "stale_pins": 0,
+        self.stats = {"cpu_hits": 0, "stores": 0, "loads": 0, "preemptions": 0, "resets": 0,
+                      "resets_refused": 0,
+                      "flushes": 0, "cpu_secondaries": 0, "declined_or_partial_hits": 0,
+                      "stale_pins": 0,
                       "aborts_waiting": 0, "aborts_loading": 0}
 
     # --- plumbing -------------------------------------------------------------
@@ -4431,7 +4634,8 @@ class ManagerTrace:
     def check(self, op):
         w = self.what(op)
         assert_same(manager_state(self.ours), manager_state(self.vllm), w + " [manager state]")
-        assert_same(vpool_state(self.ours.cpu_block_pool), vpool_state(self.vllm.cpu_block_pool), w + " [CPU pool]")
+        assert_same(pool_state(self.ours.cpu_block_pool), pool_state(self.vllm.cpu_block_pool),
+                    w + " [CPU pool]")
         self.gpu.check(w + " [GPU pool]")
 
     def both(self, op, f_ours, f_vllm):
@@ -4442,7 +4646,8 @@ class ManagerTrace:
 
     def gpu_alloc(self, n):
         a, b, _ = call_both(self.what(f"gpu get_new_blocks({n})"),
-                            lambda: self.gpu.ours.get_new_blocks(n), lambda: self.gpu.vllm.get_new_blocks(n))
+                            lambda: self.gpu.ours.get_new_blocks(n),
+                            lambda: self.gpu.vllm.get_new_blocks(n))
         ids = [x.block_id for x in a]
         assert_same(ids, [x.block_id for x in b], self.what("gpu get_new_blocks ids"))
         return ids
@@ -4459,19 +4664,25 @@ class ManagerTrace:
         """vLLM caches (hashes) the blocks a step will fill at allocation time, before the forward."""
         req = er.req
         for g, size in enumerate(self.sizes):
-            num_full = min(num_tokens // size, len(req.block_hashes) // (size // self.hbs), len(er.table[g]))
+            num_full = min(num_tokens // size, len(req.block_hashes) // (size // self.hbs),
+                           len(er.table[g]))
             if num_full > er.num_cached[g]:
-                self.gpu.ours.cache_full_blocks(req, self.gpu.ob(er.table[g]), er.num_cached[g], num_full, size, g)
-                self.gpu.vllm.cache_full_blocks(req, self.gpu.vb(er.table[g]), er.num_cached[g], num_full, size, g)
+                self.gpu.ours.cache_full_blocks(req, self.gpu.ob(er.table[g]), er.num_cached[g],
+                                                num_full, size, g)
+                self.gpu.vllm.cache_full_blocks(req, self.gpu.vb(er.table[g]), er.num_cached[g],
+                                                num_full, size, g)
                 er.num_cached[g] = num_full
             # vLLM's FullAttentionManager._cache_partial_tail_block: a group whose blocks are
             # bigger than a hash block also registers the prompt's last hash boundary inside a
             # block (a secondary key when that block already has its full key, e.g. a local hit)
-            boundary = min((req.num_prompt_tokens - 1) // self.hbs, len(req.block_hashes)) * self.hbs
+            boundary = min((req.num_prompt_tokens - 1) // self.hbs,
+                           len(req.block_hashes)) * self.hbs
             j = boundary // size
             if size > self.hbs and 0 < boundary <= num_tokens and boundary % size and j < len(er.table[g]):
-                self.gpu.ours.cache_partial_block(req, self.gpu.ours.blocks[er.table[g][j]], boundary, g)
-                self.gpu.vllm.cache_partial_block(req, self.gpu.vllm.blocks[er.table[g][j]], boundary, g, size)
+                self.gpu.ours.cache_partial_block(req, self.gpu.ours.blocks[er.table[g][j]],
+                                                  boundary, g)
+                self.gpu.vllm.cache_partial_block(req, self.gpu.vllm.blocks[er.table[g][j]],
+                                                  boundary, g, size)
         self.gpu.check(self.what(f"gpu cache_full_blocks {er.rid}"))
 
     def blocks_needed(self, er, num_tokens):
@@ -4514,13 +4725,15 @@ class ManagerTrace:
         vllm = VSchedulerOutput(
             scheduled_new_reqs=[VNewRequestData(req_id=rid, prompt_token_ids=None, mm_features=[],
                                                 sampling_params=None, pooling_params=None,
-                                                block_ids=tuple(list(x) for x in t), num_computed_tokens=0,
+                                                block_ids=tuple(list(x) for x in t),
+                                                num_computed_tokens=0,
                                                 lora_request=None, **V_NEW_REQ_EXTRA)
                                 for rid, _, t, _ in new_reqs],
             scheduled_cached_reqs=cached, num_scheduled_tokens=dict(ns),
             total_num_scheduled_tokens=sum(ns.values()), scheduled_spec_decode_tokens={},
             scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[],
-            preempted_req_ids=set(preempted), kv_connector_block_state=None, **V_EXTRA_OUTPUT_FIELDS)
+            preempted_req_ids=set(preempted), kv_connector_block_state=None,
+                                **V_EXTRA_OUTPUT_FIELDS)
         return ours, vllm
 
     # --- request lifecycle ------------------------------------------------------
@@ -4528,7 +4741,8 @@ class ManagerTrace:
     def add_request(self):
         rid = f"r{self.next_id}"
         self.next_id += 1
-        if self.prompts and self.rng.random() < 0.3:  # a resend, or a longer sibling, of an earlier prompt
+        # a resend, or a longer sibling, of an earlier prompt
+        if self.prompts and self.rng.random() < 0.3:
             prompt = list(self.rng.choice(self.prompts))
             prompt += [self.rng.randrange(2) for _ in range(self.rng.choice([0, 0, 1, 5]))]
         else:
@@ -4557,7 +4771,8 @@ class ManagerTrace:
 
     def preempt(self, er):
         self.running.remove(er)
-        self.gpu_free_request(er)  # vLLM frees a preempted request's blocks without telling the connector
+        # vLLM frees a preempted request's blocks without telling the connector
+        self.gpu_free_request(er)
         er.req.num_computed_tokens = 0
         er.status, er.preempted = "waiting", True
         self.waiting.insert(0, er)
@@ -4566,10 +4781,13 @@ class ManagerTrace:
     def lookup(self, er):
         """Local GPU hit, then the connector's CPU hit. Returns (local tokens, local blocks, hit)."""
         rng, req = self.rng, er.req
-        lh_o, lb_o = local_hit(self.gpu.ours, req.block_hashes, req.num_tokens - 1, self.sizes, self.bs, self.hbs)
-        lh_v, lb_v = local_hit(self.gpu.vllm, req.block_hashes, req.num_tokens - 1, self.sizes, self.bs, self.hbs)
+        lh_o, lb_o = local_hit(self.gpu.ours, req.block_hashes, req.num_tokens - 1, self.sizes,
+                               self.bs, self.hbs)
+        lh_v, lb_v = local_hit(self.gpu.vllm, req.block_hashes, req.num_tokens - 1, self.sizes,
+                               self.bs, self.hbs)
         assert_same((lh_o, lb_o), (lh_v, lb_v), self.what(f"local GPU hit {er.rid}"))
-        if rng.random() < 0.1 and req.num_tokens > 1:  # a misaligned probe: (0, False), drops a stale pin
+        # a misaligned probe: (0, False), drops a stale pin
+        if rng.random() < 0.1 and req.num_tokens > 1:
             nc = rng.randint(1, req.num_tokens - 1)
             if nc % self.bs:
                 a, b, _ = self.both(f"get_num_new_matched_tokens({er.rid}, {nc}) misaligned",
@@ -4628,7 +4846,8 @@ class ManagerTrace:
                 self.gpu_cache(er, req.num_computed_tokens + n)
                 new_reqs.append((er.rid, n, [list(x) for x in er.table], False))
             else:
-                if rng.random() < 0.04:  # aborted while waiting (maybe with a pin from an earlier lookup)
+                # aborted while waiting (maybe with a pin from an earlier lookup)
+                if rng.random() < 0.04:
                     self.waiting.remove(er)
                     self.finish(er, how=rng.choice(["finished", "finished_all_groups"]))
                     self.stats["aborts_waiting"] += 1
@@ -4641,11 +4860,13 @@ class ManagerTrace:
                     continue
                 ext = 0
                 if hit:
-                    ext = rng.choice([hit, hit, hit, 0, (hit // self.bs - rng.randint(0, hit // self.bs)) * self.bs])
+                    ext = rng.choice([hit, hit, hit, 0,
+                                      (hit // self.bs - rng.randint(0, hit // self.bs)) * self.bs])
                 self.stats["declined_or_partial_hits"] += 0 < hit != ext
                 n = 0 if ext else min(budget, req.num_tokens - lh)
                 total = lh + ext + n
-                need = sum(max(0, -(-total // size) - len(lb)) for lb, size in zip(lblocks, self.sizes))
+                need = sum(max(0, -(-total // size) - len(lb))
+                           for lb, size in zip(lblocks, self.sizes))
                 need += len({b for lb in lblocks for b in lb if self.gpu.ours.blocks[b].ref_cnt == 0})
                 if need > self.gpu.ours.get_num_free_blocks():
                     continue  # no room: stays waiting, its pin is dropped by the next lookup
@@ -4676,12 +4897,13 @@ class ManagerTrace:
             budget -= n
 
         # 3. the connector's metadata for this step (new and resumed first, as vLLM 0.34 does)
-        so_o, so_v = self.outputs(new_reqs, cached_reqs, preempted)
+        output_ours, output_vllm = self.outputs(new_reqs, cached_reqs, preempted)
         for er, _ in scheduled:  # async scheduling: a token in flight is computed but not confirmed
             if er.req.num_computed_tokens > 0 and rng.random() < 0.15:
                 er.req.num_output_placeholders = 1
-        mo, mv, _ = self.both("build_connector_meta", lambda: self.ours.build_connector_meta(so_o),
-                              lambda: self.vllm.build_connector_meta(so_v))
+        mo, mv, _ = self.both("build_connector_meta",
+                              lambda: self.ours.build_connector_meta(output_ours),
+                              lambda: self.vllm.build_connector_meta(output_vllm))
         for er, _ in scheduled:
             er.req.num_output_placeholders = 0
         assert_same(meta_fields(mo), meta_fields(mv), self.what("build_connector_meta result"))
@@ -4727,13 +4949,15 @@ class ManagerTrace:
             vo = VKVConnectorOutput(finished_recving=set(recv),
                                     kv_connector_worker_meta=VWorkerMeta(dict(done_stores)) if done_stores else None)
             self.both(f"update_connector_output(stores={done_stores}, recv={sorted(recv)})",
-                      lambda: self.ours.update_connector_output(oo), lambda: self.vllm.update_connector_output(vo))
+                      lambda: self.ours.update_connector_output(oo),
+                      lambda: self.vllm.update_connector_output(vo))
         for er in list(self.loading):
             if er.rid in recv:
                 self.loading.remove(er)
                 if er.status == "loading":
                     er.status = "loaded"
-                    self.gpu_cache(er, er.req.num_computed_tokens)  # the loaded prefix is now cached
+                    # the loaded prefix is now cached
+                    self.gpu_cache(er, er.req.num_computed_tokens)
                     self.waiting.insert(0, er)
 
         # 6. occasionally: abort a loading or running request, reset the CPU cache
@@ -4746,7 +4970,8 @@ class ManagerTrace:
             er = rng.choice(self.running)
             self.running.remove(er)
             self.finish(er, how=rng.choice(["finished", "finished_all_groups"]))
-        if rng.random() < 0.35:  # another tenant churns the GPU pool: evicts cached GPU blocks (LRU)
+        # another tenant churns the GPU pool: evicts cached GPU blocks (LRU)
+        if rng.random() < 0.35:
             free = self.gpu.ours.get_num_free_blocks()
             k = free if rng.random() < 0.5 else rng.randint(0, free)
             ids = self.gpu_alloc(k)
@@ -4779,8 +5004,10 @@ class ManagerTrace:
         assert_same(self.ours.has_pending_stores(), False, self.what("pending stores after drain"))
 
 
-MANAGER_CONFIGS = [  # (num_gpu_blocks, num_cpu_blocks, block_size, hash_block_size, group sizes, world)
-    (24, 6, 4, 4, [4], 1),        # CPU much smaller than the traffic: capacity stops, CPU LRU eviction
+# (num_gpu_blocks, num_cpu_blocks, block_size, hash_block_size, group sizes, world)
+MANAGER_CONFIGS = [
+    # CPU much smaller than the traffic: capacity stops, CPU LRU eviction
+    (24, 6, 4, 4, [4], 1),
     (24, 3, 4, 4, [4], 2),        # 2 usable CPU blocks, two workers per store event
     (16, 48, 4, 4, [4], 1),       # CPU larger than GPU (the normal case): many CPU hits and loads
     (40, 64, 4, 4, [4, 4], 1),    # two groups of one block size, looked up together
@@ -4790,17 +5017,22 @@ MANAGER_CONFIGS = [  # (num_gpu_blocks, num_cpu_blocks, block_size, hash_block_s
 ]
 
 
+@functools.cache
+def manager_trace_stats(seed, gpu, cpu, bs, hbs, sizes, world) -> dict[str, int]:
+    """Run one lockstep manager trace (any divergence raises) and return what it went through;
+    cached, so the coverage test reuses the traces test_manager_differential ran."""
+    trace = ManagerTrace(seed * 104729 + gpu + cpu, gpu, cpu, bs, hbs, list(sizes),
+                         world_size=world)
+    trace.run(100)
+    assert trace.finished_total > 0 and trace.stats["stores"] > 0, trace.stats
+    return dict(trace.stats, calls=trace.calls)
+
+
 @needs_vllm
 @pytest.mark.parametrize("gpu,cpu,bs,hbs,sizes,world", MANAGER_CONFIGS)
 @pytest.mark.parametrize("seed", range(DIFF_SEEDS))
 def test_manager_differential(seed, gpu, cpu, bs, hbs, sizes, world):
-    trace = ManagerTrace(seed * 104729 + gpu + cpu, gpu, cpu, bs, hbs, sizes, world_size=world)
-    trace.run(100)
-    assert trace.finished_total > 0 and trace.stats["stores"] > 0, trace.stats
-    _COVERAGE[(seed, gpu, cpu, bs, hbs, tuple(sizes), world)] = dict(trace.stats, calls=trace.calls)
-
-
-_COVERAGE: dict[tuple, dict[str, int]] = {}
+    manager_trace_stats(seed, gpu, cpu, bs, hbs, tuple(sizes), world)
 
 
 def test_manager_rejects_a_group_finer_than_the_scheduler_block():
@@ -4812,20 +5044,21 @@ def test_manager_rejects_a_group_finer_than_the_scheduler_block():
 
 @needs_vllm
 def test_manager_traces_cover_the_paths():
-    """The manager traces together hit CPU loads, finish flushes, preemptions and resets."""
-    if len(_COVERAGE) < DIFF_SEEDS * len(MANAGER_CONFIGS):
-        pytest.skip("needs every test_manager_differential trace to have run first")
-    totals = {k: sum(c[k] for c in _COVERAGE.values()) for k in next(iter(_COVERAGE.values()))}
+    """The manager traces together hit CPU loads, finish flushes, preemptions and resets (it runs
+    every trace of test_manager_differential itself, or reuses the ones already run)."""
+    stats = [manager_trace_stats(seed, *cfg[:4], tuple(cfg[4]), cfg[5])
+             for seed in range(DIFF_SEEDS) for cfg in MANAGER_CONFIGS]
+    totals = {k: sum(c[k] for c in stats) for k in stats[0]}
     print("manager trace totals:", totals)
     assert all(v > 0 for v in totals.values()), totals
 
 
-# =============================================================================
-# The pre-fix variant: the differential test must see each bug, and nothing else
+# ---- 3.6 The pre-fix variant: the differential sees each bug, and nothing else -------------------
 
 @needs_vllm
-@pytest.mark.parametrize("registration_bug,flush_bug", [(False, False), (True, False), (False, True)])
-def test_prefix_variant_diverges_exactly_by_its_bugs(registration_bug, flush_bug):
+@pytest.mark.parametrize("registration_bug,flush_bug",
+                         [(False, False), (True, False), (False, True)])
+def test_pre_fix_variant_diverges_exactly_by_its_bugs(registration_bug, flush_bug):
     """With both flags off, PreFixCPUOffloadScheduler is the fixed manager and matches vLLM; with
     either bug on, the lockstep comparison catches it (vLLM 0.34 has both fixes)."""
     cfg = MANAGER_CONFIGS[2]
@@ -4844,9 +5077,8 @@ def test_prefix_variant_diverges_exactly_by_its_bugs(registration_bug, flush_bug
         assert diverged == []
 
 
-# =============================================================================
-# d) The pre-fix variant against vLLM 0.29, the last release before PR #53532 (skipped unless
-#    the vLLM on PYTHONPATH is 0.29; README: Comparing with vLLM)
+# ---- 3.7 The pre-fix variant against vLLM 0.29, the last release before PR #53532 ----------------
+# (skipped unless the vLLM on PYTHONPATH is 0.29; README: Comparing with vLLM)
 
 VLLM_029_MISSING = vllm_missing("0.29")
 needs_vllm_029 = pytest.mark.skipif(VLLM_029_MISSING is not None, reason=str(VLLM_029_MISSING))
@@ -4920,7 +5152,8 @@ def neutralise_vllm_029(v) -> None:
     v.request_finished = request_finished
     v.reset = reset_releasing_lookup_pins
     v.build_connector_meta = build_connector_meta_resetting_preempted
-    v._pending_finished_stores = []  # 0.29 has no finish flush queue: always empty, as ours with flush_bug
+    # 0.29 has no finish flush queue: always empty, as ours with flush_bug
+    v._pending_finished_stores = []
 
 
 class ManagerTrace029(ManagerTrace):
@@ -4936,7 +5169,8 @@ class ManagerTrace029(ManagerTrace):
         # 0.29's pending CPU hit is (blocks, hit_length); 0.30 added num_computed_tokens
         ours["pending_cpu_hits"] = [(k, v[:2]) for k, v in ours["pending_cpu_hits"]]
         assert_same(ours, theirs, w + " [manager state]")
-        assert_same(vpool_state(self.ours.cpu_block_pool), vpool_state(self.vllm.cpu_block_pool), w + " [CPU pool]")
+        assert_same(pool_state(self.ours.cpu_block_pool), pool_state(self.vllm.cpu_block_pool),
+                    w + " [CPU pool]")
         self.gpu.check(w + " [GPU pool]")
 
 
@@ -4971,29 +5205,32 @@ def test_vllm_029_differential_sees_each_fix(kwargs):
     assert diverged == 3
 
 
-# =============================================================================
-# e) Where "every lookup misses" comes from: vLLM's own Scheduler, before and after PR #53532
-#    (runs with whichever vLLM imports: 0.29 must show the pre-fix numbers, 0.30+ the fixed ones)
+# ---- 3.8 Where "every lookup misses" comes from: vLLM's own Scheduler ----------------------------
+# Before and after PR #53532 (runs with whichever vLLM imports: 0.29 must show the pre-fix
+# numbers, 0.30+ the fixed ones)
 
 @pytest.mark.parametrize("prompt_len,budget,max_tokens,cpu_blocks,pre,post", [
     (512, 128, 1, None, (24, 384), (32, 496)),
     (100, 128, 1, None, (0, 0), (6, 96)),
     (512, 128, 2, 32, (31, 0), (31, 0)),
 ])
-def test_story_reproduces_vllm_scheduler_cpu_hits(prompt_len, budget, max_tokens, cpu_blocks, pre, post):
+def test_story_reproduces_vllm_scheduler_cpu_hits(prompt_len, budget, max_tokens, cpu_blocks, pre,
+                                                  post):
     """The module's engine gives the numbers vLLM's own Scheduler gives (next test, measured
     with vLLM 0.29 and 0.30/0.33/0.34): the pre-fix class (both bugs) what 0.29 gives, the
     fixed class what 0.30+ gives. Hand derivation in the next test's docstring; in short: the
     flush bug loses the last step's blocks (all of them for a one-step prompt), and a CPU pool
     smaller than the prompt evicts block 0 first, so the lookup misses from the start in both."""
-    for cls, expected in ((ko.PreFixCPUOffloadScheduler, pre), (ko.SimpleCPUOffloadScheduler, post)):
+    for cls, expected in ((ko.PreFixCPUOffloadScheduler, pre),
+                          (ko.SimpleCPUOffloadScheduler, post)):
         r = ko.run_story(cls, prompt_tokens=prompt_len, max_num_batched_tokens=budget,
                          num_cpu_blocks=cpu_blocks, max_tokens=max_tokens)
         assert (r["cpu_blocks_registered"], r["cpu_hit_tokens"]) == expected, (cls.__name__, r)
         assert r["kv_exact"] and r["same_output"] and r["all_free"], (cls.__name__, r)
 
 
-VLLM_CPU_HIT_CASES = [  # prompt, budget, max_tokens, CPU blocks, (registered, B hit) pre-fix, post-fix
+# prompt, budget, max_tokens, CPU blocks, (registered, B hit) pre-fix, post-fix
+VLLM_CPU_HIT_CASES = [
     (512, 128, 1, None, (24, 384), (32, 496)),
     (100, 128, 1, None, (0, 0), (6, 96)),
     (512, 128, 2, 32, (31, 0), (31, 0)),
@@ -5001,7 +5238,8 @@ VLLM_CPU_HIT_CASES = [  # prompt, budget, max_tokens, CPU blocks, (registered, B
 
 
 @pytest.mark.parametrize("prompt_len,budget,max_tokens,cpu_blocks,pre,post", VLLM_CPU_HIT_CASES)
-def test_real_vllm_scheduler_cpu_hits(tmp_path, prompt_len, budget, max_tokens, cpu_blocks, pre, post):
+def test_real_vllm_scheduler_cpu_hits(tmp_path, prompt_len, budget, max_tokens, cpu_blocks, pre,
+                                      post):
     """vLLM's own engine Scheduler + SimpleCPUOffloadConnector (eager, full attention, block 16):
     A runs to completion, every store completes, the GPU prefix cache is reset, B (same prompt)
     arrives; we check how many keys the CPU map holds and what B's CPU lookup returns.
@@ -5019,7 +5257,8 @@ def test_real_vllm_scheduler_cpu_hits(tmp_path, prompt_len, budget, max_tokens, 
     try:
         import torch
         from vllm import SamplingParams
-        from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
+        from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
+                                 SchedulerConfig,
                                  VllmConfig)
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -5046,10 +5285,12 @@ def test_real_vllm_scheduler_cpu_hits(tmp_path, prompt_len, budget, max_tokens, 
     vc = VllmConfig(
         model_config=ModelConfig(model=str(tmp_path), dtype="float16", skip_tokenizer_init=True,
                                  max_model_len=4096),
-        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=4096,
+        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget,
+                                         max_model_len=4096,
                                          enable_chunked_prefill=True, is_encoder_decoder=False,
                                          async_scheduling=False),
-        cache_config=CacheConfig(block_size=bs, enable_prefix_caching=True), device_config=DeviceConfig("cpu"),
+        cache_config=CacheConfig(block_size=bs, enable_prefix_caching=True),
+                    device_config=DeviceConfig("cpu"),
         kv_transfer_config=KVTransferConfig(
             kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
             kv_connector_extra_config={"cpu_bytes_to_use": page * (cpu_blocks or 2 * nb)}))
@@ -5058,7 +5299,8 @@ def test_real_vllm_scheduler_cpu_hits(tmp_path, prompt_len, budget, max_tokens, 
     vc.cache_config.num_gpu_blocks = nb
     register_all_kvcache_specs(vc)
     init_none_hash(sha256)
-    s = Scheduler(vllm_config=vc, kv_cache_config=kcc, block_size=bs, hash_block_size=bs, log_stats=False,
+    s = Scheduler(vllm_config=vc, kv_cache_config=kcc, block_size=bs, hash_block_size=bs,
+                  log_stats=False,
                   structured_output_manager=StructuredOutputManager(vc))
     lookups, lookup = {}, s.connector.get_num_new_matched_tokens
     s.connector.get_num_new_matched_tokens = (  # record B's first CPU lookup
@@ -5070,7 +5312,8 @@ def test_real_vllm_scheduler_cpu_hits(tmp_path, prompt_len, budget, max_tokens, 
         kv = KVConnectorOutput(
             finished_recving=set(meta.load_event_to_reqs.get(meta.load_event, [])) or None,
             kv_connector_worker_meta=WorkerMeta({meta.store_event: 1}) if meta.store_event >= 0 else None)
-        kw = dict(req_ids=rids, sampled_token_ids=[[] if s.requests[r].is_prefill_chunk else [7] for r in rids],
+        kw = dict(req_ids=rids,
+                  sampled_token_ids=[[] if s.requests[r].is_prefill_chunk else [7] for r in rids],
                   kv_connector_output=kv)
         if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__:  # removed in 0.34
             kw["req_id_to_index"] = {r: i for i, r in enumerate(rids)}
@@ -5078,9 +5321,11 @@ def test_real_vllm_scheduler_cpu_hits(tmp_path, prompt_len, budget, max_tokens, 
 
     prompt = [(i * 31) % 50000 + 3 for i in range(prompt_len)]
     for rid in ("A", "B"):
-        s.add_request(Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
+        s.add_request(Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                              None,
                               block_hasher=get_request_block_hasher(bs, sha256)))
-        for _ in range(prompt_len // budget + max_tokens + 4):  # run to completion, then drain stores
+        # run to completion, then drain stores
+        for _ in range(prompt_len // budget + max_tokens + 4):
             step()
         if rid == "A":
             registered = len(s.connector.scheduler_manager.cpu_block_pool.cached_block_hash_to_block)
