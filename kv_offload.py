@@ -52,7 +52,6 @@ import enum
 import hashlib
 import itertools
 import math
-import random
 import struct
 import time
 from collections import Counter
@@ -1577,131 +1576,6 @@ def _byte_rows(t: torch.Tensor):
     return t.reshape(t.shape[0], -1).view(torch.uint8).numpy()
 
 
-class _SimStream:
-    """A DeferredCopyEngine stream: a FIFO of copies (callables) and barriers ((stream, n): wait
-    until that stream ran n ops)."""
-
-    def __init__(self) -> None:
-        self.ops: list[Any] = []
-        self.num_done = 0
-
-    def mark(self) -> tuple[_SimStream, int]:
-        return self, self.num_done + len(self.ops)  # "everything queued so far"
-
-    def ready(self) -> bool:
-        if not self.ops:
-            return False
-        op = self.ops[0]
-        return callable(op) or op[0].num_done >= op[1]  # a copy, or a barrier already passed
-
-    def run_next(self) -> None:
-        op = self.ops.pop(0)
-        if callable(op):
-            op()
-        self.num_done += 1
-
-    def wait_event(self, event: _SimEvent) -> None:
-        if event.mark is not None:  # as CUDA: an event never recorded waits for nothing
-            self.ops.append(event.mark)
-
-    def wait_stream(self, stream: _SimStream) -> None:
-        self.ops.append(stream.mark())
-
-
-class _SimEvent:
-    """A DeferredCopyEngine event: done once the stream of its last record() ran to that mark."""
-
-    def __init__(self, engine: DeferredCopyEngine) -> None:
-        self.engine = engine
-        # (stream, ops queued there at record()); None = never recorded (done, as in CUDA)
-        self.mark = None
-
-    def record(self, stream: _SimStream) -> None:
-        self.mark = stream.mark()
-
-    def done(self) -> bool:
-        return self.mark is None or self.mark[0].num_done >= self.mark[1]
-
-    def query(self) -> bool:
-        done = self.done()
-        # time passes after the look, so only a later poll sees what runs now
-        for _ in range(self.engine.rng.randint(0, self.engine.max_ops_per_call)):
-            self.engine.step()
-        return done
-
-    def synchronize(self) -> None:
-        while not self.done():
-            if not self.engine.step():
-                raise RuntimeError("DeferredCopyEngine: this event can never complete")
-
-
-class _QueueCopies(torch.overrides.TorchFunctionMode):
-    """Inside DeferredCopyEngine.stream(s): Tensor.copy_ is queued on s, all else runs as usual."""
-
-    def __init__(self, stream: _SimStream) -> None:
-        super().__init__()
-        self.stream = stream
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is not torch.Tensor.copy_:
-            return func(*args, **(kwargs or {}))
-        dst = args[0]
-        src = args[1]
-        self.stream.ops.append(lambda: dst.copy_(src))  # reads src when it runs, as DMA does
-        return dst
-
-
-class DeferredCopyEngine:
-    """A simulated asynchronous copy engine for CPU caches. It stands in for `torch.cuda` in the
-    worker (`SimpleCPUOffloadWorker(n, copy_engine=DeferredCopyEngine())`), so that the CUDA
-    branch and its ordering run in CI, where CPU copies would finish inside the step. As a DMA
-    engine: inside `with engine.stream(s):` each Tensor.copy_ is queued on s (a FIFO) and reads
-    its source when it *runs*; `event.record(s)`, `s.wait_event(e)` and `s.wait_stream(t)` take
-    a mark of what is queued at that call, as CUDA does. Ops run only while the host polls: each
-    `event.query()` answers, then runs 0..max_ops_per_call ready ops of random (seeded)
-    streams, so a copy is seen done only by a later poll and streams run out of step (0: nothing
-    runs by itself). `run(*streams)` runs all it can, those streams first: a test's adversarial
-    order. `compute` is the current stream: MiniEngine's forward runs on the host (already done
-    when a copy is issued); a test queues a forward of its own there.
-    """
-
-    def __init__(self, seed: int = 0, max_ops_per_call: int = 2):
-        self.rng = random.Random(seed)
-        self.max_ops_per_call = max_ops_per_call
-
-        self.streams: list[_SimStream] = []
-        self.compute = self.Stream()
-
-    # torch.cuda's names, so that the worker's CUDA branch runs unchanged
-    def Stream(self, device: Any = None, priority: int = 0) -> _SimStream:  # noqa: N802
-        self.streams.append(_SimStream())
-        return self.streams[-1]
-
-    def Event(self) -> _SimEvent:  # noqa: N802
-        return _SimEvent(self)
-
-    def current_stream(self, device: Any = None) -> _SimStream:
-        return self.compute
-
-    def stream(self, stream: _SimStream) -> _QueueCopies:
-        return _QueueCopies(stream)
-
-    def step(self) -> bool:
-        """Run the next op of a random stream that can run; False if none can."""
-        ready = [s for s in self.streams if s.ready()]
-        if ready:
-            self.rng.choice(ready).run_next()
-        return bool(ready)
-
-    def run(self, *first: _SimStream) -> None:
-        while True:
-            stream = next((s for s in first if s.ready()), None)
-            if stream is not None:
-                stream.run_next()
-            elif not self.step():
-                return
-
-
 class SimpleCPUOffloadWorker:
     """Worker side: owns the CPU mirrors and runs the copies the metadata asks for.
 
@@ -1713,14 +1587,16 @@ class SimpleCPUOffloadWorker:
     one high-water mark per direction: event i done => every event <= i of that stream done.
     So event indices must grow per direction (a lower one is a ValueError); an event with
     nothing to copy is complete at once.
-    CPU: the same calls, copies done synchronously (events are None = already complete); with
-    `copy_engine=DeferredCopyEngine(...)`, the CUDA branch itself, on a simulated device.
+    CPU: the same calls, copies done synchronously (events are None = already complete). With
+    a `copy_engine` (an object with torch.cuda's Stream/Event/current_stream/stream names, e.g.
+    the tests' DeferredCopyEngine, a simulated asynchronous device), the CUDA branch itself runs
+    on CPU caches.
     NOTE: register_kv_caches() is once per worker, a second call is a ValueError: new mirrors
     would hold zeros under hashes the manager keeps serving (and, on CUDA, free pinned memory
     that queued copies still use). A new engine gets new workers.
     """
 
-    def __init__(self, num_cpu_blocks: int, copy_engine: DeferredCopyEngine | None = None):
+    def __init__(self, num_cpu_blocks: int, copy_engine: Any = None):
         _check_int("num_cpu_blocks", num_cpu_blocks, 2)  # block 0 is the null block
         self.num_cpu_blocks = num_cpu_blocks
         self.num_gpu_blocks = 0
@@ -1913,7 +1789,7 @@ class SimpleCPUOffloadWorker:
             dst = self.gpu_caches
         runs = _coalesce_runs(src_ids, dst_ids)
         event = None
-        # CUDA, or a DeferredCopyEngine standing in for torch.cuda
+        # CUDA, or a copy_engine standing in for torch.cuda (the tests' simulated device)
         if self.load_stream is not None:
             dev = self.copy_engine or torch.cuda
             stream = self.store_stream if is_store else self.load_stream

@@ -481,7 +481,135 @@ def test_multi_group_lookup_requires_every_group():
 
 # ---- 1.4 Copy worker -----------------------------------------------------------------------------
 
-# "deferred": CPU caches, the worker's CUDA branch on ko.DeferredCopyEngine (copies run later,
+# A simulated asynchronous device for CPU caches: the worker's CUDA branch runs on it in CI
+# (its `copy_engine`), so the orderings a real GPU enforces are exercised without one.
+
+class _SimStream:
+    """A DeferredCopyEngine stream: a FIFO of copies (callables) and barriers ((stream, n): wait
+    until that stream ran n ops)."""
+
+    def __init__(self) -> None:
+        self.ops: list = []
+        self.num_done = 0
+
+    def mark(self) -> tuple[_SimStream, int]:
+        return self, self.num_done + len(self.ops)  # "everything queued so far"
+
+    def ready(self) -> bool:
+        if not self.ops:
+            return False
+        op = self.ops[0]
+        return callable(op) or op[0].num_done >= op[1]  # a copy, or a barrier already passed
+
+    def run_next(self) -> None:
+        op = self.ops.pop(0)
+        if callable(op):
+            op()
+        self.num_done += 1
+
+    def wait_event(self, event: _SimEvent) -> None:
+        if event.mark is not None:  # as CUDA: an event never recorded waits for nothing
+            self.ops.append(event.mark)
+
+    def wait_stream(self, stream: _SimStream) -> None:
+        self.ops.append(stream.mark())
+
+
+class _SimEvent:
+    """A DeferredCopyEngine event: done once the stream of its last record() ran to that mark."""
+
+    def __init__(self, engine: DeferredCopyEngine) -> None:
+        self.engine = engine
+        # (stream, ops queued there at record()); None = never recorded (done, as in CUDA)
+        self.mark = None
+
+    def record(self, stream: _SimStream) -> None:
+        self.mark = stream.mark()
+
+    def done(self) -> bool:
+        return self.mark is None or self.mark[0].num_done >= self.mark[1]
+
+    def query(self) -> bool:
+        done = self.done()
+        # time passes after the look, so only a later poll sees what runs now
+        for _ in range(self.engine.rng.randint(0, self.engine.max_ops_per_call)):
+            self.engine.step()
+        return done
+
+    def synchronize(self) -> None:
+        while not self.done():
+            if not self.engine.step():
+                raise RuntimeError("DeferredCopyEngine: this event can never complete")
+
+
+class _QueueCopies(torch.overrides.TorchFunctionMode):
+    """Inside DeferredCopyEngine.stream(s): Tensor.copy_ is queued on s, all else runs as usual."""
+
+    def __init__(self, stream: _SimStream) -> None:
+        super().__init__()
+        self.stream = stream
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is not torch.Tensor.copy_:
+            return func(*args, **(kwargs or {}))
+        dst = args[0]
+        src = args[1]
+        self.stream.ops.append(lambda: dst.copy_(src))  # reads src when it runs, as DMA does
+        return dst
+
+
+class DeferredCopyEngine:
+    """A simulated asynchronous copy engine for CPU caches. It stands in for `torch.cuda` in the
+    worker (`SimpleCPUOffloadWorker(n, copy_engine=DeferredCopyEngine())`), so that the CUDA
+    branch and its ordering run in CI, where CPU copies would finish inside the step. As a DMA
+    engine: inside `with engine.stream(s):` each Tensor.copy_ is queued on s (a FIFO) and reads
+    its source when it *runs*; `event.record(s)`, `s.wait_event(e)` and `s.wait_stream(t)` take
+    a mark of what is queued at that call, as CUDA does. Ops run only while the host polls: each
+    `event.query()` answers, then runs 0..max_ops_per_call ready ops of random (seeded)
+    streams, so a copy is seen done only by a later poll and streams run out of step (0: nothing
+    runs by itself). `run(*streams)` runs all it can, those streams first: a test's adversarial
+    order. `compute` is the current stream: MiniEngine's forward runs on the host (already done
+    when a copy is issued); a test queues a forward of its own there.
+    """
+
+    def __init__(self, seed: int = 0, max_ops_per_call: int = 2):
+        self.rng = random.Random(seed)
+        self.max_ops_per_call = max_ops_per_call
+
+        self.streams: list[_SimStream] = []
+        self.compute = self.Stream()
+
+    # torch.cuda's names, so that the worker's CUDA branch runs unchanged
+    def Stream(self, device=None, priority: int = 0) -> _SimStream:  # noqa: N802
+        self.streams.append(_SimStream())
+        return self.streams[-1]
+
+    def Event(self) -> _SimEvent:  # noqa: N802
+        return _SimEvent(self)
+
+    def current_stream(self, device=None) -> _SimStream:
+        return self.compute
+
+    def stream(self, stream: _SimStream) -> _QueueCopies:
+        return _QueueCopies(stream)
+
+    def step(self) -> bool:
+        """Run the next op of a random stream that can run; False if none can."""
+        ready = [s for s in self.streams if s.ready()]
+        if ready:
+            self.rng.choice(ready).run_next()
+        return bool(ready)
+
+    def run(self, *first: _SimStream) -> None:
+        while True:
+            stream = next((s for s in first if s.ready()), None)
+            if stream is not None:
+                stream.run_next()
+            elif not self.step():
+                return
+
+
+# "deferred": CPU caches, the worker's CUDA branch on DeferredCopyEngine (copies run later,
 # out of step); "cuda" skips without a GPU, except under KV_OFFLOAD_REQUIRE_CUDA (--gpu-check)
 CUDA = pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available() and not os.environ.get("KV_OFFLOAD_REQUIRE_CUDA"),
@@ -491,7 +619,7 @@ DEVICES = ["cpu", "deferred", CUDA]
 
 def make_worker(num_cpu_blocks, device, seed=0):
     """A worker for `device`: on "deferred" with its own simulated copy engine."""
-    engine = ko.DeferredCopyEngine(seed) if device == "deferred" else None
+    engine = DeferredCopyEngine(seed) if device == "deferred" else None
     return ko.SimpleCPUOffloadWorker(num_cpu_blocks, copy_engine=engine)
 
 
@@ -605,7 +733,7 @@ def test_worker_reports_an_event_with_nothing_to_copy_at_once(device):
 
 
 # ---- 1.5 Copy worker on an asynchronous device ---------------------------------------------------
-# ko.DeferredCopyEngine stands in for torch.cuda: copies are queued and run later, out of step
+# DeferredCopyEngine stands in for torch.cuda: copies are queued and run later, out of step
 # with the compute stream, reading their source when they run. These races cannot happen with
 # CPU copies that finish inside the step. Each scenario runs once on the real worker and once
 # with a planted ordering bug, and must tell the two apart.
@@ -647,7 +775,7 @@ def test_deferred_engine_models_a_dma_engine():
     it runs, then copies the source as it is *then*; an event is seen done only by a poll after
     its copies ran; a barrier holds a stream until the mark it was given (a later record of the
     same event does not move it); run(s) runs s first whenever s may."""
-    dev = ko.DeferredCopyEngine(max_ops_per_call=0)
+    dev = DeferredCopyEngine(max_ops_per_call=0)
     a, b, c = torch.zeros(3), torch.ones(3), torch.zeros(3)
     copies, other = dev.Stream(), dev.Stream()
     with dev.stream(copies):
@@ -676,7 +804,7 @@ def test_deferred_engine_models_a_dma_engine():
 def _frozen_worker(num_gpu_blocks=6):
     """A worker on a DeferredCopyEngine that runs nothing until the test calls run(); one layer
     (2, num_gpu_blocks, 4, 8) of zeros, 4 CPU blocks."""
-    dev = ko.DeferredCopyEngine(max_ops_per_call=0)
+    dev = DeferredCopyEngine(max_ops_per_call=0)
     w = ko.SimpleCPUOffloadWorker(4, copy_engine=dev)
     cache = torch.zeros(2, num_gpu_blocks, 4, 8, dtype=torch.float16)
     w.register_kv_caches({"l0": cache}, num_gpu_blocks)
@@ -841,7 +969,7 @@ def test_async_copies_are_reported_only_after_they_ran(worker_cls):
     model = ko.ToyModel(2, 2, 16)
     conn = ko.SimpleCPUOffloadScheduler(300, 16)
     eng = ko.MiniEngine(300, 16, 512, model, conn,
-                        worker_cls(300, copy_engine=ko.DeferredCopyEngine()),
+                        worker_cls(300, copy_engine=DeferredCopyEngine()),
                         capture_kv=True)
     prompt = _prompt(3000)
     b = _run_a_then_b(eng, prompt)["B"]
@@ -2649,7 +2777,7 @@ class RelPlan:
     hash_block_size: int = REL_BS
     world_size: int = 1
     faults: RelFaults = RelFaults()
-    # "cuda" or "deferred" (ko.DeferredCopyEngine): the worker's copies are asynchronous on top
+    # "cuda" or "deferred" (DeferredCopyEngine): the worker's copies are asynchronous on top
     # of the injected faults, and complete out of step with the engine
     device: str = "cpu"
 
@@ -3311,7 +3439,7 @@ def rel_plain(x):
     if isinstance(x, (ko.BlockPool, RelProxy, ko.SimpleCPUOffloadScheduler,
                       ko.SimpleCPUOffloadWorker, ko.MiniEngine, ko.ToyModel)):
         return (type(x).__name__, id(x))  # snapshotted on their own
-    if isinstance(x, ko.DeferredCopyEngine):  # queued copies and the random state that runs them
+    if isinstance(x, DeferredCopyEngine):  # queued copies and the random state that runs them
         return ("copy engine", x.rng.getstate(), tuple((len(s.ops), s.num_done) for s in x.streams))
     if is_dataclass(x) and not isinstance(x, type):
         return (type(x).__name__, tuple((f.name, rel_plain(getattr(x, f.name))) for f in fields(x)))
