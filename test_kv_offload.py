@@ -884,7 +884,8 @@ def _one_of_two_workers_reports(plant_bug: bool) -> str | None:
     except AssertionError as e:
         return str(e)
     # reached: worker 0 reported every store, worker 1 none, and nothing is cached yet
-    assert conn._store_event_pending_counts and not len(conn.cpu_block_pool.cached_block_hash_to_block)
+    assert conn._store_event_pending_counts
+    assert not len(conn.cpu_block_pool.cached_block_hash_to_block)
     lagging.max_ops_per_call = 2
     eng.run()
     rel_check_cached_kv(eng, [req])
@@ -980,7 +981,8 @@ def test_async_copies_are_reported_only_after_they_ran(worker_cls):
 # ---- 1.6 Manager scenarios: the harness ----------------------------------------------------------
 # vLLM's tests/v1/simple_kv_offload/test_scheduler.py in spirit (1.6-1.12), then PR #53532's (1.13)
 BS = 16  # tokens per block unless a test says otherwise
-# registration_bug: vLLM 0.29's registration; skip_reset_hash: the fix without reset_hash() (the trap)
+# registration_bug: vLLM 0.29's registration;
+# skip_reset_hash: the fix without reset_hash() (the trap)
 VARIANTS = ("fixed", "registration_bug", "skip_reset_hash", "flush_bug")
 
 
@@ -1111,7 +1113,8 @@ class Harness:
 
     # --- worker -------------------------------------------------------------
     def complete_store(self, event, count=None):
-        meta = ko.SimpleCPUOffloadWorkerMetadata(completed_store_events={event: count or self.world_size})
+        reports = {event: count or self.world_size}
+        meta = ko.SimpleCPUOffloadWorkerMetadata(completed_store_events=reports)
         self.sched.update_connector_output(ko.KVConnectorOutput(kv_connector_worker_meta=meta))
 
     def complete_load(self, *req_ids):
@@ -1138,10 +1141,12 @@ class Harness:
 
     def state(self):
         s = self.sched
+        queued = [(list(t.gpu_block_ids), list(t.cpu_block_ids))
+                  for t in s._pending_finished_stores]
         return dict(cpu=pool_state(self.cpu), gpu=pool_state(self.gpu),
                     to_store=sorted(s._reqs_to_store), to_load=sorted(live_loads(s)),
                     in_flight=set(s._in_flight_store_gpu_blocks),
-                    queued=[(list(t.gpu_block_ids), list(t.cpu_block_ids)) for t in s._pending_finished_stores])
+                    queued=queued)
 
 
 # ---- 1.7 Manager: store -> lookup -> load --------------------------------------------------------
@@ -1178,7 +1183,8 @@ def test_store_lookup_load_roundtrip(variant):
 
 @pytest.mark.parametrize("extra, expected_hit", [(0, 16), (1, 32), (15, 32)])
 def test_hit_capped_at_num_tokens_minus_one(extra, expected_hit):
-    """The `num_tokens - 1` cap drops an exactly aligned last block: 32 tokens -> cap 31 -> 1 block."""
+    """The `num_tokens - 1` cap drops an exactly aligned last block:
+    32 tokens -> cap 31 -> 1 block."""
     h = Harness()
     req = h.request(2 * BS + extra)
     h.prefill((req, 2 * BS + extra))
@@ -1199,7 +1205,7 @@ def test_lookup_starts_after_local_hit():
 
 
 def test_unaligned_local_hit_gets_no_cpu_hit():
-    """A local hit that is not a whole number of scheduler blocks gets (0, False) and pins nothing."""
+    """A local hit that is not a whole number of scheduler blocks gets (0, False), pins nothing."""
     h = Harness(block_size=32, hash_block_size=16)
     req = h.request(4 * 16 + 1)
     h.prefill((req, 64))
@@ -1272,7 +1278,8 @@ def test_lru_eviction_order():
 
 
 def test_touched_blocks_survive_eviction():
-    """Touching a cached CPU block moves it to the MRU end, so b (now LRU) is evicted instead of a."""
+    """Touching a cached CPU block moves it to the MRU end,
+    so b (now LRU) is evicted instead of a."""
     h = Harness(num_cpu_blocks=5)
     a, b = _fill_four(h)
     for i in (1, 2):  # a's CPU blocks
@@ -1441,7 +1448,8 @@ def test_lookup_pin_survives_eviction_pressure():
 
 
 def test_lookup_pin_released_by_relookup_zero_alloc_and_finish():
-    """The lookup pin is one ref: a repeated lookup, 0 external tokens or request_finished drop it."""
+    """The lookup pin is one ref:
+    a repeated lookup, 0 external tokens or request_finished drop it."""
     h = Harness()
     req = h.request(33)
     h.prefill((req, 33))
@@ -1467,7 +1475,8 @@ def test_store_completes_after_world_size_reports(aggregate):
     meta, (table,) = h.prefill((req, 33), complete=False)
     one = ko.SimpleCPUOffloadWorkerMetadata(completed_store_events={meta.store_event: 1})
     if aggregate:  # both workers' reports merged within a step
-        merged = one.aggregate(ko.SimpleCPUOffloadWorkerMetadata(completed_store_events={meta.store_event: 1}))
+        other = ko.SimpleCPUOffloadWorkerMetadata(completed_store_events={meta.store_event: 1})
+        merged = one.aggregate(other)
         assert merged.completed_store_events == {meta.store_event: 2}
         h.sched.update_connector_output(ko.KVConnectorOutput(kv_connector_worker_meta=merged))
     else:  # one report per step
@@ -1599,13 +1608,15 @@ def test_groups_of_different_sizes(num_tokens, expected_hit):
 
 
 def test_groups_store_only_scheduler_block_aligned_prefix():
-    """With several groups only the block_size-aligned confirmed prefix is stored (hybrid coordinator)."""
+    """With several groups only the block_size-aligned confirmed prefix is stored
+    (as in vLLM's hybrid coordinator)."""
     h = Harness(block_size=32, hash_block_size=16, group_block_sizes=[16, 32])
     req = h.request(65)
     meta, (table,) = h.prefill((req, 49))
     # 49 confirmed -> round down to 32 (vLLM HybridKVCacheCoordinator._align_cacheable):
     # group 16 stores blocks 0,1 (not 2), group 32 stores block 0
-    assert sorted(meta.store_gpu_blocks) == sorted(table_ids(table)[0][:2] + table_ids(table)[1][:1])
+    ids = table_ids(table)
+    assert sorted(meta.store_gpu_blocks) == sorted(ids[0][:2] + ids[1][:1])
 
 
 # ---- 1.12 Manager: reset() with transfers in flight ----------------------------------------------
@@ -1630,7 +1641,8 @@ def test_reset_waits_for_sent_store():
 
 
 def test_reset_waits_for_sent_load_and_releases_unsent_pins():
-    """A sent load keeps its pins until finished_recving; an unsent load and a lookup pin go at once."""
+    """A sent load keeps its pins until finished_recving;
+    an unsent load and a lookup pin go at once."""
     h = Harness(num_gpu_blocks=16)
     req = h.request(33)
     h.prefill((req, 33))
@@ -1727,7 +1739,8 @@ def test_finished_eager_stores_are_batched(variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_finished_eager_store_skips_existing_cpu_cache_entries(variant):
-    """The flush skips blocks already in the CPU cache (the trap: the empty map makes it copy them again)."""
+    """The flush skips blocks already in the CPU cache
+    (the trap: the empty map makes it copy them again)."""
     h = Harness(variant)
     x = h.request(33)
     h.prefill((x, 33))  # x's blocks 0,1 on CPU (1, 2)
@@ -1790,7 +1803,8 @@ def test_registration_survives_stamped_destination(variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_finished_eager_store_is_reported_pending_before_metadata_build(variant):
-    """has_pending_stores / has_pending_push_work are True from the finish until the flush completes."""
+    """has_pending_stores / has_pending_push_work are True
+    from the finish until the flush completes."""
     h = Harness(variant)
     a = h.request(33)
     h.prefill_then_finish((a, 33))
@@ -1836,7 +1850,8 @@ def test_finished_eager_store_respects_cpu_capacity(variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_reset_releases_pending_finished_eager_stores(variant):
-    """reset() releases a queued (never sent) flush at once: GPU and CPU refs back, reset succeeds."""
+    """reset() releases a queued (never sent) flush at once:
+    GPU and CPU refs back, reset succeeds."""
     h = Harness(variant, num_gpu_blocks=16)
     a = h.request(33)
     (ta,) = h.prefill_then_finish((a, 33))
@@ -2160,8 +2175,8 @@ def test_notebook_executes_without_errors(executed_notebook):
     errors = [o for c in executed_notebook.cells if c.cell_type == "code"
               for o in c.outputs if o.get("output_type") == "error"]
     assert not errors, f"notebook cell raised: {errors[0].get('ename')}: {errors[0].get('evalue')}"
-    pngs = sum("image/png" in o.get("data", {}) for c in executed_notebook.cells if c.cell_type == "code"
-               for o in c.outputs)
+    code_cells = [c for c in executed_notebook.cells if c.cell_type == "code"]
+    pngs = sum("image/png" in o.get("data", {}) for c in code_cells for o in c.outputs)
     assert pngs >= 3, f"the notebook drew {pngs} pictures, expected at least 3"
 
 
@@ -2171,8 +2186,9 @@ def test_notebook_claims_in_its_outputs(executed_notebook):
     a 64-block prompt against CPU pools around 64 blocks; 217 blocks at 7 per step)."""
     nb = executed_notebook
     claims = {  # tag of the cell -> what its output must say
-        "claim-029": [r"0.29: len\(cached_block_hash_to_block\) = 6; cached_block_hashes_by_block = \{\}",
-                      r"0.29 lookup for the same prompt: 96 hit tokens"],
+        "claim-029": [
+            r"0.29: len\(cached_block_hash_to_block\) = 6; cached_block_hashes_by_block = \{\}",
+            r"0.29 lookup for the same prompt: 96 hit tokens"],
         "claim-fine": [r"0.29 +CPU secondary keys: 0; fine-grained hit: 8 hit tokens",
                        r"fixed +CPU secondary keys: 1; fine-grained hit: 12 hit tokens"],
         "claim-capacity": [r"0.29 .*56: 0, 57: 896,.* 72: 896\}",
@@ -2260,7 +2276,8 @@ def test_notebook_is_committed_with_outputs():
 # KV_OFFLOAD_FUZZ_EXAMPLES=3000 python -m pytest -k fuzz, which prints its seed; replay a run
 # with the same KV_OFFLOAD_FUZZ_EXAMPLES and KV_OFFLOAD_FUZZ_SEED=<the seed>.
 # Module bugs these tests found, all fixed, each kept as a regression test tagged `RB-n`:
-#   RB-1 MiniEngine stalled when a preempted request was queued ahead of a loaded request holding blocks
+#   RB-1 MiniEngine stalled when a preempted request was queued ahead of a loaded request
+#        holding blocks
 #   RB-2 a reused request id was merged into the old store state (and never offloaded)
 #   RB-3 store completion counts < 1 were accepted (a late repeat of a finished event is still
 #        counted until reset(), exactly as vLLM does: kept on purpose)
@@ -2271,7 +2288,8 @@ def test_notebook_is_committed_with_outputs():
 #   RB-8 the worker reported a rejected copy as complete once a later copy finished
 # Issue 13 (an adversarial pass of 63 bad calls): every case is a row of the bad-input catalogue
 # (BAD_CALLS), plus test_rel_report_of_an_unissued_store_event_is_refused, the stale finish in
-# test_rel_reused_request_id_is_stored, and test_rel_refused_reset_is_retried_and_serves_no_stale_hit.
+# test_rel_reused_request_id_is_stored, and
+# test_rel_refused_reset_is_retried_and_serves_no_stale_hit.
 
 REL_BS = 4  # tokens per block in every schedule: prompts of tens of tokens span a handful of blocks
 
@@ -2315,8 +2333,9 @@ def rel_check_pool(pool: ko.BlockPool, name: str) -> None:
             continue
         assert not b.is_null and b.ref_cnt >= 0, f"{name}: block {i} ref_cnt={b.ref_cnt}"
         # no block is both in the free queue and referenced (nor neither: that one is lost)
+        where = "in" if i in in_free else "not in"
         assert (b.ref_cnt == 0) == (i in in_free), (
-            f"{name}: block {i} has ref_cnt={b.ref_cnt} but is {'' if i in in_free else 'not '}in the free queue")
+            f"{name}: block {i} has ref_cnt={b.ref_cnt} but is {where} the free queue")
         if b.ref_cnt:
             assert b.prev_free_block is None and b.next_free_block is None, (
                 f"{name}: used block {i} still linked")
@@ -2330,7 +2349,8 @@ def rel_check_pool(pool: ko.BlockPool, name: str) -> None:
         for b in blocks:
             assert pool.blocks[b.block_id] is b, f"{name}: map holds a foreign block {b.block_id}"
             assert b.block_hash == key or key in secondary.get(b.block_id, ()), (
-                f"{name}: map key {key.hex()[:8]} points at block {b.block_id}, which does not carry it")
+                f"{name}: map key {key.hex()[:8]} points at block {b.block_id}, "
+                f"which does not carry it")
     for b in pool.blocks:  # and every key a block carries is in the map
         if b.block_hash is not None:
             assert any(x is b for x in entries.get(b.block_hash, ())), (
@@ -2419,9 +2439,10 @@ def check_invariants(engine: ko.MiniEngine, requests=None, *,
     """Everything that must hold between two engine steps, for any schedule.
 
     - Both pools are well formed (rel_check_pool): free queue == the ref-0 blocks, map <-> hashes.
-    - Every reference on every block is accounted for. GPU: each request table that holds it, each
-      store (sent, queued flush, or abandoned by reset) and each load (live or abandoned) that copies
-      it. CPU: stores, loads, and lookup pins (`_pending_cpu_hits`). Nothing else may hold a ref.
+    - Every reference on every block is accounted for. GPU: each request table that holds it,
+      each store (sent, queued flush, or abandoned by reset) and each load (live or abandoned)
+      that copies it. CPU: stores, loads, and lookup pins (`_pending_cpu_hits`). Nothing else may
+      hold a ref.
     - The in-flight set equals the GPU ids of live and queued stores; no GPU block is in two of
       them; every store source still carries its hash (completion reads it).
     - A CPU block with a hash has finished its copy (it is no store's destination); a load's GPU
@@ -2446,8 +2467,10 @@ def check_invariants(engine: ko.MiniEngine, requests=None, *,
     assert set(engine.req_blocks) <= set(running + waiting), (
         "a finished request still has a block table")
     for r in engine.running:
-        assert ko.cdiv(r.num_computed_tokens, engine.block_size) <= len(engine.req_blocks[r.request_id])
-    want_gpu = Counter(b.block_id for blocks in engine.req_blocks.values() for b in blocks if not b.is_null)
+        blocks_computed = ko.cdiv(r.num_computed_tokens, engine.block_size)
+        assert blocks_computed <= len(engine.req_blocks[r.request_id])
+    want_gpu = Counter(b.block_id for blocks in engine.req_blocks.values() for b in blocks
+                       if not b.is_null)
     conn = rel_unwrap(engine.connector)
     if conn is not None:
         cpu = conn.cpu_block_pool
@@ -2489,12 +2512,14 @@ def check_invariants(engine: ko.MiniEngine, requests=None, *,
         assert all(n == 1 for n in sources.values()), (
             f"a GPU block is copied by two live stores: {sources}")
         assert conn._in_flight_store_gpu_blocks == set(sources), (
-            f"in-flight set {sorted(conn._in_flight_store_gpu_blocks)} != live/queued store sources {sorted(sources)}")
+            f"in-flight set {sorted(conn._in_flight_store_gpu_blocks)} "
+            f"!= live/queued store sources {sorted(sources)}")
         for g in sources:
             assert gpu.blocks[g].block_hash is not None, (
                 f"store source GPU block {g} lost its hash while pinned")
         # event bookkeeping
-        live_ev, abandoned_ev = set(conn._store_event_to_blocks), set(conn._abandoned_store_event_to_blocks)
+        live_ev = set(conn._store_event_to_blocks)
+        abandoned_ev = set(conn._abandoned_store_event_to_blocks)
         assert not live_ev & abandoned_ev, "a store event is both live and abandoned"
         assert all(e < conn._store_event_counter for e in live_ev | abandoned_ev), (
             "store event from the future")
@@ -2515,7 +2540,8 @@ def check_invariants(engine: ko.MiniEngine, requests=None, *,
                     f"count {count} kept for finished/unknown store event {e} (RB-3)")
                 assert 0 < count < conn.world_size, f"store event {e} pending count {count}"
         for e, rids in conn._load_event_to_reqs.items():
-            assert rids and all(rid in load_states and load_states[rid].load_event == e for rid in rids), (
+            agree = all(rid in load_states and load_states[rid].load_event == e for rid in rids)
+            assert rids and agree, (
                 f"load event {e} -> {rids} disagrees with the load states")
         for rid, state in load_states.items():
             listed = conn._load_event_to_reqs.get(state.load_event, ())
@@ -2567,8 +2593,9 @@ def rel_check_idle(engine: ko.MiniEngine, *, allow_stale_store_counts: bool = Fa
     left = {k: v for k, v in leftovers.items() if v}
     assert not left, f"connector state left after the run: {left}"
     for w in (rel_unwrap(w) for w in engine.workers):
-        assert not (w._pending_load_event_indices or w._pending_store_event_indices or w._load_events
-                    or w._store_events or w._completed_store_events), "worker has copies or reports left"
+        left_work = (w._pending_load_event_indices or w._pending_store_event_indices
+                     or w._load_events or w._store_events or w._completed_store_events)
+        assert not left_work, "worker has copies or reports left"
 
 
 # ---- 2.2 Fault injection in the worker -> manager channel (proxies) ------------------------------
@@ -2641,7 +2668,8 @@ class RelFaultyWorker(RelProxy):
 
     def _rel_safe_recv_dup(self, rid: str) -> bool:
         conn, eng = rel_unwrap(self._rel_engine.connector), self._rel_engine
-        return not (rid in loading_requests(eng) or rid in live_loads(conn) or rid in abandoned_loads(conn)
+        return not (rid in loading_requests(eng) or rid in live_loads(conn)
+                    or rid in abandoned_loads(conn)
                     or any(r == rid for _, r in self._rel_recv))
 
     def build_connector_worker_meta(self):
@@ -2704,12 +2732,13 @@ class RelFaultyConnector(RelProxy):
                 due.insert(self._rel_rng.randint(0, len(due)), m)
                 self._rel_log.duplicate_reports += 1
         loads_first = not self._rel_faults.split or self._rel_rng.random() < 0.5
+        loads = ko.KVConnectorOutput(set(connector_output.finished_recving))
         if loads_first:
-            self._rel_inner.update_connector_output(ko.KVConnectorOutput(set(connector_output.finished_recving)))
+            self._rel_inner.update_connector_output(loads)
         for m in due:
             self._rel_deliver(m)
         if not loads_first:
-            self._rel_inner.update_connector_output(ko.KVConnectorOutput(set(connector_output.finished_recving)))
+            self._rel_inner.update_connector_output(loads)
 
     def _rel_safe_dup(self, m: dict[int, int]) -> bool:
         # A repeat of a report whose event still waits for another worker would complete it
@@ -2727,8 +2756,8 @@ class RelFaultyConnector(RelProxy):
             elif e not in inner._store_event_to_blocks:
                 log.ignored_reports += 1
         live_before = set(inner._store_event_to_blocks)
-        inner.update_connector_output(ko.KVConnectorOutput(set(),
-                                                           ko.SimpleCPUOffloadWorkerMetadata(dict(m))))
+        report = ko.SimpleCPUOffloadWorkerMetadata(dict(m))
+        inner.update_connector_output(ko.KVConnectorOutput(set(), report))
         self._rel_delivered.append(m)
         log.partial_counts += bool(inner._store_event_pending_counts)
         # a store abandoned by reset() caches nothing when it completes
@@ -2736,9 +2765,12 @@ class RelFaultyConnector(RelProxy):
             assert inner.cpu_block_pool.blocks[c].block_hash is None, (
                 f"CPU block {c} of a store abandoned by reset() was cached at completion")
         # a store completes only once every worker reported it (world_size reports)
-        for e in live_before - set(inner._store_event_to_blocks) - set(inner._abandoned_store_event_to_blocks):
+        completed = (live_before - set(inner._store_event_to_blocks)
+                     - set(inner._abandoned_store_event_to_blocks))
+        for e in completed:
             assert log.worker_reports[e] >= inner.world_size, (
-                f"store event {e} completed after {log.worker_reports[e]} of {inner.world_size} worker reports")
+                f"store event {e} completed after {log.worker_reports[e]} "
+                f"of {inner.world_size} worker reports")
 
     def rel_replay(self) -> None:
         """Deliver every report seen so far once more: stale duplicates, which must be ignored."""
@@ -2760,14 +2792,15 @@ class RelFaultyConnector(RelProxy):
 @dataclass(frozen=True)
 class RelPlan:
     """One schedule. `ops`, in order:
-      ("add", base, prefix_len, suffix, max_tokens)  a request: bases[base][:prefix_len] + suffix
-      ("step", n)                                    n engine steps
-      ("drain",)                                     steps until the engine is idle
-      ("abort", k)                                   abort live request k (loading / storing first), or id k
-      ("hold" | "release", "conn" | i)              hold / release the reports of the connector or worker i
-      ("reset",)                                     engine.reset_connector_cache() (retried while refused)
-      ("reset_connector",)                           connector.reset() alone: vLLM's call, no retry
-      ("reset_gpu",)                                 engine.reset_gpu_prefix_cache() (refused while in use)
+      ("add", base, prefix_len, suffix, max_tokens)
+                                           a request: bases[base][:prefix_len] + suffix
+      ("step", n)                          n engine steps
+      ("drain",)                           steps until the engine is idle
+      ("abort", k)                         abort live request k (loading / storing first), or id k
+      ("hold" | "release", "conn" | i)     hold / release the reports of the connector or worker i
+      ("reset",)                           engine.reset_connector_cache() (retried while refused)
+      ("reset_connector",)                 connector.reset() alone: vLLM's call, no retry
+      ("reset_gpu",)                       engine.reset_gpu_prefix_cache() (refused while in use)
     then steps until the engine is idle."""
     ops: tuple
     bases: tuple = ((),)
@@ -2818,7 +2851,9 @@ def rel_prompt(bases, base: int, prefix_len: int, suffix) -> list[int]:
 
 def rel_max_need(plan_ops, bases, bs: int = REL_BS) -> int:
     """GPU blocks the largest request needs on its own (prompt + outputs)."""
-    return max([ko.cdiv(len(rel_prompt(bases, *op[1:4])) + op[4], bs) for op in plan_ops if op[0] == "add"] or [1])
+    needs = [ko.cdiv(len(rel_prompt(bases, *op[1:4])) + op[4], bs)
+             for op in plan_ops if op[0] == "add"]
+    return max(needs or [1])
 
 
 # ToyModel(1, 1, 4): tiny, fast, still exact
@@ -2852,20 +2887,22 @@ def rel_step(run, n: int = 1) -> None:
     for _ in range(n):
         resumed_before = set(preempted_waiting_ids(eng))
         storing = {rid for rid, state in run.conn._reqs_to_store.items() if state.store_events}
-        cached = {b.block_id: b.block_hash for b in run.conn.cpu_block_pool.blocks if b.block_hash is not None}
+        cpu_blocks = run.conn.cpu_block_pool.blocks
+        cached = {b.block_id: b.block_hash for b in cpu_blocks if b.block_hash is not None}
         eng.step()
         log.steps += 1
         preempted = preempted_waiting_ids(eng) - resumed_before
         log.preemptions += len(preempted)
         log.preempted_while_storing += len(preempted & storing)
-        log.cpu_evictions += any(run.conn.cpu_block_pool.blocks[i].block_hash != h for i, h in cached.items())
+        log.cpu_evictions += any(cpu_blocks[i].block_hash != h for i, h in cached.items())
         log.steps_with_pins += bool(pending_cpu_hits(run.conn))
         check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
 
 
 def rel_abort(run, k: int = 0, rid: str | None = None) -> None:
     """Abort a live request (`rid`, or live request k with loading ones first, then those with a
-    store in flight, so that small k -- what hypothesis shrinks towards -- hits the dangerous windows)."""
+    store in flight, so that small k -- what hypothesis shrinks towards -- hits the dangerous
+    windows)."""
     eng, conn, log = run.engine, run.conn, run.log
 
     def storing(rid):
@@ -2935,9 +2972,10 @@ def rel_stalled(run) -> bool:
     """Nothing runs, loads, copies or waits for a report, yet requests wait: the next step can
     only admit the head of the queue, and if it does not, nothing will ever change again."""
     eng, conn = run.engine, run.conn
-    return bool(eng.waiting) and not (eng.running or loading_requests(eng) or conn.has_pending_push_work()
-                                      or live_loads(conn) or abandoned_loads(conn)
-                                      or run.proxy.rel_holding() or any(w.rel_holding() for w in run.workers))
+    busy = (eng.running or loading_requests(eng) or conn.has_pending_push_work()
+            or live_loads(conn) or abandoned_loads(conn)
+            or run.proxy.rel_holding() or any(w.rel_holding() for w in run.workers))
+    return bool(eng.waiting) and not busy
 
 
 def rel_fingerprint(run) -> tuple:
@@ -2962,8 +3000,9 @@ def rel_drain(run, max_steps: int = 3000) -> None:
         if before is not None and rel_stalled(run) and rel_fingerprint(run) == before:
             holders = [r.request_id for r in eng.waiting if r.request_id in eng.req_blocks]
             raise AssertionError(
-                f"stalled: nothing runs; head {eng.waiting[0].request_id!r} needs more GPU blocks than are free "
-                f"({eng.gpu_block_pool.get_num_free_blocks()}); waiting requests holding blocks: {holders} (RB-1?)")
+                f"stalled: nothing runs; head {eng.waiting[0].request_id!r} needs more GPU blocks "
+                f"than are free ({eng.gpu_block_pool.get_num_free_blocks()}); "
+                f"waiting requests holding blocks: {holders} (RB-1?)")
 
 
 def rel_finish(run, max_steps: int = 3000, before_reset=None) -> None:
@@ -3144,7 +3183,8 @@ def rel_plans(draw) -> RelPlan:
 REL_FUZZ_EXAMPLES = int(os.environ.get("KV_OFFLOAD_FUZZ_EXAMPLES") or 0)
 REL_FUZZ_SEED = None
 if REL_FUZZ_EXAMPLES:
-    REL_FUZZ_SEED = int(os.environ.get("KV_OFFLOAD_FUZZ_SEED") or random.SystemRandom().randrange(2 ** 32))
+    REL_FUZZ_SEED = int(os.environ.get("KV_OFFLOAD_FUZZ_SEED")
+                        or random.SystemRandom().randrange(2 ** 32))
 rel_fuzz_settings = settings(
     max_examples=REL_FUZZ_EXAMPLES or 300, derandomize=not REL_FUZZ_EXAMPLES, database=None,
                              deadline=None,
@@ -3321,7 +3361,8 @@ def test_rel_abort_while_a_lookup_pin_is_held():
 
 def test_rel_preemption_while_stores_are_in_flight():
     """Three long decodes outgrow 7 GPU blocks: a request is preempted while its stores are still
-    unreported; its blocks stay pinned by the stores (not reused by the others) until they complete."""
+    unreported; its blocks stay pinned by the stores (not reused by the others) until they
+    complete."""
     plan = rel_plan(("add", 0, 12, (), 10), ("add", 1, 12, (), 10), ("add", 0, 8, (7,), 10),
                     ("step", 6),
                     faults=RelFaults(store_delay=2, load_delay=1, seed=1), num_gpu_blocks=8,
@@ -3361,11 +3402,11 @@ def test_rel_one_block_cpu_pool():
 
 # ---- 2.5 Failures the generator found, kept as regression tests ----------------------------------
 
-# RB-1 (fixed) as the generator first found it (shrunk): 9 usable GPU blocks, budget 2. r2 (11 tokens,
-# 3 outputs) runs while r3 (r1's 28-token prompt) gets 24 tokens from the GPU and CPU caches (a load)
-# and then waits, holding 6 blocks, for room to compute the rest; r2 needs a 4th block, none is free, r2 preempts itself and
-# is queued *ahead* of r3. Now r2 needs 4 blocks, 3 are free, and r3 never gets its turn. The fix:
-# requests that hold blocks are admitted first.
+# RB-1 (fixed) as the generator first found it (shrunk): 9 usable GPU blocks, budget 2.
+# r2 (11 tokens, 3 outputs) runs while r3 (r1's 28-token prompt) gets 24 tokens from the GPU and
+# CPU caches (a load) and then waits, holding 6 blocks, for room to compute the rest; r2 needs a
+# 4th block, none is free, r2 preempts itself and is queued *ahead* of r3. Now r2 needs 4 blocks,
+# 3 are free, and r3 never gets its turn. The fix: requests that hold blocks are admitted first.
 REL_RB1_PLAN = RelPlan(
     ops=(("add", 0, 28, (0, 0, 0, 0, 0), 1), ("abort", 0), ("add", 0, 28, (), 1),
          ("add", 1, 28, (0,), 3),
@@ -3395,11 +3436,11 @@ def test_rel_regression_a_landed_load_is_progress():
 
 
 def test_rel_rb1_minimal_engine_run_finishes():
-    """RB-1 (fixed) without the test harness: 9 usable GPU blocks, budget 2. 'a' (28 tokens) is stored as it
-    runs; 'b' (11 tokens, 3 outputs) follows; 'c' repeats a's prompt and, once its GPU hit plus a
-    CPU load land, waits holding 6 blocks. 'b' grows into a 4th block, finds none free, preempts
-    itself and is queued ahead of 'c': it needs 4 blocks, 3 are free, and 'c' never ran. Every
-    request fits the pool on its own, so run() must finish."""
+    """RB-1 (fixed) without the test harness: 9 usable GPU blocks, budget 2. 'a' (28 tokens) is
+    stored as it runs; 'b' (11 tokens, 3 outputs) follows; 'c' repeats a's prompt and, once its
+    GPU hit plus a CPU load land, waits holding 6 blocks. 'b' grows into a 4th block, finds none
+    free, preempts itself and is queued ahead of 'c': it needs 4 blocks, 3 are free, and 'c'
+    never ran. Every request fits the pool on its own, so run() must finish."""
     e = ko.MiniEngine(10, REL_BS, 2, ko.ToyModel(**REL_MODEL),
                       ko.SimpleCPUOffloadScheduler(12, REL_BS),
                       ko.SimpleCPUOffloadWorker(12))
@@ -3462,6 +3503,8 @@ def rel_snapshot(world) -> dict:
     connector and worker that some calls are given (a failed constructor must not bind them)."""
     eng, conn, worker = world.engine, world.conn, rel_unwrap(world.worker)
     skip_engine = {"model", "connector", "workers", "gpu_block_pool", "kv_caches", "_t_arrival"}
+    worker_bound = all(worker.gpu_caches[f"{n}.{kv}"].data_ptr() == eng.kv_caches[n][i].data_ptr()
+                       for n in eng.kv_caches for i, kv in enumerate("kv"))
     return {
         "gpu": pool_state(eng.gpu_block_pool),
         "cpu": pool_state(conn.cpu_block_pool),
@@ -3470,8 +3513,7 @@ def rel_snapshot(world) -> dict:
                                 if k not in ("cpu_block_pool", "_gpu_block_pool")}),
         "connector binding": conn._gpu_block_pool is eng.gpu_block_pool,
         "worker": rel_plain({k: v for k, v in vars(worker).items() if k != "gpu_caches"}),
-        "worker binding": all(worker.gpu_caches[f"{n}.{kv}"].data_ptr() == eng.kv_caches[n][i].data_ptr()
-                              for n in eng.kv_caches for i, kv in enumerate("kv")),
+        "worker binding": worker_bound,
         "engine": rel_plain({k: v for k, v in vars(eng).items() if k not in skip_engine}),
         "requests": rel_plain(world.requests),
         "spares": (rel_plain(vars(world.spare_conn)), pool_state(world.spare_conn.cpu_block_pool),
@@ -3565,8 +3607,9 @@ def _meta(**kw):
 
 
 def _bind_and(meta, copy: str):
-    """The worker's calls of one step with `meta`: bind, then the copy (start_load_kv / wait_for_save);
-    nothing may be recorded, or the rejected event is later reported complete (RB-8)."""
+    """The worker's calls of one step with `meta`: bind, then the copy
+    (start_load_kv / wait_for_save); nothing may be recorded, or the rejected event is later
+    reported complete (RB-8)."""
     def call(w):
         worker = rel_unwrap(w.worker)
         worker.bind_connector_metadata(meta)
@@ -4046,9 +4089,10 @@ def _plant_extra_gpu_ref(run):
 
 
 def _plant_lost_store_pin(run):
-    g = next(iter(run.conn._store_event_to_blocks.values())).gpu_block_ids[0]
-    run.conn._store_event_to_blocks[next(iter(run.conn._store_event_to_blocks))].gpu_block_ids.remove(g)
-    run.conn._store_event_to_blocks[next(iter(run.conn._store_event_to_blocks))].cpu_block_ids.pop(0)
+    store = next(iter(run.conn._store_event_to_blocks.values()))
+    g = store.gpu_block_ids[0]
+    store.gpu_block_ids.remove(g)
+    store.cpu_block_ids.pop(0)
 
 
 def _plant_free_block_with_ref(run):
@@ -4132,7 +4176,8 @@ def test_rel_snapshot_sees_every_part(part):
 # ==================================================================================================
 # Against vLLM 0.34 itself (skipped without it). To run them:
 #   pip download --no-deps vllm==0.34.0; unzip its vllm/ folder outside the repo; put it on
-#   PYTHONPATH; pip install the pure-Python modules its imports ask for (README: Comparing with vLLM).
+#   PYTHONPATH; pip install the pure-Python modules its imports ask for
+#   (README: Comparing with vLLM).
 
 # ---- 3.1 Importing vLLM, comparing states --------------------------------------------------------
 
@@ -4146,7 +4191,8 @@ try:  # vLLM's sources (a wheel unzipped on PYTHONPATH) and their few pure-Pytho
     from vllm.v1.core.sched.output import CachedRequestData as VCachedRequestData
     from vllm.v1.core.sched.output import NewRequestData as VNewRequestData
     from vllm.v1.core.sched.output import SchedulerOutput as VSchedulerOutput
-    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager as VFullAttentionManager
+    from vllm.v1.core.single_type_kv_cache_manager import (
+        FullAttentionManager as VFullAttentionManager)
     from vllm.v1.kv_cache_interface import FullAttentionSpec as VFullAttentionSpec
     from vllm.v1.kv_cache_interface import KVCacheConfig as VKVCacheConfig
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec as VKVCacheGroupSpec
@@ -4212,9 +4258,10 @@ def assert_same(ours, theirs, what: str) -> None:
     if ours == theirs:
         return
     if isinstance(ours, dict) and isinstance(theirs, dict):
-        keys = [k for k in dict.fromkeys([*ours, *theirs]) if ours.get(k, "<missing>") != theirs.get(k, "<missing>")]
+        pairs = {k: (ours.get(k, "<missing>"), theirs.get(k, "<missing>"))
+                 for k in dict.fromkeys([*ours, *theirs])}
         raise AssertionError(f"{what}: diverged\n" + "\n".join(
-            f"  {k}: {_describe(ours.get(k, '<missing>'), theirs.get(k, '<missing>'))}" for k in keys))
+            f"  {k}: {_describe(o, t)}" for k, (o, t) in pairs.items() if o != t))
     raise AssertionError(f"{what}: diverged\n  {_describe(ours, theirs)}")
 
 
@@ -4228,7 +4275,8 @@ def call_both(what: str, f_ours, f_vllm):
         except Exception as e:  # noqa: BLE001
             res.append(None)
             exc.append(e)
-    if (exc[0] is None) != (exc[1] is None) or (exc[0] is not None and type(exc[0]) is not type(exc[1])):
+    one_raised = (exc[0] is None) != (exc[1] is None)
+    if one_raised or (exc[0] is not None and type(exc[0]) is not type(exc[1])):
         raise AssertionError(f"{what}: exception mismatch: ours={exc[0]!r} vllm={exc[1]!r}")
     return res[0], res[1], exc[0]
 
@@ -4656,10 +4704,12 @@ def manager_state(m) -> dict:
         "reqs_to_store": [(k, store(v)) for k, v in m._reqs_to_store.items()],
         "reqs_to_load": [(k, load(v)) for k, v in live_loads(m).items()],
         "abandoned_reqs_to_load": [(k, load(v)) for k, v in abandoned_loads(m).items()],
-        "pending_cpu_hits": [(k, (table_ids(v[0]), *v[1:])) for k, v in pending_cpu_hits(m).items()],
+        "pending_cpu_hits": [(k, (table_ids(v[0]), *v[1:]))
+                             for k, v in pending_cpu_hits(m).items()],
         "load_event_to_reqs": [(k, list(v)) for k, v in m._load_event_to_reqs.items()],
         "store_event_to_blocks": [(k, tm(v)) for k, v in m._store_event_to_blocks.items()],
-        "abandoned_store_event_to_blocks": [(k, tm(v)) for k, v in m._abandoned_store_event_to_blocks.items()],
+        "abandoned_store_event_to_blocks": [(k, tm(v))
+                                            for k, v in m._abandoned_store_event_to_blocks.items()],
         "store_event_to_reqs": [(k, list(v)) for k, v in m._store_event_to_reqs.items()],
         "in_flight_store_gpu_blocks": set(m._in_flight_store_gpu_blocks),
         "pending_finished_stores": [tm(t) for t in m._pending_finished_stores],
@@ -4725,9 +4775,11 @@ class ManagerTrace:
                  world_size=1, budget=8, max_prompt=40, ours_cls=None, **ours_kwargs):
         self.rng = rng = random.Random(seed)
         self.seed = seed
-        self.bs, self.hbs, self.sizes, self.world_size = block_size, hash_block_size, group_block_sizes, world_size
+        self.bs, self.hbs = block_size, hash_block_size
+        self.sizes, self.world_size = group_block_sizes, world_size
         self.budget, self.max_prompt = budget, max_prompt
-        self.cfg = (f"seed={seed} gpu={num_gpu_blocks} cpu={num_cpu_blocks} bs={block_size} hbs={hash_block_size} "
+        self.cfg = (f"seed={seed} gpu={num_gpu_blocks} cpu={num_cpu_blocks} "
+                    f"bs={block_size} hbs={hash_block_size} "
                     f"groups={group_block_sizes} world={world_size}")
         self.ours = (ours_cls or ko.SimpleCPUOffloadScheduler)(
             num_cpu_blocks, block_size, hash_block_size, group_block_sizes=list(group_block_sizes),
@@ -4789,7 +4841,8 @@ class ManagerTrace:
         er.num_cached = [0] * len(self.sizes)
 
     def gpu_cache(self, er, num_tokens):
-        """vLLM caches (hashes) the blocks a step will fill at allocation time, before the forward."""
+        """vLLM caches (hashes) the blocks a step will fill at allocation time,
+        before the forward."""
         req = er.req
         for g, size in enumerate(self.sizes):
             num_full = min(num_tokens // size, len(req.block_hashes) // (size // self.hbs),
@@ -4806,7 +4859,8 @@ class ManagerTrace:
             boundary = min((req.num_prompt_tokens - 1) // self.hbs,
                            len(req.block_hashes)) * self.hbs
             j = boundary // size
-            if size > self.hbs and 0 < boundary <= num_tokens and boundary % size and j < len(er.table[g]):
+            partial = size > self.hbs and 0 < boundary <= num_tokens and boundary % size
+            if partial and j < len(er.table[g]):
                 self.gpu.ours.cache_partial_block(req, self.gpu.ours.blocks[er.table[g][j]],
                                                   boundary, g)
                 self.gpu.vllm.cache_partial_block(req, self.gpu.vllm.blocks[er.table[g][j]],
@@ -4814,7 +4868,12 @@ class ManagerTrace:
         self.gpu.check(self.what(f"gpu cache_full_blocks {er.rid}"))
 
     def blocks_needed(self, er, num_tokens):
-        return sum(max(0, -(-num_tokens // size) - len(er.table[g])) for g, size in enumerate(self.sizes))
+        return sum(max(0, -(-num_tokens // size) - len(er.table[g]))
+                   for g, size in enumerate(self.sizes))
+
+    def fits(self, er, num_tokens):
+        """Whether the GPU pool has the free blocks er's table needs to grow to num_tokens."""
+        return self.blocks_needed(er, num_tokens) <= self.gpu.ours.get_num_free_blocks()
 
     def grow(self, er, num_tokens):
         new = []
@@ -4907,7 +4966,8 @@ class ManagerTrace:
         self.stats["preemptions"] += 1
 
     def lookup(self, er):
-        """Local GPU hit, then the connector's CPU hit. Returns (local tokens, local blocks, hit)."""
+        """Local GPU hit, then the connector's CPU hit.
+        Returns (local tokens, local blocks, hit)."""
         rng, req = self.rng, er.req
         lh_o, lb_o = local_hit(self.gpu.ours, req.block_hashes, req.num_tokens - 1, self.sizes,
                                self.bs, self.hbs)
@@ -4943,7 +5003,7 @@ class ManagerTrace:
             if n <= 0:
                 i += 1
                 continue
-            while self.blocks_needed(er, req.num_computed_tokens + n) > self.gpu.ours.get_num_free_blocks():
+            while not self.fits(er, req.num_computed_tokens + n):
                 if len(self.running) - 1 > i:
                     victim = self.running[-1]
                     self.preempt(victim)
@@ -4968,7 +5028,7 @@ class ManagerTrace:
             req = er.req
             if er.status == "loaded":  # its load finished: now scheduled with its whole table
                 n = min(budget, req.num_tokens - req.num_computed_tokens)
-                if self.blocks_needed(er, req.num_computed_tokens + n) > self.gpu.ours.get_num_free_blocks():
+                if not self.fits(er, req.num_computed_tokens + n):
                     continue
                 self.grow(er, req.num_computed_tokens + n)
                 self.gpu_cache(er, req.num_computed_tokens + n)
@@ -4995,7 +5055,8 @@ class ManagerTrace:
                 total = lh + ext + n
                 need = sum(max(0, -(-total // size) - len(lb))
                            for lb, size in zip(lblocks, self.sizes))
-                need += len({b for lb in lblocks for b in lb if self.gpu.ours.blocks[b].ref_cnt == 0})
+                gpu_blocks = self.gpu.ours.blocks
+                need += len({b for lb in lblocks for b in lb if gpu_blocks[b].ref_cnt == 0})
                 if need > self.gpu.ours.get_num_free_blocks():
                     continue  # no room: stays waiting, its pin is dropped by the next lookup
                 for g in range(len(self.sizes)):
@@ -5071,11 +5132,14 @@ class ManagerTrace:
             if rng.random() < 0.6:
                 recv.update(self.load_events.pop(e))
         if done_stores or recv or rng.random() < 0.3:
+            ours_meta = vllm_meta = None
+            if done_stores:
+                ours_meta = ko.SimpleCPUOffloadWorkerMetadata(dict(done_stores))
+                vllm_meta = VWorkerMeta(dict(done_stores))
             oo = ko.KVConnectorOutput(finished_recving=set(recv),
-                                      kv_connector_worker_meta=ko.SimpleCPUOffloadWorkerMetadata(dict(done_stores))
-                                      if done_stores else None)
+                                      kv_connector_worker_meta=ours_meta)
             vo = VKVConnectorOutput(finished_recving=set(recv),
-                                    kv_connector_worker_meta=VWorkerMeta(dict(done_stores)) if done_stores else None)
+                                    kv_connector_worker_meta=vllm_meta)
             self.both(f"update_connector_output(stores={done_stores}, recv={sorted(recv)})",
                       lambda: self.ours.update_connector_output(oo),
                       lambda: self.vllm.update_connector_output(vo))
@@ -5119,12 +5183,14 @@ class ManagerTrace:
     def run(self, n_steps):
         self.check("init")
         for _ in range(n_steps):
-            while len(self.waiting) + len(self.running) + len(self.loading) < 4 and self.rng.random() < 0.7:
+            while (len(self.waiting) + len(self.running) + len(self.loading) < 4
+                   and self.rng.random() < 0.7):
                 self.add_request()
             self.step()
         # drain: no new requests; finish everything, let every transfer complete
         for _ in range(200):
-            if not (self.waiting or self.running or self.loading or self.store_events or self.load_events
+            if not (self.waiting or self.running or self.loading
+                    or self.store_events or self.load_events
                     or self.ours.has_pending_stores()):
                 break
             self.step()
@@ -5392,7 +5458,8 @@ def test_real_vllm_scheduler_cpu_hits(tmp_path, prompt_len, budget, max_tokens, 
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor)
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
         from vllm.v1.request import Request
         from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata as WorkerMeta
@@ -5439,7 +5506,8 @@ def test_real_vllm_scheduler_cpu_hits(tmp_path, prompt_len, budget, max_tokens, 
         meta, rids = out.kv_connector_metadata, list(out.num_scheduled_tokens)
         kv = KVConnectorOutput(
             finished_recving=set(meta.load_event_to_reqs.get(meta.load_event, [])) or None,
-            kv_connector_worker_meta=WorkerMeta({meta.store_event: 1}) if meta.store_event >= 0 else None)
+            kv_connector_worker_meta=(WorkerMeta({meta.store_event: 1})
+                                      if meta.store_event >= 0 else None))
         kw = dict(req_ids=rids,
                   sampled_token_ids=[[] if s.requests[r].is_prefill_chunk else [7] for r in rids],
                   kv_connector_output=kv)
@@ -5456,7 +5524,8 @@ def test_real_vllm_scheduler_cpu_hits(tmp_path, prompt_len, budget, max_tokens, 
         for _ in range(prompt_len // budget + max_tokens + 4):
             step()
         if rid == "A":
-            registered = len(s.connector.scheduler_manager.cpu_block_pool.cached_block_hash_to_block)
+            cpu_pool = s.connector.scheduler_manager.cpu_block_pool
+            registered = len(cpu_pool.cached_block_hash_to_block)
             assert s.reset_prefix_cache()  # GPU only: the CPU cache stays
     measured = (registered, lookups["B"][0])
     assert measured == (pre if major_minor < (0, 30) else post), (vllm.__version__, measured)
