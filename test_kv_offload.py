@@ -2930,6 +2930,13 @@ def rel_run_plan(plan: RelPlan, max_steps: int = 3000, *, before_reset=None):
     engine, exact KV and outputs for every request, and a reset that now succeeds.
     `before_reset(run)` may look at the idle engine before the caches are dropped."""
     run = rel_build(plan)
+    rel_apply_ops(run, plan, max_steps)
+    rel_finish(run, max_steps, before_reset)
+    return run
+
+
+def rel_apply_ops(run, plan: RelPlan, max_steps: int = 3000) -> None:
+    """Apply the plan's ops in order (see RelPlan), checking the invariants after each."""
     eng, log = run.engine, run.log
     for op in plan.ops:
         kind = op[0]
@@ -2964,8 +2971,6 @@ def rel_run_plan(plan: RelPlan, max_steps: int = 3000, *, before_reset=None):
             target.rel_release() if kind == "release" else setattr(target, "rel_hold", True)
         else:
             raise ValueError(f"unknown op {op!r}")
-    rel_finish(run, max_steps, before_reset)
-    return run
 
 
 def rel_stalled(run) -> bool:
@@ -4066,19 +4071,8 @@ def rel_midflight():
                     ("hold", 0),
                     REL_FULL_A, ("step", 2), budget=12)
     run = rel_build(plan)
-    for op in plan.ops:
-        if op[0] == "add":
-            rid = f"r{len(run.requests)}"
-            run.requests[rid] = ko.Request(rid, rel_prompt(plan.bases, *op[1:4]), REL_BS, op[4])
-            run.engine.add_request(run.requests[rid])
-        elif op[0] == "step":
-            rel_step(run, op[1])
-        elif op[0] == "drain":
-            rel_drain(run)
-        elif op[0] == "reset_gpu":
-            assert run.engine.reset_gpu_prefix_cache()
-        elif op[0] == "hold":
-            run.workers[op[1]].rel_hold = True
+    rel_apply_ops(run, plan)
+    assert run.log.gpu_resets == 1, "the GPU prefix cache reset was refused"
     assert loading_requests(run.engine) and run.conn._store_event_to_blocks, (
         "mid-flight: a load and a store in flight")
     return run
