@@ -4805,9 +4805,13 @@ class ManagerTrace:
     def what(self, op):
         return f"manager {self.cfg} step={self.step_no} call#{self.calls} {op}"
 
+    def ours_manager_state(self) -> dict:
+        """Our manager's state as vLLM's side shows it (ManagerTrace029 adapts it to 0.29)."""
+        return manager_state(self.ours)
+
     def check(self, op):
         w = self.what(op)
-        assert_same(manager_state(self.ours), manager_state(self.vllm), w + " [manager state]")
+        assert_same(self.ours_manager_state(), manager_state(self.vllm), w + " [manager state]")
         assert_same(pool_state(self.ours.cpu_block_pool), pool_state(self.vllm.cpu_block_pool),
                     w + " [CPU pool]")
         self.gpu.check(w + " [GPU pool]")
@@ -5351,15 +5355,11 @@ class ManagerTrace029(ManagerTrace):
         super().__init__(*args, **kwargs)
         neutralise_vllm_029(self.vllm)
 
-    def check(self, op):
-        w = self.what(op)
-        ours, theirs = manager_state(self.ours), manager_state(self.vllm)
+    def ours_manager_state(self) -> dict:
+        state = manager_state(self.ours)
         # 0.29's pending CPU hit is (blocks, hit_length); 0.30 added num_computed_tokens
-        ours["pending_cpu_hits"] = [(k, v[:2]) for k, v in ours["pending_cpu_hits"]]
-        assert_same(ours, theirs, w + " [manager state]")
-        assert_same(pool_state(self.ours.cpu_block_pool), pool_state(self.vllm.cpu_block_pool),
-                    w + " [CPU pool]")
-        self.gpu.check(w + " [GPU pool]")
+        state["pending_cpu_hits"] = [(k, v[:2]) for k, v in state["pending_cpu_hits"]]
+        return state
 
 
 @needs_vllm_029
