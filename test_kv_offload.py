@@ -1256,20 +1256,21 @@ def test_load_event_to_reqs_lists_every_outstanding_load():
 # ---- 1.8 Manager: CPU pool (LRU, duplicates, in-flight dedup) ------------------------------------
 
 
-def _fill_four(h):
-    """Store a and b (2 blocks each) in one step into a 4-block CPU pool: CPU 1,2 = a; 3,4 = b."""
+def _fill_four():
+    """A harness with a 4-block CPU pool (5 with the null block); a and b (2 blocks each) are
+    stored into it in one step: CPU 1,2 = a; 3,4 = b. Returns (harness, a, b)."""
+    h = Harness(num_cpu_blocks=5)
     a, b = h.request(33), h.request(33)
     meta, _ = h.prefill((a, 33), (b, 33))
     assert meta.store_cpu_blocks == [1, 2, 3, 4]
     # completion frees them in event order: hashed -> appended, so LRU front is a's
     assert free_ids(h.cpu) == [1, 2, 3, 4]
-    return a, b
+    return h, a, b
 
 
 def test_lru_eviction_order():
     """With the CPU pool full, a new store evicts the least recently used blocks (a's)."""
-    h = Harness(num_cpu_blocks=5)  # 4 usable + the null block
-    a, b = _fill_four(h)
+    h, a, b = _fill_four()
     c = h.request(33)
     meta, _ = h.prefill((c, 33))
     assert meta.store_cpu_blocks == [1, 2]  # popped from the LRU front: a's blocks
@@ -1280,8 +1281,7 @@ def test_lru_eviction_order():
 def test_touched_blocks_survive_eviction():
     """Touching a cached CPU block moves it to the MRU end,
     so b (now LRU) is evicted instead of a."""
-    h = Harness(num_cpu_blocks=5)
-    a, b = _fill_four(h)
+    h, a, b = _fill_four()
     for i in (1, 2):  # a's CPU blocks
         h.cpu.touch([h.cpu.blocks[i]])
         h.cpu.free_blocks([h.cpu.blocks[i]])
@@ -1304,10 +1304,9 @@ def test_gpu_prefix_hit_refreshes_cpu_lru(variant, monkeypatch):
     appends 2, then 1 -> [3, 4, 2, 1]. c's store takes the front, 3 and 4: b is evicted, a stays,
     and c's completed blocks rejoin at the back -> [2, 1, 3, 4].
     Without the refresh the queue stays [1, 2, 3, 4]: c evicts a's 1, 2 -> [3, 4, 1, 2]."""
-    h = Harness(num_cpu_blocks=5)
-    if variant == "no_refresh":
+    h, a, b = _fill_four()
+    if variant == "no_refresh":  # (_fill_four's requests had no local hit: nothing to refresh)
         monkeypatch.setattr(h.sched, "_refresh_cpu_lru", lambda request, num_local_tokens: None)
-    a, b = _fill_four(h)
     a2 = h.twin(a)
     assert h.sched.get_num_new_matched_tokens(a2, 32) == (0, False)
     assert h.sched._pending_local_hits == {a2.request_id: 32}
@@ -1329,8 +1328,7 @@ def test_local_hit_refresh_lifecycle():
     too (vLLM 0.34 records it before the alignment check), request_finished() and reset() drop
     it, and a request that may not read external KV records none. A pinned CPU block (here by
     a pending CPU hit of another request) stays pinned and out of the queue through a refresh."""
-    h = Harness(num_cpu_blocks=5)
-    a, b = _fill_four(h)  # queue [1, 2, 3, 4]
+    h, a, b = _fill_four()  # queue [1, 2, 3, 4]
     pend = h.sched._pending_local_hits
     r = h.twin(a)
     h.sched.get_num_new_matched_tokens(r, 16)
@@ -1344,8 +1342,7 @@ def test_local_hit_refresh_lifecycle():
     assert pend == {}
     h.sched.get_num_new_matched_tokens(r, 32)
     assert h.sched.reset() and pend == {}
-    h = Harness(num_cpu_blocks=5)
-    a, b = _fill_four(h)  # queue [1, 2, 3, 4]
+    h, a, b = _fill_four()  # queue [1, 2, 3, 4]
     pend = h.sched._pending_local_hits
     r = h.twin(a)
     r.skip_reading_external_kv = True
