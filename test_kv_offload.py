@@ -154,7 +154,6 @@ def pending_cpu_hits(conn) -> dict:
     return hits
 
 
-
 def pending_cpu_hit_blocks(conn) -> dict:
     # manager: request id -> the CPU blocks (per group) its lookup pin holds
     return {rid: hit[0] for rid, hit in pending_cpu_hits(conn).items()}
@@ -4973,15 +4972,18 @@ class ManagerTrace:
         if rng.random() < 0.1 and req.num_tokens > 1:
             nc = rng.randint(1, req.num_tokens - 1)
             if nc % self.bs:
-                a, b, _ = self.both(f"get_num_new_matched_tokens({er.rid}, {nc}) misaligned",
-                                    lambda: self.ours.get_num_new_matched_tokens(req, nc),
-                                    lambda: self.vllm.get_num_new_matched_tokens(req, nc))
-                assert_same(tuple(a), tuple(b), self.what("get_num_new_matched_tokens misaligned"))
-        a, b, _ = self.both(f"get_num_new_matched_tokens({er.rid}, {lh_o})",
-                            lambda: self.ours.get_num_new_matched_tokens(req, lh_o),
-                            lambda: self.vllm.get_num_new_matched_tokens(req, lh_o))
-        assert_same(tuple(a), tuple(b), self.what("get_num_new_matched_tokens"))
+                self.matched_both(er, nc, " misaligned")
+        a = self.matched_both(er, lh_o)
         return lh_o, lb_o, a[0]
+
+    def matched_both(self, er, num_computed_tokens, note=""):
+        """get_num_new_matched_tokens on both managers; the two answers must agree."""
+        req, nc = er.req, num_computed_tokens
+        a, b, _ = self.both(f"get_num_new_matched_tokens({er.rid}, {nc}){note}",
+                            lambda: self.ours.get_num_new_matched_tokens(req, nc),
+                            lambda: self.vllm.get_num_new_matched_tokens(req, nc))
+        assert_same(tuple(a), tuple(b), self.what("get_num_new_matched_tokens" + note))
+        return a
 
     def step(self):
         rng = self.rng
