@@ -3593,9 +3593,19 @@ def _in_use_gpu_block(w):  # b's first block: full, cached, b still computes wit
     return w.engine.req_blocks["b"][0]
 
 
+def _alloc_c(num_external_tokens, blocks=lambda w: (w.c_blocks,)):
+    """update_state_after_alloc for c (offered a CPU hit of 12 tokens), with blocks(w) per group."""
+    return lambda w: w.conn.update_state_after_alloc(w.c, blocks(w), num_external_tokens)
+
+
 def _load_into(first_block):
     """update_state_after_alloc for c, the load's first destination replaced by first_block(w)."""
-    return lambda w: w.conn.update_state_after_alloc(w.c, ([first_block(w), *w.c_blocks[1:]],), 12)
+    return _alloc_c(12, lambda w: ([first_block(w), *w.c_blocks[1:]],))
+
+
+def _schedule_b(block_ids):
+    """build_connector_meta for a step that schedules 1 token of b, with these new block ids."""
+    return lambda w: w.conn.build_connector_meta(ko.SchedulerOutput({"b": 1}, {"b": (block_ids,)}))
 
 
 def _report(events: dict, finished_recving=()):
@@ -3695,32 +3705,27 @@ BAD_CALLS = [
      lambda w: w.conn.get_num_new_matched_tokens(w.c, 4.0),
      _T, r"num_computed_tokens must be an int, got 4\.0"),
     # --- manager: allocation and loads
-    ("manager", "update_state_after_alloc(misaligned external tokens)",
-     lambda w: w.conn.update_state_after_alloc(w.c, (w.c_blocks,), 3),
+    ("manager", "update_state_after_alloc(misaligned external tokens)", _alloc_c(3),
      _V, r"num_external_tokens=3 is misaligned"),
-    ("manager", "update_state_after_alloc(negative external tokens)",
-     lambda w: w.conn.update_state_after_alloc(w.c, (w.c_blocks,), -4),
+    ("manager", "update_state_after_alloc(negative external tokens)", _alloc_c(-4),
      _V, r"num_external_tokens must be an int >= 0, got -4"),
-    ("manager", "update_state_after_alloc(12.0 external tokens)",
-     lambda w: w.conn.update_state_after_alloc(w.c, (w.c_blocks,), 12.0),
+    ("manager", "update_state_after_alloc(12.0 external tokens)", _alloc_c(12.0),
      _T, r"num_external_tokens must be an int, got 12\.0"),
     ("manager", "update_state_after_alloc(external tokens, no lookup)",
      lambda w: w.conn.update_state_after_alloc(ko.Request("e", list(range(1, 14)), REL_BS),
                                                (w.c_blocks,), 4),
      _V, r"e: num_external_tokens=4 but get_num_new_matched_tokens\(\) offered no CPU hit"),
-    ("manager", "update_state_after_alloc(more than the hit)",
-     lambda w: w.conn.update_state_after_alloc(w.c, (w.c_blocks,), 16),
+    ("manager", "update_state_after_alloc(more than the hit)", _alloc_c(16),
      _V, r"num_external_tokens=16 exceeds the CPU hit of 12"),
     ("manager", "update_state_after_alloc(too few GPU blocks)",
-     lambda w: w.conn.update_state_after_alloc(w.c, (w.c_blocks[:2],), 12),
+     _alloc_c(12, lambda w: (w.c_blocks[:2],)),
      _V, r"group 0 has 2 GPU blocks, too few"),
     ("manager", "update_state_after_alloc(two groups for one)",
-     lambda w: w.conn.update_state_after_alloc(w.c, (w.c_blocks, w.c_blocks), 12),
+     _alloc_c(12, lambda w: (w.c_blocks, w.c_blocks)),
      _V, r"blocks has 2 groups, expected 1"),
     # consumed the pin, then IndexError
     ("manager", "update_state_after_alloc(blocks of no pool) (RB-4)",
-     lambda w: w.conn.update_state_after_alloc(w.c, ([ko.KVCacheBlock(40 + i) for i in range(4)],),
-                                               12),
+     _alloc_c(12, lambda w: ([ko.KVCacheBlock(40 + i) for i in range(4)],)),
      _V, r"load destination KVCacheBlock\(block_id=40.* is not a block of the GPU pool"),
     # merged into b's state
     ("manager", "update_state_after_alloc(request id of a running request) (RB-2)",
@@ -3739,18 +3744,15 @@ BAD_CALLS = [
      _load_into(lambda w: w.c_blocks[1]),
      _V, r"a GPU block appears twice among the load destinations \[(\d+), \1"),
     # --- manager: a step's metadata
-    ("manager", "build_connector_meta(block id out of range)",
-     lambda w: w.conn.build_connector_meta(ko.SchedulerOutput({"b": 1}, {"b": ([99],)})),
+    ("manager", "build_connector_meta(block id out of range)", _schedule_b([99]),
      _V, r"new_block_ids\['b'\]: GPU block id 99 out of range \[0, 18\)"),
     ("manager", "build_connector_meta(negative block id)",
      lambda w: w.conn.build_connector_meta(
          ko.SchedulerOutput({"b": 1}, {"b": ([w.engine.req_blocks["b"][0].block_id, -1],)})),
      _V, r"GPU block id -1 out of range"),
-    ("manager", "build_connector_meta(block id 1.0)",
-     lambda w: w.conn.build_connector_meta(ko.SchedulerOutput({"b": 1}, {"b": ([1.0],)})),
+    ("manager", "build_connector_meta(block id 1.0)", _schedule_b([1.0]),
      _T, r"GPU block id 1\.0 is not an int"),
-    ("manager", "build_connector_meta(block id True)",
-     lambda w: w.conn.build_connector_meta(ko.SchedulerOutput({"b": 1}, {"b": ([True],)})),
+    ("manager", "build_connector_meta(block id True)", _schedule_b([True]),
      _T, r"GPU block id True is not an int"),
     ("manager", "build_connector_meta(None)", lambda w: w.conn.build_connector_meta(None),
      _T, r"scheduler_output must be a SchedulerOutput, got None"),
