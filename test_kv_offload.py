@@ -2581,7 +2581,7 @@ def rel_check_idle(engine: ko.MiniEngine, *, allow_stale_store_counts: bool = Fa
     leftovers = {name: getattr(conn, name) for name in (
         "_load_event_to_reqs", "_reqs_to_store", "_store_event_to_blocks", "_store_event_to_reqs",
         "_abandoned_store_event_to_blocks", "_in_flight_store_gpu_blocks",
-                                                        "_pending_finished_stores")}
+        "_pending_finished_stores")}
     leftovers.update(live_loads=live_loads(conn), abandoned_loads=abandoned_loads(conn),
                      pending_cpu_hits=pending_cpu_hits(conn))
     if not allow_stale_store_counts:
@@ -5398,11 +5398,15 @@ def test_vllm_029_differential_sees_each_fix(kwargs):
 # Before and after PR #53532 (runs with whichever vLLM imports: 0.29 must show the pre-fix
 # numbers, 0.30+ the fixed ones)
 
-@pytest.mark.parametrize("prompt_len,budget,max_tokens,cpu_blocks,pre,post", [
+# prompt, budget, max_tokens, CPU blocks, (registered, B hit) pre-fix, post-fix
+VLLM_CPU_HIT_CASES = [
     (512, 128, 1, None, (24, 384), (32, 496)),
     (100, 128, 1, None, (0, 0), (6, 96)),
     (512, 128, 2, 32, (31, 0), (31, 0)),
-])
+]
+
+
+@pytest.mark.parametrize("prompt_len,budget,max_tokens,cpu_blocks,pre,post", VLLM_CPU_HIT_CASES)
 def test_story_reproduces_vllm_scheduler_cpu_hits(prompt_len, budget, max_tokens, cpu_blocks, pre,
                                                   post):
     """The module's engine gives the numbers vLLM's own Scheduler gives (next test, measured
@@ -5416,14 +5420,6 @@ def test_story_reproduces_vllm_scheduler_cpu_hits(prompt_len, budget, max_tokens
                          num_cpu_blocks=cpu_blocks, max_tokens=max_tokens)
         assert (r["cpu_blocks_registered"], r["cpu_hit_tokens"]) == expected, (cls.__name__, r)
         assert r["kv_exact"] and r["same_output"] and r["all_free"], (cls.__name__, r)
-
-
-# prompt, budget, max_tokens, CPU blocks, (registered, B hit) pre-fix, post-fix
-VLLM_CPU_HIT_CASES = [
-    (512, 128, 1, None, (24, 384), (32, 496)),
-    (100, 128, 1, None, (0, 0), (6, 96)),
-    (512, 128, 2, 32, (31, 0), (31, 0)),
-]
 
 
 @pytest.mark.parametrize("prompt_len,budget,max_tokens,cpu_blocks,pre,post", VLLM_CPU_HIT_CASES)
