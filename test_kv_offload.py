@@ -2625,6 +2625,22 @@ class RelProxy:
             return 10 ** 9
         return max_delay if self._rel_faults.exact else self._rel_rng.randint(0, max_delay)
 
+    def _rel_enqueue(self, queue: list, max_delay: int, item) -> None:
+        """Hold `item` in `queue` for 0..max_delay steps (see _rel_delay)."""
+        d = self._rel_delay(max_delay)
+        self._rel_log.delayed_reports += d > 0
+        queue.append((self._rel_step + d, item))
+
+    def _rel_take_due(self, queue: list) -> list:
+        """Remove from `queue` the items due by this step and return them, in order."""
+        due = [item for t, item in queue if t <= self._rel_step]
+        queue[:] = [(t, item) for t, item in queue if t > self._rel_step]
+        return due
+
+    def _rel_due_next_step(self, queue: list) -> list:
+        """`queue` with every item due by the next step at the latest (a release)."""
+        return [(min(t, self._rel_step + 1), item) for t, item in queue]
+
     def rel_release(self) -> None:
         self.rel_hold = False
 
@@ -2647,11 +2663,8 @@ class RelFaultyWorker(RelProxy):
         self._rel_step += 1
         _, recv = self._rel_inner.get_finished(finished_req_ids)
         for rid in sorted(recv or ()):
-            d = self._rel_delay(self._rel_faults.load_delay)
-            self._rel_log.delayed_reports += d > 0
-            self._rel_recv.append((self._rel_step + d, rid))
-        due = {rid for t, rid in self._rel_recv if t <= self._rel_step}
-        self._rel_recv = [(t, rid) for t, rid in self._rel_recv if t > self._rel_step]
+            self._rel_enqueue(self._rel_recv, self._rel_faults.load_delay, rid)
+        due = set(self._rel_take_due(self._rel_recv))
         self._rel_delivered_recv.extend(sorted(due))
         if self._rel_faults.dup and self._rel_delivered_recv and self._rel_rng.random() < 0.3:
             rid = self._rel_rng.choice(self._rel_delivered_recv)
@@ -2671,22 +2684,19 @@ class RelFaultyWorker(RelProxy):
     def build_connector_worker_meta(self):
         meta = self._rel_inner.build_connector_worker_meta()
         if meta is not None:
-            d = self._rel_delay(self._rel_faults.store_delay)
-            self._rel_log.delayed_reports += d > 0
-            self._rel_stores.append((self._rel_step + d, dict(meta.completed_store_events)))
+            self._rel_enqueue(self._rel_stores, self._rel_faults.store_delay,
+                              dict(meta.completed_store_events))
         due: dict[int, int] = {}
-        for t, m in self._rel_stores:
-            if t <= self._rel_step:
-                for e, n in m.items():
-                    due[e] = due.get(e, 0) + n
-                    self._rel_log.worker_reports[e] += n
-        self._rel_stores = [(t, m) for t, m in self._rel_stores if t > self._rel_step]
+        for m in self._rel_take_due(self._rel_stores):
+            for e, n in m.items():
+                due[e] = due.get(e, 0) + n
+                self._rel_log.worker_reports[e] += n
         return ko.SimpleCPUOffloadWorkerMetadata(due) if due else None
 
     def rel_release(self) -> None:
         super().rel_release()
-        self._rel_recv = [(min(t, self._rel_step + 1), r) for t, r in self._rel_recv]
-        self._rel_stores = [(min(t, self._rel_step + 1), m) for t, m in self._rel_stores]
+        self._rel_recv = self._rel_due_next_step(self._rel_recv)
+        self._rel_stores = self._rel_due_next_step(self._rel_stores)
 
     def rel_holding(self) -> bool:
         return bool(self._rel_recv or self._rel_stores)
@@ -2717,11 +2727,9 @@ class RelFaultyConnector(RelProxy):
         self._rel_step += 1
         meta = connector_output.kv_connector_worker_meta
         if meta is not None and meta.completed_store_events:
-            d = self._rel_delay(self._rel_faults.conn_delay)
-            self._rel_log.delayed_reports += d > 0
-            self._rel_held.append((self._rel_step + d, dict(meta.completed_store_events)))
-        due = [m for t, m in self._rel_held if t <= self._rel_step]
-        self._rel_held = [(t, m) for t, m in self._rel_held if t > self._rel_step]
+            self._rel_enqueue(self._rel_held, self._rel_faults.conn_delay,
+                              dict(meta.completed_store_events))
+        due = self._rel_take_due(self._rel_held)
         if self._rel_faults.dup and self._rel_delivered and self._rel_rng.random() < 0.3:
             m = self._rel_rng.choice(self._rel_delivered)
             if self._rel_safe_dup(m):
@@ -2777,7 +2785,7 @@ class RelFaultyConnector(RelProxy):
 
     def rel_release(self) -> None:
         super().rel_release()
-        self._rel_held = [(min(t, self._rel_step + 1), m) for t, m in self._rel_held]
+        self._rel_held = self._rel_due_next_step(self._rel_held)
 
     def rel_holding(self) -> bool:
         return bool(self._rel_held)
