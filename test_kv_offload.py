@@ -4320,7 +4320,7 @@ def test_free_queue_differential(seed):
         elif op == "popleft_n":
             k = rng.randint(0, len(inside))
             a, b = oq.popleft_n(k), vq.popleft_n(k)
-            assert_same([x.block_id for x in a], [x.block_id for x in b], what)
+            assert_same(block_ids(a), block_ids(b), what)
             out.update(x.block_id for x in a)
         elif op == "remove" and inside:
             i = rng.choice(inside)
@@ -4337,8 +4337,8 @@ def test_free_queue_differential(seed):
                 getattr(vq, op)([vb[i] for i in ids])
             out.difference_update(ids)
         assert_same(oq.num_free_blocks, vq.num_free_blocks, what + " num_free_blocks")
-        assert_same([b.block_id for b in oq.get_all_free_blocks()],
-                    [b.block_id for b in vq.get_all_free_blocks()], what + " order")
+        assert_same(block_ids(oq.get_all_free_blocks()),
+                    block_ids(vq.get_all_free_blocks()), what + " order")
         assert_same([tuple(block_ids([b.prev_free_block, b.next_free_block])) for b in ob],
                     [tuple(block_ids([b.prev_free_block, b.next_free_block])) for b in vb],
                     what + " links")
@@ -4365,9 +4365,9 @@ def compare_lookup(pair, hashes, max_length, group_ids, block_size, align, what)
                                           **kw),
         lambda: v_find_longest_cache_hit(hashes, max_length, group_ids, pair.vllm, block_size,
                                          v_align))
-    assert_same((oh, [[b.block_id for b in g] for g in ob]),
-                (vh, [[b.block_id for b in g] for g in vb]), what)
-    return oh, [[b.block_id for b in g] for g in ob]
+    ours_ids = [block_ids(g) for g in ob]
+    assert_same((oh, ours_ids), (vh, [block_ids(g) for g in vb]), what)
+    return oh, ours_ids
 
 
 class PoolPair:
@@ -4384,6 +4384,17 @@ class PoolPair:
 
     def vb(self, ids):
         return [self.vllm.blocks[i] for i in ids]
+
+    def get_new_blocks(self, n: int, what: str):
+        """get_new_blocks(n) on both pools: (the ids, None), the same on both, or (None, the
+        exception), of the same type on both."""
+        a, b, exc = call_both(what, lambda: self.ours.get_new_blocks(n),
+                              lambda: self.vllm.get_new_blocks(n))
+        if exc is not None:
+            return None, exc
+        ids = block_ids(a)
+        assert_same(ids, block_ids(b), what + " ids")
+        return ids, None
 
 
 class PoolTrace:
@@ -4433,16 +4444,13 @@ class PoolTrace:
         p.ours.touch(p.ob(hit_ids))
         p.vllm.touch(p.vb(hit_ids))
         p.check(self.what("new_request touch"))
-        a, b, exc = call_both(self.what("new_request get_new_blocks"),
-                              lambda: p.ours.get_new_blocks(n_new),
-                              lambda: p.vllm.get_new_blocks(n_new))
+        new_ids, exc = p.get_new_blocks(n_new, self.what("new_request get_new_blocks"))
         if exc is not None:  # the touch took evictable hits out of the queue: no room after all
             assert isinstance(exc, ValueError), exc
             p.ours.free_blocks(p.ob(hit_ids))
             p.vllm.free_blocks(p.vb(hit_ids))
             return
-        assert_same([x.block_id for x in a], [x.block_id for x in b], self.what("new_request ids"))
-        self.reqs.append(SimpleNamespace(hashes=hashes, blocks=hit_ids + [x.block_id for x in a],
+        self.reqs.append(SimpleNamespace(hashes=hashes, blocks=hit_ids + new_ids,
                                          num_cached=len(hit_ids), group=group))
 
     def op_cache_full_blocks(self):
@@ -4547,12 +4555,9 @@ class PoolTrace:
         rng, p = self.rng, self.pair
         # may over-allocate: ValueError on both
         k = rng.randint(0, p.ours.get_num_free_blocks() + 2)
-        a, b, exc = call_both(self.what(f"get_new_blocks({k})"),
-                              lambda: p.ours.get_new_blocks(k), lambda: p.vllm.get_new_blocks(k))
+        ids, exc = p.get_new_blocks(k, self.what(f"get_new_blocks({k})"))
         if exc is None:
-            assert_same([x.block_id for x in a], [x.block_id for x in b],
-                        self.what("get_new_blocks ids"))
-            self.pins.extend(x.block_id for x in a)
+            self.pins.extend(ids)
         else:
             assert isinstance(exc, ValueError), exc
 
@@ -4565,8 +4570,8 @@ class PoolTrace:
         a, b, _ = call_both(self.what("get_cached_block"),
                             lambda: p.ours.get_cached_block(key, gids),
                             lambda: p.vllm.get_cached_block(key, gids))
-        assert_same(None if a is None else [x.block_id for x in a],
-                    None if b is None else [x.block_id for x in b],
+        assert_same(None if a is None else block_ids(a),
+                    None if b is None else block_ids(b),
                     self.what("get_cached_block result"))
 
     def op_lookup(self):
@@ -4829,11 +4834,8 @@ class ManagerTrace:
         return a, b, exc
 
     def gpu_alloc(self, n):
-        a, b, _ = call_both(self.what(f"gpu get_new_blocks({n})"),
-                            lambda: self.gpu.ours.get_new_blocks(n),
-                            lambda: self.gpu.vllm.get_new_blocks(n))
-        ids = [x.block_id for x in a]
-        assert_same(ids, [x.block_id for x in b], self.what("gpu get_new_blocks ids"))
+        ids, exc = self.gpu.get_new_blocks(n, self.what(f"gpu get_new_blocks({n})"))
+        assert exc is None, exc
         return ids
 
     def gpu_free_request(self, er):
