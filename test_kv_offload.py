@@ -985,8 +985,6 @@ BS = 16  # tokens per block unless a test says otherwise
 VARIANTS = ("fixed", "registration_bug", "skip_reset_hash", "flush_bug")
 
 
-
-
 def make_scheduler(variant: str, *args, **kw) -> ko.SimpleCPUOffloadScheduler:
     if variant == "fixed":
         return ko.SimpleCPUOffloadScheduler(*args, **kw)
@@ -3265,6 +3263,14 @@ REL_BASE_B = tuple(range(100, 116))     # 16 tokens, shares nothing with A
 REL_FULL_A, REL_FULL_B = ("add", 0, 20, (), 1), ("add", 1, 16, (), 1)
 
 
+def rel_probe(run, tokens) -> int:
+    """The CPU hit (tokens) a new request with this prompt would get; its pin is dropped again."""
+    probe = ko.Request("probe", list(tokens), REL_BS)
+    hit = run.conn.get_num_new_matched_tokens(probe, 0)[0]
+    run.conn.request_finished(probe, [])
+    return hit
+
+
 def rel_plan(*ops, **kw) -> RelPlan:
     kw.setdefault("bases", (REL_BASE_A, REL_BASE_B))
     kw.setdefault("num_gpu_blocks", 16)
@@ -3290,9 +3296,7 @@ def test_rel_abort_while_its_store_is_in_flight():
     the copies keep their pins and complete, the abort flushes the other confirmed blocks, and a
     later lookup of A's prompt finds all 16 confirmed tokens (4 blocks) on CPU."""
     def stored(run):
-        lookup = ko.Request("probe", list(REL_BASE_A), REL_BS)
-        assert run.conn.get_num_new_matched_tokens(lookup, 0)[0] == 16
-        run.conn.request_finished(lookup, [])
+        assert rel_probe(run, REL_BASE_A) == 16
     plan = rel_plan(("add", 0, 20, (), 4), ("hold", 0), ("step", 2), ("abort", "r0"), budget=8)
     run = rel_run_plan(plan, before_reset=stored)
     assert run.log.aborts_while_storing == 1
@@ -3336,9 +3340,7 @@ def test_rel_refused_reset_is_retried_and_serves_no_stale_hit(reset):
     b_hits = []
 
     def probe_b(run):
-        probe = ko.Request("probe", list(REL_BASE_B), REL_BS)
-        b_hits.append(run.conn.get_num_new_matched_tokens(probe, 0)[0])
-        run.conn.request_finished(probe, [])
+        b_hits.append(rel_probe(run, REL_BASE_B))
 
     plan = rel_plan(REL_FULL_A, REL_FULL_B, ("drain",), ("reset_gpu",), ("hold", 0),
                     ("add", 2, 12, (), 1),
@@ -3350,22 +3352,19 @@ def test_rel_refused_reset_is_retried_and_serves_no_stale_hit(reset):
     assert run.engine.stats["r3"].cpu_hit_tokens == stale_hit and b_hits == [b_hit]
 
 
-def rel_pin_plan(last_op) -> RelPlan:
-    # A stored; GPU cache dropped; B (16 tokens, then decodes) holds 5 of 7 usable GPU blocks;
-    # A again: a CPU hit of 16 tokens needs 4 blocks, 2 are free -> it waits, holding its lookup pin
-    return rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), ("add", 1, 16, (), 8), ("step", 2),
+@pytest.mark.parametrize("last_op, reached", [
+    (("reset",), "resets_with_pins"),
+    (("abort", "r2"), "aborts_with_pin"),
+], ids=["reset", "abort"])
+def test_rel_reset_or_abort_while_a_lookup_pin_is_held(last_op, reached):
+    """A stored; GPU cache dropped; B (16 tokens, then decodes) holds 5 of 7 usable GPU blocks;
+    A again: a CPU hit of 16 tokens needs 4 blocks, 2 are free -> it waits, holding its lookup
+    pin, when the reset (or the abort of A) comes."""
+    plan = rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), ("add", 1, 16, (), 8), ("step", 2),
                     REL_FULL_A,
                     ("step", 1), last_op, num_gpu_blocks=8, num_cpu_blocks=12)
-
-
-def test_rel_reset_while_a_lookup_pin_is_held():
-    run = rel_run_plan(rel_pin_plan(("reset",)))
-    assert run.log.resets_with_pins == 1
-
-
-def test_rel_abort_while_a_lookup_pin_is_held():
-    run = rel_run_plan(rel_pin_plan(("abort", "r2")))
-    assert run.log.aborts_with_pin == 1
+    run = rel_run_plan(plan)
+    assert getattr(run.log, reached) == 1
 
 
 def test_rel_preemption_while_stores_are_in_flight():
