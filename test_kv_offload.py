@@ -209,6 +209,18 @@ def test_group_id_key_roundtrip():
 
 # ---- 1.2 Block pool ------------------------------------------------------------------------------
 
+def _cached_pool(tokens, block_size, hash_block_size, n_blocks, num_pool_blocks=None,
+                 num_cached=None):
+    """A pool of num_pool_blocks (default n_blocks + 2, the null block included) with n_blocks
+    allocated to request 'r' (`tokens`), the first num_cached of them (default all) cached."""
+    pool = ko.BlockPool(num_pool_blocks or n_blocks + 2, True, hash_block_size)
+    req = ko.Request("r", tokens, hash_block_size)
+    blocks = pool.get_new_blocks(n_blocks)
+    num_cached = n_blocks if num_cached is None else num_cached
+    pool.cache_full_blocks(req, blocks, 0, num_cached, block_size, 0)
+    return pool, req, blocks
+
+
 def test_null_block_and_fifo_allocation():
     """Block 0 is the null block: out of the queue from the start; allocation goes in id order."""
     pool = ko.BlockPool(6, True, 4)
@@ -226,10 +238,8 @@ def test_null_block_and_fifo_allocation():
 def test_free_order_unhashed_front_hashed_back():
     """free_blocks: unhashed blocks are prepended (reused first), hashed ones appended (LRU),
     each group in the given order."""
-    pool = ko.BlockPool(8, True, 2)
-    req = ko.Request("r", list(range(8)), 2)
-    blocks = pool.get_new_blocks(5)                      # ids 1..5; queue now [6, 7]
-    pool.cache_full_blocks(req, blocks, 0, 2, 2, 0)      # 1, 2 hashed
+    # ids 1..5 allocated (queue now [6, 7]), 1 and 2 hashed
+    pool, _, blocks = _cached_pool(list(range(8)), 2, 2, 5, num_pool_blocks=8, num_cached=2)
     pool.free_blocks(blocks)                             # order 1, 2, 3, 4, 5
     assert free_ids(pool) == [3, 4, 5, 6, 7, 1, 2]
 
@@ -239,10 +249,7 @@ def test_free_blocks_evict_first():
     tier already holds. Blocks 1..4 allocated (queue [5]), 1 and 2 hashed. Freeing [3, 1] plainly:
     3 (unhashed) to the front, 1 (hashed) to the back -> [3, 5, 1]. Freeing [2, 4] with
     evict_first: both prepended, in the given order -> [2, 4, 3, 5, 1]."""
-    pool = ko.BlockPool(6, True, 2)
-    req = ko.Request("r", list(range(8)), 2)
-    blocks = pool.get_new_blocks(4)
-    pool.cache_full_blocks(req, blocks, 0, 2, 2, 0)
+    pool, _, blocks = _cached_pool(list(range(8)), 2, 2, 4, num_cached=2)
     pool.free_blocks([blocks[2], blocks[0]])
     assert free_ids(pool) == [3, 5, 1]
     pool.free_blocks([blocks[1], blocks[3]], evict_first=True)
@@ -253,10 +260,7 @@ def test_free_blocks_evict_first():
 def test_lru_eviction_order_and_touch_removes_from_queue():
     """Cached free blocks are evicted front first; a touched block leaves the queue and
     survives; a freed block goes to the back (most recently used)."""
-    pool = ko.BlockPool(5, True, 2)
-    req = ko.Request("r", list(range(8)), 2)
-    blocks = pool.get_new_blocks(4)
-    pool.cache_full_blocks(req, blocks, 0, 4, 2, 0)
+    pool, req, blocks = _cached_pool(list(range(8)), 2, 2, 4, num_pool_blocks=5)
     pool.free_blocks(reversed(blocks))                   # vLLM frees tails first: [4, 3, 2, 1]
     assert free_ids(pool) == [4, 3, 2, 1]
     pool.touch([blocks[2]])                              # block 3 hit by another request
@@ -376,10 +380,7 @@ def test_cache_partial_block_promotion():
 
 
 def test_reset_prefix_cache_refused_while_in_use():
-    pool = ko.BlockPool(4, True, 2)
-    req = ko.Request("r", [1, 2, 3, 4], 2)
-    blocks = pool.get_new_blocks(2)
-    pool.cache_full_blocks(req, blocks, 0, 2, 2, 0)
+    pool, _, blocks = _cached_pool([1, 2, 3, 4], 2, 2, 2)
     assert pool.reset_prefix_cache() is False and len(pool.cached_block_hash_to_block) == 2
     pool.free_blocks(blocks)
     assert pool.reset_prefix_cache() is True
@@ -430,14 +431,6 @@ def test_free_queue_asserts_on_a_corrupted_sentinel():
 
 
 # ---- 1.3 find_longest_cache_hit ------------------------------------------------------------------
-
-def _cached_pool(tokens, block_size, hash_block_size, n_blocks):
-    pool = ko.BlockPool(n_blocks + 2, True, hash_block_size)
-    req = ko.Request("r", tokens, hash_block_size)
-    blocks = pool.get_new_blocks(n_blocks)
-    pool.cache_full_blocks(req, blocks, 0, n_blocks, block_size, 0)
-    return pool, req, blocks
-
 
 def test_longest_hit_stops_at_first_miss_and_respects_max_length():
     """3 blocks of 16 cached; a prompt sharing the first 40 tokens hits 2 blocks (32 tokens);
