@@ -4865,18 +4865,18 @@ class ManagerTrace:
                                                   boundary, g, size)
         self.gpu.check(self.what(f"gpu cache_full_blocks {er.rid}"))
 
-    def blocks_needed(self, er, num_tokens):
-        return sum(max(0, -(-num_tokens // size) - len(er.table[g]))
-                   for g, size in enumerate(self.sizes))
+    def blocks_needed(self, er, num_tokens) -> list[int]:
+        """Per group, the GPU blocks er's table lacks to cover num_tokens."""
+        return [max(0, ko.cdiv(num_tokens, size) - len(er.table[g]))
+                for g, size in enumerate(self.sizes)]
 
     def fits(self, er, num_tokens):
         """Whether the GPU pool has the free blocks er's table needs to grow to num_tokens."""
-        return self.blocks_needed(er, num_tokens) <= self.gpu.ours.get_num_free_blocks()
+        return sum(self.blocks_needed(er, num_tokens)) <= self.gpu.ours.get_num_free_blocks()
 
     def grow(self, er, num_tokens):
         new = []
-        for g, size in enumerate(self.sizes):
-            n = max(0, -(-num_tokens // size) - len(er.table[g]))
+        for g, n in enumerate(self.blocks_needed(er, num_tokens)):
             ids = self.gpu_alloc(n)
             er.table[g].extend(ids)
             new.append(ids)
