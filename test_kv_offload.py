@@ -733,8 +733,7 @@ def test_worker_reports_an_event_with_nothing_to_copy_at_once(device):
 # The engine drivers below also serve the end-to-end tests (1.14).
 
 def _story_engine(connector_cls=ko.SimpleCPUOffloadScheduler, num_gpu_blocks=300,
-                  num_cpu_blocks=300,
-                  block_size=16, budget=512, device="cpu", workers=1, **kw):
+                  num_cpu_blocks=300, block_size=16, budget=512, device="cpu", workers=1, **kw):
     model = ko.ToyModel(2, 2, 16, device="cpu" if device == "deferred" else device)
     conn = connector_cls(num_cpu_blocks, block_size, **kw)
     ws = [make_worker(num_cpu_blocks, device, seed=i) for i in range(workers)]
@@ -1771,8 +1770,8 @@ def test_queued_flush_counts_as_in_flight():
     h.sched.update_state_after_alloc(b, (shared,), 0)
     meta = h.step({b.request_id: 1}, {b.request_id: (shared,)})
     # one copy per block: the flush's; b's scan skips them as in flight (CPU 1, 2 from the flush)
-    assert sorted(zip(meta.store_gpu_blocks, meta.store_cpu_blocks)) == [(shared[0].block_id, 1),
-                                                                        (shared[1].block_id, 2)]
+    copies = sorted(zip(meta.store_gpu_blocks, meta.store_cpu_blocks))
+    assert copies == [(shared[0].block_id, 1), (shared[1].block_id, 2)]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -2873,8 +2872,7 @@ def rel_build(plan: RelPlan):
     for p in (proxy, *workers):
         p._rel_engine = engine
     return SimpleNamespace(engine=engine, conn=conn, proxy=proxy, workers=workers, model=model,
-                           log=log,
-                           requests={}, aborted=set())
+                           log=log, requests={}, aborted=set())
 
 
 def rel_step(run, n: int = 1) -> None:
@@ -2907,7 +2905,7 @@ def rel_abort(run, k: int = 0, rid: str | None = None) -> None:
     if rid is None:
         live = sorted(eng.running + eng.waiting,
                       key=lambda r: (r.request_id not in loading_requests(eng),
-                                                                not storing(r.request_id)))
+                                     not storing(r.request_id)))
         if not live:
             return
         rid = live[k % len(live)].request_id
@@ -3082,7 +3080,7 @@ def rel_generic_plans(draw, max_ops: int = 16) -> RelPlan:
     # chunks of ops that tend to reach the dangerous windows
     chunk = st.one_of(
         st.tuples(add), st.tuples(add), st.tuples(step), st.tuples(abort), st.tuples(reset),
-                      st.tuples(reset_gpu),
+        st.tuples(reset_gpu),
         st.tuples(add, add, add, step),                  # a burst: chunked prefill competes
         st.tuples(dec, dec, dec, dec, step, abort),      # decodes grow together: preemption
         # GPU cache dropped, CPU hit, abort mid-load
@@ -3100,9 +3098,14 @@ def rel_generic_plans(draw, max_ops: int = 16) -> RelPlan:
                    num_gpu_blocks=1 + need + draw(st.integers(0, need + 2)),
                    num_cpu_blocks=draw(st.integers(2, 12)),
                    budget=draw(st.sampled_from([2, 3, 4, 5, 7, 8, 12, 16])),
-                   hash_block_size=draw(st.sampled_from([REL_BS, REL_BS // 2])),
-                   world_size=draw(st.sampled_from([1, 2])),
-                   faults=rel_faults(draw))
+                   **rel_last_draws(draw))
+
+
+def rel_last_draws(draw) -> dict:
+    """What every plan strategy draws last: the hash block size, the world size, the faults."""
+    return dict(hash_block_size=draw(st.sampled_from([REL_BS, REL_BS // 2])),
+                world_size=draw(st.sampled_from([1, 2])),
+                faults=rel_faults(draw))
 
 
 def rel_window_tail(draw, fits: list[tuple]) -> tuple:
@@ -3133,8 +3136,7 @@ def rel_pin_window_plans(draw, window_op: tuple) -> RelPlan:
                    num_cpu_blocks=1 + usable + hit + draw(st.integers(0, 3)),
                    # F prefills in one step, then X is looked up
                    budget=draw(st.integers(f + 1, 16)),
-                   hash_block_size=draw(st.sampled_from([bs, bs // 2])),
-                   world_size=draw(st.sampled_from([1, 2])), faults=rel_faults(draw))
+                   **rel_last_draws(draw))
 
 
 @st.composite
@@ -3156,8 +3158,7 @@ def rel_resume_window_plans(draw) -> RelPlan:
     return RelPlan(ops=ops, bases=(r_tokens, p_tokens), num_gpu_blocks=1 + usable,
                    num_cpu_blocks=1 + 2 * usable + draw(st.integers(0, 2)),
                    budget=draw(st.integers(p + r, 16)),  # both prefill in the first step
-                   hash_block_size=draw(st.sampled_from([bs, bs // 2])),
-                   world_size=draw(st.sampled_from([1, 2])), faults=rel_faults(draw))
+                   **rel_last_draws(draw))
 
 
 # Random schedules reach the rare windows (a lookup pin held at a reset or at an abort, a resume
@@ -3187,7 +3188,7 @@ if REL_FUZZ_EXAMPLES:
                         or random.SystemRandom().randrange(2 ** 32))
 rel_fuzz_settings = settings(
     max_examples=REL_FUZZ_EXAMPLES or 300, derandomize=not REL_FUZZ_EXAMPLES, database=None,
-                             deadline=None,
+    deadline=None,
     print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -3278,8 +3279,7 @@ def test_rel_abort_while_its_load_is_in_flight(device):
     while its load report is still on the way. The load's pins (both pools) must stay until the
     report, then go; nothing else may leak."""
     plan = rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), REL_FULL_A, ("step", 1),
-                    ("abort", "r1"),
-                    faults=RelFaults(load_delay=3, exact=True), device=device)
+                    ("abort", "r1"), faults=RelFaults(load_delay=3, exact=True), device=device)
     run = rel_run_plan(plan)
     assert run.log.aborts_while_loading == 1 and run.engine.stats["r1"].cpu_hit_tokens == 16
 
@@ -3308,10 +3308,9 @@ def test_rel_reset_while_a_store_and_a_load_are_in_flight(device):
     """reset() with a sent store and a sent load: both are abandoned (reset returns False), their
     late reports release the pins and cache nothing; a later reset succeeds."""
     plan = rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), REL_FULL_B, ("step", 1), REL_FULL_A,
-                    ("step", 1),
-                    ("reset",),
-                    budget=12, faults=RelFaults(load_delay=2, store_delay=2, exact=True,
-                                                split=True), device=device)
+                    ("step", 1), ("reset",),
+                    budget=12, device=device,
+                    faults=RelFaults(load_delay=2, store_delay=2, exact=True, split=True))
     run = rel_run_plan(plan)
     assert run.log.resets_refused == 1
     assert run.log.stale_reports >= 1
@@ -3336,8 +3335,8 @@ def test_rel_refused_reset_is_retried_and_serves_no_stale_hit(reset):
         b_hits.append(rel_probe(run, REL_BASE_B))
 
     plan = rel_plan(REL_FULL_A, REL_FULL_B, ("drain",), ("reset_gpu",), ("hold", 0),
-                    ("add", 2, 12, (), 1),
-                    ("step", 2), (reset,), REL_FULL_A, ("step", 2), ("release", 0),
+                    ("add", 2, 12, (), 1), ("step", 2), (reset,), REL_FULL_A, ("step", 2),
+                    ("release", 0),
                     bases=(REL_BASE_A, REL_BASE_B, REL_BASE_C), num_cpu_blocks=16)
     run = rel_run_plan(plan, before_reset=probe_b)
     stale_hit, b_hit = (0, 0) if reset == "reset" else (16, 12)
@@ -3354,8 +3353,8 @@ def test_rel_reset_or_abort_while_a_lookup_pin_is_held(last_op, reached):
     A again: a CPU hit of 16 tokens needs 4 blocks, 2 are free -> it waits, holding its lookup
     pin, when the reset (or the abort of A) comes."""
     plan = rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), ("add", 1, 16, (), 8), ("step", 2),
-                    REL_FULL_A,
-                    ("step", 1), last_op, num_gpu_blocks=8, num_cpu_blocks=12)
+                    REL_FULL_A, ("step", 1), last_op,
+                    num_gpu_blocks=8, num_cpu_blocks=12)
     run = rel_run_plan(plan)
     assert getattr(run.log, reached) == 1
 
@@ -3366,8 +3365,8 @@ def test_rel_preemption_while_stores_are_in_flight():
     complete."""
     plan = rel_plan(("add", 0, 12, (), 10), ("add", 1, 12, (), 10), ("add", 0, 8, (7,), 10),
                     ("step", 6),
-                    faults=RelFaults(store_delay=2, load_delay=1, seed=1), num_gpu_blocks=8,
-                    budget=4)
+                    faults=RelFaults(store_delay=2, load_delay=1, seed=1),
+                    num_gpu_blocks=8, budget=4)
     run = rel_run_plan(plan)
     assert run.log.preempted_while_storing >= 1
 
@@ -3386,8 +3385,7 @@ def test_rel_world_size_2_one_worker_lags(device):
 
 def test_rel_duplicate_and_stale_reports_are_ignored():
     plan = rel_plan(REL_FULL_A, ("step", 2), ("reset",), REL_FULL_B, ("drain",), ("reset_gpu",),
-                    REL_FULL_A,
-                    faults=RelFaults(dup=True, store_delay=1, load_delay=1, seed=3))
+                    REL_FULL_A, faults=RelFaults(dup=True, store_delay=1, load_delay=1, seed=3))
     run = rel_run_plan(plan)
     assert run.log.duplicate_reports >= 1 and run.log.ignored_reports >= 1
 
@@ -3410,8 +3408,7 @@ def test_rel_one_block_cpu_pool():
 # 3 are free, and r3 never gets its turn. The fix: requests that hold blocks are admitted first.
 REL_RB1_PLAN = RelPlan(
     ops=(("add", 0, 28, (0, 0, 0, 0, 0), 1), ("abort", 0), ("add", 0, 28, (), 1),
-         ("add", 1, 28, (0,), 3),
-         ("step", 1), ("add", 0, 28, (), 1)),
+         ("add", 1, 28, (0,), 3), ("step", 1), ("add", 0, 28, (), 1)),
     bases=((0, 31, 13, 32, 0, 0, 0, 33, 25, 35, 40, 31, 29, 23, 30, 22, 0, 32, 38, 27, 0, 12, 29,
             39, 0, 0, 0, 0),
            (0,) * 10),
@@ -3551,9 +3548,8 @@ def rel_world(device: str = "cpu"):
     c_blocks, d_blocks = eng.gpu_block_pool.get_new_blocks(4), eng.gpu_block_pool.get_new_blocks(4)
     conn.update_state_after_alloc(d, (d_blocks,), 12)
     return SimpleNamespace(engine=eng, conn=conn, worker=worker, model=model,
-                           gpu=eng.gpu_block_pool,
-                           cpu=conn.cpu_block_pool, a=a, b=b, c=c, c_blocks=c_blocks, d=d,
-                           d_blocks=d_blocks,
+                           gpu=eng.gpu_block_pool, cpu=conn.cpu_block_pool,
+                           a=a, b=b, c=c, c_blocks=c_blocks, d=d, d_blocks=d_blocks,
                            requests={"a": a, "b": b, "c": c, "d": d},
                            live_event=next(iter(conn._store_event_to_blocks)),
                            spare_conn=ko.SimpleCPUOffloadScheduler(8, REL_BS, world_size=2),
@@ -3844,14 +3840,14 @@ BAD_CALLS = [
               _V, r"load: source block ids \[10\] out of range \[0, 8\)", load=True),
     _copy_row("negative GPU destination", [-1], [1],
               _V, r"load: destination block ids \[-1\] out of range \[0, 18\)", load=True),
-    _copy_row("ids 5.0", [5.0], [1], _T, r"load: destination block ids \[5\.0\] are not ints",
-              load=True),
+    _copy_row("ids 5.0", [5.0], [1],
+              _T, r"load: destination block ids \[5\.0\] are not ints", load=True),
     _copy_row("id True", [True], [1], _T, r"store: source block ids \[True\] are not ints"),
     _copy_row("unequal id counts", [1, 2], [1], _V, r"store: 2 source ids but 1 destination ids"),
     _copy_row("store event index that does not grow", [1], [1],
               _V, r"store_event=0 after store_event=\d+: event indices must grow", event=0),
-    _copy_row("load event 1.5", [5], [1], _T, r"load_event must be an int, got 1\.5", load=True,
-              event=1.5),
+    _copy_row("load event 1.5", [5], [1],
+              _T, r"load_event must be an int, got 1\.5", load=True, event=1.5),
     ("worker", "bind_connector_metadata(None)",
      lambda w: rel_unwrap(w.worker).bind_connector_metadata(None),
      _T, r"metadata must be a SimpleCPUOffloadMetadata, got None"),
@@ -4066,8 +4062,7 @@ def rel_midflight():
     """A run stopped mid-flight: A stored; the GPU cache dropped; B prefilling with a store whose
     report worker 0 holds; A again with a 16-token load whose report is held too."""
     plan = rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), ("add", 1, 16, (), 4), ("step", 1),
-                    ("hold", 0),
-                    REL_FULL_A, ("step", 2), budget=12)
+                    ("hold", 0), REL_FULL_A, ("step", 2), budget=12)
     run = rel_build(plan)
     rel_apply_ops(run, plan)
     assert run.log.gpu_resets == 1, "the GPU prefix cache reset was refused"
@@ -4144,8 +4139,8 @@ def test_rel_check_invariants_catches(plant, message):
         check_invariants(run.engine, run.requests.values())
 
 
-@pytest.mark.parametrize("part", ["gpu", "cpu", "kv", "connector", "worker", "engine", "requests",
-                                  "spares"])
+@pytest.mark.parametrize("part", ["gpu", "cpu", "kv", "connector", "worker", "engine",
+                                  "requests", "spares"])
 def test_rel_snapshot_sees_every_part(part):
     world = rel_world()
     before = rel_snapshot(world)
@@ -4343,7 +4338,7 @@ def v_find_longest_cache_hit(block_hashes, max_length, group_ids, pool, block_si
     return VFullAttentionManager.find_longest_cache_hit(
         block_hashes=block_hashes, max_length=max_length, kv_cache_group_ids=group_ids,
         block_pool=pool, kv_cache_spec=spec, drop_eagle_block=False,
-                                                        alignment_tokens=alignment_tokens)
+        alignment_tokens=alignment_tokens)
 
 
 def compare_lookup(pair, hashes, max_length, group_ids, block_size, align, what):
@@ -4648,14 +4643,13 @@ def test_find_longest_cache_hit_differential(seed, hbs, bs):
 # ---- 3.5 SimpleCPUOffloadScheduler, driven like vLLM's scheduler drives it -----------------------
 
 def make_vllm_scheduler(num_gpu_blocks, num_cpu_blocks, block_size, hash_block_size,
-                        group_block_sizes,
-                        world_size):
+                        group_block_sizes, world_size):
     """vLLM's manager from a real KVCacheConfig and a stand-in VllmConfig holding just the
     attributes its constructor (eager mode) reads."""
     page = 1024
     groups = [VKVCacheGroupSpec([f"layer_{g}"],
                                 VFullAttentionSpec(block_size=s, num_kv_heads=1, head_size=8,
-                                                                    dtype=torch.float16))
+                                                   dtype=torch.float16))
               for g, s in enumerate(group_block_sizes)]
     tensors = [VKVCacheTensor(size=num_gpu_blocks * page,
                               layers=[f"layer_{g}" for g in range(len(groups))],
@@ -4768,8 +4762,8 @@ class ManagerTrace:
     any interleaving, request_finished_all_groups, request_finished, reset()."""
 
     def __init__(self, seed, num_gpu_blocks, num_cpu_blocks, block_size, hash_block_size,
-                 group_block_sizes,
-                 world_size=1, budget=8, max_prompt=40, ours_cls=None, **ours_kwargs):
+                 group_block_sizes, world_size=1, budget=8, max_prompt=40, ours_cls=None,
+                 **ours_kwargs):
         self.rng = rng = random.Random(seed)
         self.seed = seed
         self.bs, self.hbs = block_size, hash_block_size
@@ -4918,7 +4912,7 @@ class ManagerTrace:
             total_num_scheduled_tokens=sum(ns.values()), scheduled_spec_decode_tokens={},
             scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[],
             preempted_req_ids=set(preempted), kv_connector_block_state=None,
-                                **V_EXTRA_OUTPUT_FIELDS)
+            **V_EXTRA_OUTPUT_FIELDS)
         return ours, vllm
 
     # --- request lifecycle ------------------------------------------------------
@@ -5409,8 +5403,8 @@ VLLM_CPU_HIT_CASES = [
 
 
 @pytest.mark.parametrize("prompt_len,budget,max_tokens,cpu_blocks,pre,post", VLLM_CPU_HIT_CASES)
-def test_story_reproduces_vllm_scheduler_cpu_hits(prompt_len, budget, max_tokens, cpu_blocks, pre,
-                                                  post):
+def test_story_reproduces_vllm_scheduler_cpu_hits(prompt_len, budget, max_tokens, cpu_blocks,
+                                                  pre, post):
     """The module's engine gives the numbers vLLM's own Scheduler gives (next test, measured
     with vLLM 0.29 and 0.30/0.33/0.34): the pre-fix class (both bugs) what 0.29 gives, the
     fixed class what 0.30+ gives. Hand derivation in the next test's docstring; in short: the
@@ -5425,8 +5419,8 @@ def test_story_reproduces_vllm_scheduler_cpu_hits(prompt_len, budget, max_tokens
 
 
 @pytest.mark.parametrize("prompt_len,budget,max_tokens,cpu_blocks,pre,post", VLLM_CPU_HIT_CASES)
-def test_real_vllm_scheduler_cpu_hits(tmp_path, prompt_len, budget, max_tokens, cpu_blocks, pre,
-                                      post):
+def test_real_vllm_scheduler_cpu_hits(tmp_path, prompt_len, budget, max_tokens, cpu_blocks,
+                                      pre, post):
     """vLLM's own engine Scheduler + SimpleCPUOffloadConnector (eager, full attention, block 16):
     A runs to completion, every store completes, the GPU prefix cache is reset, B (same prompt)
     arrives; we check how many keys the CPU map holds and what B's CPU lookup returns.
@@ -5445,8 +5439,7 @@ def test_real_vllm_scheduler_cpu_hits(tmp_path, prompt_len, budget, max_tokens, 
         import torch
         from vllm import SamplingParams
         from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
-                                 SchedulerConfig,
-                                 VllmConfig)
+                                 SchedulerConfig, VllmConfig)
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -5474,11 +5467,11 @@ def test_real_vllm_scheduler_cpu_hits(tmp_path, prompt_len, budget, max_tokens, 
         model_config=ModelConfig(model=str(tmp_path), dtype="float16", skip_tokenizer_init=True,
                                  max_model_len=4096),
         scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget,
-                                         max_model_len=4096,
-                                         enable_chunked_prefill=True, is_encoder_decoder=False,
+                                         max_model_len=4096, enable_chunked_prefill=True,
+                                         is_encoder_decoder=False,
                                          async_scheduling=False),
         cache_config=CacheConfig(block_size=bs, enable_prefix_caching=True),
-                    device_config=DeviceConfig("cpu"),
+        device_config=DeviceConfig("cpu"),
         kv_transfer_config=KVTransferConfig(
             kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
             kv_connector_extra_config={"cpu_bytes_to_use": page * (cpu_blocks or 2 * nb)}))
@@ -5488,8 +5481,7 @@ def test_real_vllm_scheduler_cpu_hits(tmp_path, prompt_len, budget, max_tokens, 
     register_all_kvcache_specs(vc)
     init_none_hash(sha256)
     s = Scheduler(vllm_config=vc, kv_cache_config=kcc, block_size=bs, hash_block_size=bs,
-                  log_stats=False,
-                  structured_output_manager=StructuredOutputManager(vc))
+                  log_stats=False, structured_output_manager=StructuredOutputManager(vc))
     lookups, lookup = {}, s.connector.get_num_new_matched_tokens
     s.connector.get_num_new_matched_tokens = (  # record B's first CPU lookup
         lambda r, n, *a: lookups.setdefault(r.request_id, lookup(r, n, *a)))
@@ -5511,8 +5503,7 @@ def test_real_vllm_scheduler_cpu_hits(tmp_path, prompt_len, budget, max_tokens, 
     prompt = [(i * 31) % 50000 + 3 for i in range(prompt_len)]
     for rid in ("A", "B"):
         s.add_request(Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                              None,
-                              block_hasher=get_request_block_hasher(bs, sha256)))
+                              None, block_hasher=get_request_block_hasher(bs, sha256)))
         # run to completion, then drain stores
         for _ in range(prompt_len // budget + max_tokens + 4):
             step()
