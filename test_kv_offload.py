@@ -2015,6 +2015,12 @@ def sync_checked(worker, set_mode=None):
     return worker
 
 
+def _pytest_here(*args, env=None) -> str:
+    """The output of pytest (quiet, no cache) run on this file in a fresh process."""
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, __file__]
+    return subprocess.run(argv, env=env, capture_output=True, text=True).stdout
+
+
 def _story_with_sync_check(device, set_mode=None, plant_sync=False):
     eng, conn, model = _story_engine(device=device)
     w = eng.workers[0]
@@ -2074,7 +2080,6 @@ def test_gpu_check_fails_without_a_gpu(capsys):
 def test_gpu_check_runs_the_gpu_cases_then_the_gpu_bench(monkeypatch):
     """With a stand-in GPU: the check runs pytest -k cuda on this file with 200 fuzz examples and
     skips turned into failures, prints the CUDA bench rows, and exits with pytest's status."""
-    import subprocess
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(subprocess, "call", lambda argv, env: calls.append((argv, env)) or 1)
@@ -2091,12 +2096,8 @@ def test_gpu_check_selects_every_gpu_case():
     """What `-k cuda` collects under KV_OFFLOAD_REQUIRE_CUDA: the CUDA parameter of every device-
     parametrized test (worker copies, end to end, two workers, reliability scenarios, the fuzz,
     the sync check) and nothing else; and a selected case fails, not skips, without a GPU."""
-    import subprocess
-    import sys
     env = dict(os.environ, KV_OFFLOAD_REQUIRE_CUDA="1")
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "--collect-only",
-                          "-k", "cuda", __file__], env=env, capture_output=True, text=True).stdout
+    out = _pytest_here("--collect-only", "-k", "cuda", env=env)
     ids = [line for line in out.splitlines() if "::" in line]
     names = {i.split("::")[1].split("[")[0] for i in ids}
     assert {"test_worker_copies_exact_blocks_both_directions", "test_repeated_prompt_end_to_end",
@@ -2107,9 +2108,7 @@ def test_gpu_check_selects_every_gpu_case():
             "test_rel_world_size_2_one_worker_lags"} <= names
     assert all("cuda" in i.split("[")[1] for i in ids), ids
     if not torch.cuda.is_available():
-        one = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                              "-k", "cuda and worker_copies and flash and contiguous", __file__],
-                             env=env, capture_output=True, text=True).stdout
+        one = _pytest_here("-k", "cuda and worker_copies and flash and contiguous", env=env)
         assert "1 failed" in one and "skipped" not in one, one
 
 
@@ -2229,9 +2228,7 @@ def test_readme_numbers_match_the_code():
             r = ko.run_story(cls, 8192, num_cpu_blocks=448, **kwargs)
             for row, cells in small_table.items():
                 assert cells[name] == str(r[row]), (name, row, cells[name], r[row])
-    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
-                                "no:cacheprovider", __file__], capture_output=True,
-                               text=True).stdout
+    collected = _pytest_here("--collect-only")
     num_tests = int(re.search(r"(\d+) tests collected", collected).group(1))
     assert f"| {num_tests} tests (CPU;" in text, (
         f"the README's file map should say {num_tests} tests")
