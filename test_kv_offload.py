@@ -4369,6 +4369,17 @@ class PoolPair:
     def vb(self, ids):
         return [self.vllm.blocks[i] for i in ids]
 
+    def touch(self, ids) -> None:
+        """touch() on both pools (a hit, or a pin: a ref on each block)."""
+        self.ours.touch(self.ob(ids))
+        self.vllm.touch(self.vb(ids))
+
+    def free_blocks(self, ids) -> None:
+        """free_blocks() on both pools, in the order of `ids`."""
+        ids = list(ids)
+        self.ours.free_blocks(self.ob(ids))
+        self.vllm.free_blocks(self.vb(ids))
+
     def get_new_blocks(self, n: int, what: str):
         """get_new_blocks(n) on both pools: (the ids, None), the same on both, or (None, the
         exception), of the same type on both."""
@@ -4425,14 +4436,12 @@ class PoolTrace:
         n_new = rng.randint(0, max(0, len(hashes) // self.scale + 1 - len(hit_ids)))
         if n_new > p.ours.get_num_free_blocks():
             return
-        p.ours.touch(p.ob(hit_ids))
-        p.vllm.touch(p.vb(hit_ids))
+        p.touch(hit_ids)
         p.check(self.what("new_request touch"))
         new_ids, exc = p.get_new_blocks(n_new, self.what("new_request get_new_blocks"))
         if exc is not None:  # the touch took evictable hits out of the queue: no room after all
             assert isinstance(exc, ValueError), exc
-            p.ours.free_blocks(p.ob(hit_ids))
-            p.vllm.free_blocks(p.vb(hit_ids))
+            p.free_blocks(hit_ids)
             return
         self.reqs.append(SimpleNamespace(hashes=hashes, blocks=hit_ids + new_ids,
                                          num_cached=len(hit_ids), group=group))
@@ -4572,10 +4581,8 @@ class PoolTrace:
         rng, p = self.rng, self.pair
         if rng.random() < 0.5:  # free everything first so that the reset succeeds
             for r in self.reqs:
-                p.ours.free_blocks(p.ob(reversed(r.blocks)))
-                p.vllm.free_blocks(p.vb(list(reversed(r.blocks))))
-            p.ours.free_blocks(p.ob(self.pins))
-            p.vllm.free_blocks(p.vb(self.pins))
+                p.free_blocks(reversed(r.blocks))
+            p.free_blocks(self.pins)
             self.reqs, self.pins = [], []
             p.check(self.what("free all"))
         a, b, _ = call_both(self.what("reset_prefix_cache"), p.ours.reset_prefix_cache,
@@ -4824,8 +4831,7 @@ class ManagerTrace:
     def gpu_free_request(self, er):
         for g in range(len(self.sizes)):  # vLLM: each group's manager frees its blocks in reverse
             ids = list(reversed(er.table[g]))
-            self.gpu.ours.free_blocks(self.gpu.ob(ids))
-            self.gpu.vllm.free_blocks(self.gpu.vb(ids))
+            self.gpu.free_blocks(ids)
         er.table = [[] for _ in self.sizes]
         er.num_cached = [0] * len(self.sizes)
 
@@ -5052,8 +5058,7 @@ class ManagerTrace:
                 if need > self.gpu.ours.get_num_free_blocks():
                     continue  # no room: stays waiting, its pin is dropped by the next lookup
                 for g in range(len(self.sizes)):
-                    self.gpu.ours.touch(self.gpu.ob(lblocks[g]))
-                    self.gpu.vllm.touch(self.gpu.vb(lblocks[g]))
+                    self.gpu.touch(lblocks[g])
                     er.table[g] = list(lblocks[g])
                     er.num_cached[g] = len(lblocks[g])
                 self.grow(er, total)
@@ -5160,8 +5165,7 @@ class ManagerTrace:
             k = free if rng.random() < 0.5 else rng.randint(0, free)
             ids = self.gpu_alloc(k)
             rng.shuffle(ids)
-            self.gpu.ours.free_blocks(self.gpu.ob(ids))
-            self.gpu.vllm.free_blocks(self.gpu.vb(ids))
+            self.gpu.free_blocks(ids)
             self.gpu.check(self.what(f"gpu churn {k}"))
         if rng.random() < 0.03:
             a, b, _ = self.both("reset", self.ours.reset, self.vllm.reset)
