@@ -2016,6 +2016,8 @@ class MiniEngine:
         self.running: list[Request] = []
         # every request added and not yet finished or aborted, by id (vLLM's scheduler.requests)
         self.requests: dict[str, Request] = {}
+        # steps run so far (run() stops at max_steps)
+        self.num_steps = 0
         # request id -> its GPU block table (one group)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         # request id -> how many of its blocks are registered in the GPU prefix cache
@@ -2026,7 +2028,6 @@ class MiniEngine:
         self._recving_counts: dict[str, int] = {}
         # reset_connector_cache() was refused: retried after every step, no CPU lookup until done
         self._connector_reset_pending = False
-        self.num_steps = 0
 
     def add_request(self, request: Request) -> None:
         if not isinstance(request, Request):

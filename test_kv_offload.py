@@ -430,6 +430,20 @@ def test_free_queue_asserts_on_a_corrupted_sentinel():
     assert q.num_free_blocks == 0 and blocks[1].prev_free_block is None
 
 
+def test_free_blocks_counts_a_repeated_block():
+    """free_blocks checks before it changes anything: a block listed k times drops k
+    references, so it must hold k. b1 holds 1: [b2, b1, b1] is a double free, and b2 keeps its
+    reference too. Touched once more (2 refs), [b1, b1] frees it: unhashed, to the front."""
+    pool = ko.BlockPool(4, True, 2)
+    b1, b2 = pool.get_new_blocks(2)
+    with pytest.raises(ValueError, match="double free"):
+        pool.free_blocks([b2, b1, b1])
+    assert (b1.ref_cnt, b2.ref_cnt) == (1, 1) and free_ids(pool) == [3]
+    pool.touch([b1])
+    pool.free_blocks([b1, b1])
+    assert b1.ref_cnt == 0 and free_ids(pool) == [1, 3]
+
+
 # ---- 1.3 find_longest_cache_hit ------------------------------------------------------------------
 
 def test_longest_hit_stops_at_first_miss_and_respects_max_length():
@@ -1986,6 +2000,78 @@ def test_two_workers_world_size_2(device):
     assert stats["B"].cpu_hit_tokens == 992
     assert torch.equal(stats["B"].kv, model.expected_kv(prompt).cpu())
     _assert_all_free(eng, conn)
+
+
+def test_engine_request_states_follow_vllm():
+    """A request's state is vLLM's RequestStatus, and the manager's has_pending_loads() says
+    when a load is in flight. A's 64-token prompt is stored; the GPU cache is dropped; B sends
+    the same prompt on a device that runs no copy until the test says so. B: WAITING when added;
+    after one step WAITING_FOR_REMOTE_KVS, its load pending, with 48 tokens counted as computed
+    already (3 blocks: the 4th holds the last token, always recomputed), as vLLM counts them;
+    once the load ran and was polled, WAITING again, holding its 3 blocks; then it computes its
+    last 16 tokens in one step and finishes: FINISHED_LENGTH_CAPPED, gone from `requests`."""
+    statuses = ko.RequestStatus
+    dev = DeferredCopyEngine(max_ops_per_call=0)
+    worker = ko.SimpleCPUOffloadWorker(300, copy_engine=dev)
+    conn = ko.SimpleCPUOffloadScheduler(300, 16)
+    model = ko.ToyModel(2, 2, 16)
+    eng = ko.MiniEngine(300, 16, 512, model, conn, worker, capture_kv=True)
+    prompt = _prompt(64)
+    eng.add_request(ko.Request("A", prompt, 16))
+    while eng.has_unfinished_work():
+        eng.step()
+        dev.run()
+    assert eng.reset_gpu_prefix_cache()
+    b = ko.Request("B", prompt, 16)
+    eng.add_request(b)
+    assert b.status == statuses.WAITING and eng.requests == {"B": b}
+    assert not conn.has_pending_loads()
+    eng.step()
+    assert b.status == statuses.WAITING_FOR_REMOTE_KVS and b in eng.waiting
+    assert b.num_computed_tokens == 48 and conn.has_pending_loads()
+    assert loading_requests(eng) == {"B": 48}
+    dev.run()
+    eng.step()  # the poll sees the load done: B waits to compute the rest
+    assert b.status == statuses.WAITING and not conn.has_pending_loads()
+    # the 3 loaded blocks; the 4th is allocated when B computes
+    assert len(eng.req_blocks["B"]) == 3 and b.num_computed_tokens == 48
+    eng.step()  # B computes its last 16 tokens and samples: max_tokens=1, so it finishes
+    assert b.status == statuses.FINISHED_LENGTH_CAPPED and "B" not in eng.requests
+    stats = eng.stats["B"]
+    assert (stats.cpu_hit_tokens, stats.computed_tokens) == (48, 16)
+    assert torch.equal(stats.kv, model.expected_kv(prompt))
+
+
+def test_engine_preempted_request_resumes_as_vllm_does():
+    """Preemption in vLLM's states. 9 usable GPU blocks of 4 tokens, budget 8: r1 (12-token
+    prompt) and r2 (20 tokens) decode until, at step 6, r1 needs a 5th block and none is free:
+    the last running request, r2, is PREEMPTED (num_preemptions 1, no blocks, first in the
+    waiting queue). It is RUNNING again two steps later (its own freed blocks are a GPU prefix
+    hit), keeps the hit counts of its first admission (0), and produces the same tokens as a
+    run in a pool large enough that nobody is preempted."""
+    statuses = ko.RequestStatus
+
+    def run(num_gpu_blocks):
+        eng = ko.MiniEngine(num_gpu_blocks, 4, 8, ko.ToyModel(1, 1, 4))
+        r1 = ko.Request("r1", list(range(1, 13)), 4, max_tokens=6)
+        r2 = ko.Request("r2", list(range(100, 120)), 4, max_tokens=6)
+        eng.add_request(r1)
+        eng.add_request(r2)
+        r2_statuses = []
+        while eng.has_unfinished_work():
+            eng.step()
+            r2_statuses.append(r2.status)
+            if r2.status == statuses.PREEMPTED:
+                assert eng.waiting[0] is r2 and "r2" not in eng.req_blocks
+        return eng, r2, r2_statuses
+
+    eng, r2, r2_statuses = run(10)
+    assert r2_statuses[5:8] == [statuses.PREEMPTED, statuses.PREEMPTED, statuses.RUNNING]
+    assert r2.num_preemptions == 1 and r2_statuses[-1] == statuses.FINISHED_LENGTH_CAPPED
+    assert eng.stats["r2"].gpu_hit_tokens == 0
+    roomy, roomy_r2, roomy_statuses = run(40)
+    assert statuses.PREEMPTED not in roomy_statuses and roomy_r2.num_preemptions == 0
+    assert eng.stats["r2"].output_token_ids == roomy.stats["r2"].output_token_ids
 
 
 # ---- 1.15 End to end: the GPU check (--gpu-check) ------------------------------------------------
