@@ -512,24 +512,22 @@ class BlockPool:
             block.ref_cnt = 1
         return ret
 
-    def _check_own_blocks(self, blocks: list[KVCacheBlock], op: str) -> None:
-        """The check pass of touch() and free_blocks(): raise before any ref count changes, so
-        bad input loses nothing. vLLM trusts its callers and has no such pass (its free_blocks
-        hands a foreign block to the block's own pool instead)."""
-        for block in blocks:
-            if type(block) is not KVCacheBlock or block.pool is not self:
-                raise ValueError(f"{op}: {block!r} is not a block of this pool")
+    # touch() and free_blocks() run one check pass that raises before any ref count changes,
+    # so bad input loses nothing; then vLLM's loop. vLLM trusts its callers and has no such
+    # pass (its free_blocks hands a foreign block to the block's own pool instead).
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference (a prefix hit, a pinned copy). A free cached block leaves the
         free queue, so it can no longer be evicted."""
         blocks = list(blocks)
-        self._check_own_blocks(blocks, "touch")
+        # the check pass
         for block in blocks:
+            if type(block) is not KVCacheBlock or block.pool is not self:
+                raise ValueError(f"touch: {block!r} is not a block of this pool")
             # ref 0 but not linked into the queue: a block someone took out by hand
             if block.ref_cnt == 0 and block.prev_free_block is None and not block.is_null:
                 raise ValueError(f"touch: {block!r} is not a block of this pool")
-        # vLLM's loop from here on
+        # vLLM's loop
         for block in blocks:
             if block.is_null:
                 continue
@@ -546,16 +544,21 @@ class BlockPool:
         evict_first=True sends hashed ones to the front too, for blocks whose contents another
         tier already holds (vLLM 0.34 uses it for lazy-mode stores; eager mode never does)."""
         blocks = list(ordered_blocks)
-        self._check_own_blocks(blocks, "free_blocks")
-        # a block listed k times drops k references, so it must hold k: count only when a
-        # block repeats (rare; a set is cheaper than a Counter on the hot path)
-        repeats = Counter(blocks) if len(set(blocks)) != len(blocks) else None
+        # the check pass
         for block in blocks:
-            num_drops = 1 if repeats is None else repeats[block]
-            if not block.is_null and block.ref_cnt < num_drops:
+            if type(block) is not KVCacheBlock or block.pool is not self:
+                raise ValueError(f"free_blocks: {block!r} is not a block of this pool")
+            if block.ref_cnt < 1 and not block.is_null:
                 raise ValueError(f"free_blocks: block {block.block_id} is free already "
                                  "(a double free)")
-        # vLLM's loop from here on.
+        # a block listed k times drops k references, so it must hold k (rare: counted only
+        # when a block repeats; a set is cheaper than a Counter on the hot path)
+        if len(set(blocks)) != len(blocks):
+            for block, num_drops in Counter(blocks).items():
+                if block.ref_cnt < num_drops and not block.is_null:
+                    raise ValueError(f"free_blocks: block {block.block_id} is free already "
+                                     "(a double free)")
+        # vLLM's loop.
         # Identify blocks with hash (LRU cache) and without it (never match APC)
         blocks_to_evict_last = []
         blocks_to_evict_first = []
