@@ -2217,7 +2217,9 @@ class MiniEngine:
                 if num_new_tokens is None:
                     break  # no room: stays waiting (the connector's pin is dropped next lookup)
                 if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                    continue  # not scheduled until the load is reported; the queue goes on
+                    # its load is accepted: not scheduled until the load is reported, and the
+                    # queue waits behind it (FIFO)
+                    break
             self.waiting.pop(0)
             self.running.append(req)
             self._cache_blocks(req, req.num_computed_tokens + num_new_tokens)
