@@ -465,7 +465,6 @@ class BlockPool:
             # a partial entry for a longer prefix replaces a shorter one (its hash is set, as a
             # count is only ever set alongside a hash)
             self._remove_cached_block_hashes(block)
-
         self._insert_block_hash(key, block, num_tokens)
         return key
 
@@ -552,7 +551,8 @@ class BlockPool:
                 raise ValueError(f"free_blocks: block {block.block_id} is free already "
                                  "(a double free)")
         # a block listed k times drops k references, so it must hold k (rare: counted only
-        # when a block repeats; a set is cheaper than a Counter on the hot path)
+        # when a block repeats, after the loop above has made sure every item is a block of
+        # this pool; a set is cheaper than a Counter on the hot path)
         if len(set(blocks)) != len(blocks):
             for block, num_drops in Counter(blocks).items():
                 if block.ref_cnt < num_drops and not block.is_null:
@@ -858,8 +858,7 @@ class SimpleCPUOffloadScheduler:
         self._gpu_block_pool = gpu_block_pool
 
     def _holds_gpu_block_ids(self) -> bool:
-        return bool(self._reqs_to_store or self._reqs_to_load or self._abandoned_reqs_to_load
-                    or self.has_pending_stores())
+        return bool(self._reqs_to_store) or self.has_pending_loads() or self.has_pending_stores()
 
     # --- lookup and load ------------------------------------------------------
 
@@ -908,7 +907,6 @@ class SimpleCPUOffloadScheduler:
         remaining = request.block_hashes[num_computed_tokens // self.hash_block_size:]
         # the last token is always recomputed (its logits are needed)
         max_hit_len = request.num_tokens - 1 - num_computed_tokens
-
         if not remaining or max_hit_len <= 0:
             return 0, False
         hit_blocks, hit_length = self._find_longest_cache_hit(remaining, max_hit_len)
@@ -2046,7 +2044,6 @@ class MiniEngine:
         if request.hash_block_size != self.hash_block_size:
             raise ValueError(f"request hash_block_size {request.hash_block_size} != engine's "
                              f"{self.hash_block_size}")
-        request.status = RequestStatus.WAITING
         self.waiting.append(request)
         self.requests[rid] = request
         self.stats[rid] = RequestStats(prompt_tokens=request.num_prompt_tokens)
