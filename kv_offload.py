@@ -51,6 +51,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import itertools
+import logging
 import math
 import struct
 import time
@@ -60,6 +61,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # -----------------------------------------------------------------------------
 # 1. Hashing and requests
@@ -94,14 +97,26 @@ def get_group_id(key: bytes) -> int:
     return int.from_bytes(key[-4:], "big")
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    """A count, size or index argument: TypeError unless an int (a bool is not a count), ValueError
-    below `minimum`. A float or NaN would otherwise fail far away (a slice, struct.pack) or make
-    an engine loop until its step limit (NaN compares False with everything)."""
+def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
+    """not in vLLM: a count, size or index a person passed. TypeError unless an int (a bool is
+    not a count), ValueError outside [minimum, maximum]. A float or NaN would otherwise fail far
+    away (a slice, struct.pack) or make an engine loop until its step limit."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        raise ValueError(f"{name} must be an int in [{minimum}, {maximum or 'inf'}], "
+                         f"got {value!r}")
+
+
+def _check_type(name: str, value: Any, expected: type | tuple[type, ...]) -> None:
+    """not in vLLM: TypeError naming the argument when `value` is not of the expected type."""
+    if not isinstance(value, expected):
+        raise TypeError(f"{name} must be {getattr(expected, '__name__', expected)}, "
+                        f"got {value!r}")
+
+
+# not in vLLM: every block is a Python object here; 4M of them take seconds and a gigabyte
+MAX_BLOCKS = 1 << 22
 
 
 def _check_token_ids(token_ids: Sequence[Any]) -> None:
@@ -140,6 +155,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], hash_block_size: int,
                  max_tokens: int = 1):
+        _check_type("request_id", request_id, str)
+        _check_type("prompt_token_ids", prompt_token_ids, (list, tuple))
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt_token_ids is empty")
         _check_token_ids(prompt_token_ids)
@@ -159,6 +176,8 @@ class Request:
         self.num_output_placeholders = 0
         # vLLM: True when the request may not read KV from a connector (e.g. prompt logprobs)
         self.skip_reading_external_kv = False
+        # not in vLLM: the MiniEngine it was added to (a Request runs in one engine, once)
+        self._engine: Any = None
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()
 
@@ -394,7 +413,8 @@ class BlockPool:
     """
 
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int):
-        _check_int("num_gpu_blocks", num_gpu_blocks, 1)
+        _check_int("num_gpu_blocks", num_gpu_blocks, 1, MAX_BLOCKS)
+        _check_type("enable_caching", enable_caching, bool)
         _check_int("hash_block_size", hash_block_size, 1)
         self.num_gpu_blocks = num_gpu_blocks  # vLLM's name; the CPU pool uses it too
         self.enable_caching = enable_caching
@@ -497,7 +517,6 @@ class BlockPool:
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop `num_blocks` from the front of the free queue (LRU first), evicting their cached
         keys now (lazy eviction). Returned blocks have ref_cnt == 1 and no hash."""
-        _check_int("num_blocks", num_blocks, 0)
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool "
                              f"({self.get_num_free_blocks()} free)")
@@ -511,22 +530,9 @@ class BlockPool:
             block.ref_cnt = 1
         return ret
 
-    # touch() and free_blocks() run one check pass that raises before any ref count changes,
-    # so bad input loses nothing; then vLLM's loop. vLLM trusts its callers and has no such
-    # pass (its free_blocks hands a foreign block to the block's own pool instead).
-
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference (a prefix hit, a pinned copy). A free cached block leaves the
         free queue, so it can no longer be evicted."""
-        blocks = list(blocks)
-        # the check pass
-        for block in blocks:
-            if type(block) is not KVCacheBlock or block.pool is not self:
-                raise ValueError(f"touch: {block!r} is not a block of this pool")
-            # ref 0 but not linked into the queue: a block someone took out by hand
-            if block.ref_cnt == 0 and block.prev_free_block is None and not block.is_null:
-                raise ValueError(f"touch: {block!r} is not a block of this pool")
-        # vLLM's loop
         for block in blocks:
             if block.is_null:
                 continue
@@ -542,27 +548,11 @@ class BlockPool:
         (first = evicted first): unhashed ones to the front, hashed ones to the back.
         evict_first=True sends hashed ones to the front too, for blocks whose contents another
         tier already holds (vLLM 0.34 uses it for lazy-mode stores; eager mode never does)."""
-        blocks = list(ordered_blocks)
-        # the check pass
-        for block in blocks:
-            if type(block) is not KVCacheBlock or block.pool is not self:
-                raise ValueError(f"free_blocks: {block!r} is not a block of this pool")
-            if block.ref_cnt < 1 and not block.is_null:
-                raise ValueError(f"free_blocks: block {block.block_id} is free already "
-                                 "(a double free)")
-        # a block listed k times drops k references, so it must hold k (rare: counted only
-        # when a block repeats, after the loop above has made sure every item is a block of
-        # this pool; a set is cheaper than a Counter on the hot path)
-        if len(set(blocks)) != len(blocks):
-            for block, num_drops in Counter(blocks).items():
-                if block.ref_cnt < num_drops and not block.is_null:
-                    raise ValueError(f"free_blocks: block {block.block_id} is free already "
-                                     "(a double free)")
-        # vLLM's loop.
+        ordered_blocks = self._check_free_blocks(ordered_blocks)
         # Identify blocks with hash (LRU cache) and without it (never match APC)
         blocks_to_evict_last = []
         blocks_to_evict_first = []
-        for block in blocks:
+        for block in ordered_blocks:
             if block.is_null:  # never pooled; its ref_cnt is not maintained
                 continue
             block.ref_cnt -= 1
@@ -578,6 +568,24 @@ class BlockPool:
         self.free_block_queue.prepend_n(blocks_to_evict_first)
         # Blocks to reuse last are appended to the end of the free queue
         self.free_block_queue.append_n(blocks_to_evict_last)
+
+    def _check_free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
+        """not in vLLM: a double free, or a block of another pool, would put one block into a
+        free queue twice (or into the wrong one); it would then be handed out twice and two
+        requests would write one block's KV, silently. Raises before any ref count changes.
+        (vLLM 0.34 hands a foreign block to its own pool instead; nothing here frees one.)"""
+        blocks = list(ordered_blocks)
+        for block in blocks:
+            if block.pool is not self or (block.ref_cnt < 1 and not block.is_null):
+                raise ValueError(f"free_blocks: {block!r} is not a block of this pool, or is "
+                                 "free already (a double free)")
+        # a block listed k times drops k references (rare: counted only when one repeats)
+        if len(set(blocks)) != len(blocks):
+            for block, num_drops in Counter(blocks).items():
+                if block.ref_cnt < num_drops and not block.is_null:
+                    raise ValueError(f"free_blocks: block {block.block_id} is freed "
+                                     f"{num_drops} times with {block.ref_cnt} refs (a double free)")
+        return blocks
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached key (e.g. after a weight update). Refused (False) while any block
@@ -782,6 +790,15 @@ class StoreRequestState:
     finished: bool = False
 
 
+class _StoreAdmission(enum.Enum):
+    """Why a confirmed GPU block is or is not copied to CPU (vLLM 0.30's names)."""
+    READY = enum.auto()
+    NULL_BLOCK = enum.auto()
+    NOT_HASHED = enum.auto()      # not in the GPU prefix cache: its KV has no key
+    IN_FLIGHT = enum.auto()       # a store of this very block is running
+    ALREADY_CACHED = enum.auto()  # its primary key already hits on CPU
+
+
 class SimpleCPUOffloadScheduler:
     """Scheduler side of the CPU offload connector, eager mode (vLLM's manager.py).
 
@@ -792,36 +809,45 @@ class SimpleCPUOffloadScheduler:
     Loads: a new request's prefix beyond its GPU hit is looked up in the CPU cache; hit blocks
     are pinned and copied CPU->GPU before the request computes.
     Ref-count contract: every ref this class takes on either pool is dropped exactly once, by a
-    completion, by request_finished(), or by reset() — the reliability tests check this.
+    completion, by request_finished(), or by reset() -- the reliability tests check this.
+    Contract: the engine-facing methods trust their caller, as vLLM's do (SPEC §0).
     """
 
     def __init__(self, num_cpu_blocks: int, block_size: int, hash_block_size: int | None = None,
                  group_block_sizes: list[int] | None = None, world_size: int = 1):
-        hbs = block_size if hash_block_size is None else hash_block_size
-        sizes = list(group_block_sizes) if group_block_sizes is not None else [block_size]
-        _check_int("num_cpu_blocks", num_cpu_blocks, 2)  # block 0 is the null block
-        group_sizes = [("group_block_sizes", size) for size in sizes]
-        for name, value in [("block_size", block_size), ("hash_block_size", hbs),
-                            ("world_size", world_size), *group_sizes]:
-            _check_int(name, value, 1)
-        if not sizes:
+        # not in vLLM: the arguments a person passes are checked (vLLM derives them from its
+        # config objects)
+        if hash_block_size is None:
+            hash_block_size = block_size
+        if group_block_sizes is None:
+            group_block_sizes = [block_size]
+        _check_int("num_cpu_blocks", num_cpu_blocks, 2, MAX_BLOCKS)  # block 0 is the null block
+        _check_int("block_size", block_size, 1)
+        _check_int("hash_block_size", hash_block_size, 1)
+        _check_int("world_size", world_size, 1)
+        _check_type("group_block_sizes", group_block_sizes, (list, tuple))
+        if not group_block_sizes:
             raise ValueError("group_block_sizes is empty: one size per KV-cache group")
-        if any(s % hbs for s in sizes) or block_size != math.lcm(*sizes):
+        for size in group_block_sizes:
+            _check_int("group_block_sizes[i]", size, 1)
+        nested = all(size % hash_block_size == 0 for size in group_block_sizes)
+        if not nested or block_size != math.lcm(*group_block_sizes):
             # vLLM's scheduler block size *is* the LCM of the group sizes (one group: its size)
-            raise ValueError(f"block sizes must nest: hash_block_size ({hbs}) must divide every "
-                             f"group block size ({sizes}), and block_size ({block_size}) must be "
-                             "their LCM")
+            raise ValueError(f"block sizes must nest: hash_block_size ({hash_block_size}) must "
+                             f"divide every group block size ({group_block_sizes}), and "
+                             f"block_size ({block_size}) must be their LCM")
         self.block_size = block_size          # scheduler block size: loads start on its multiples
-        self.hash_block_size = hbs
-        self.group_block_sizes = sizes
+        self.hash_block_size = hash_block_size
+        self.group_block_sizes = list(group_block_sizes)
         self.num_cpu_blocks = num_cpu_blocks  # counts the CPU pool's null block
-        self.world_size = world_size          # workers that must report a store before it counts
-        self.cpu_block_pool = BlockPool(num_cpu_blocks, True, hbs)
+        # workers that must report a store before it counts (vLLM: _expected_worker_count)
+        self.world_size = world_size
+        self.cpu_block_pool = BlockPool(num_cpu_blocks, True, hash_block_size)
         self._gpu_block_pool: BlockPool | None = None
         # groups of one block size are looked up together (vLLM's SpecGroup); dict keeps order
-        self._groups_by_size: dict[int, list[int]] = {}
-        for g, s in enumerate(sizes):
-            self._groups_by_size.setdefault(s, []).append(g)
+        self._group_ids_by_block_size: dict[int, list[int]] = {}
+        for g, size in enumerate(self.group_block_sizes):
+            self._group_ids_by_block_size.setdefault(size, []).append(g)
         # loads
         self._reqs_to_load: dict[str, LoadRequestState] = {}
         # load event -> its requests: the worker reports events, not requests
@@ -829,9 +855,9 @@ class SimpleCPUOffloadScheduler:
         # req -> its CPU hit, pinned between get_num_new_matched_tokens() and
         # update_state_after_alloc()
         self._pending_cpu_hits: dict[str, PendingCPUHit] = {}
-        # req -> its local (GPU) hit in tokens, from get_num_new_matched_tokens(); the CPU copies
-        # of that prefix are moved to the MRU end in update_state_after_alloc() (vLLM 0.34)
-        self._pending_local_hits: dict[str, int] = {}
+        # req -> its local (GPU) hit in tokens; the CPU copies of that prefix move to the MRU
+        # end in update_state_after_alloc()
+        self._pending_local_hits: dict[str, int] = {}  # vLLM 0.34
         self._abandoned_reqs_to_load: dict[str, LoadRequestState] = {}
         # stores
         self._reqs_to_store: dict[str, StoreRequestState] = {}
@@ -840,8 +866,8 @@ class SimpleCPUOffloadScheduler:
         self._abandoned_store_event_to_blocks: dict[int, TransferMeta] = {}
         # GPU blocks being copied to CPU: never copy one block twice at once
         self._in_flight_store_gpu_blocks: set[int] = set()
-        # the fix for bug 2: finish flushes, sent with the next build_connector_meta()
-        self._pending_finished_stores: list[TransferMeta] = []
+        # finish flushes, sent with the next build_connector_meta()
+        self._pending_finished_stores: list[TransferMeta] = []  # PR #53532
         # store event -> workers that reported it so far (it completes at world_size)
         self._store_event_pending_counts: dict[int, int] = {}
         # monotonic, never reset: the workers' high-water marks must never see an index twice
@@ -849,21 +875,24 @@ class SimpleCPUOffloadScheduler:
         self._store_event_counter = 0
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
-        if not isinstance(gpu_block_pool, BlockPool):
-            raise TypeError(f"gpu_block_pool must be a BlockPool, got {gpu_block_pool!r}")
-        if gpu_block_pool is not self._gpu_block_pool and self._holds_gpu_block_ids():
-            # a completion would pin, free and read the hashes of the new pool's blocks
-            raise ValueError("bind_gpu_block_pool: transfers or request tables still name blocks "
-                             "of the bound GPU pool; bind another pool only when none is left")
+        """Bind the GPU pool that stores read from and loads write to (vLLM: the scheduler calls
+        it once its KV-cache manager exists)."""
+        _check_type("gpu_block_pool", gpu_block_pool, BlockPool)
+        rebinding = self._gpu_block_pool is not None and gpu_block_pool is not self._gpu_block_pool
+        in_use = (self._reqs_to_store or self.has_pending_loads() or self.has_pending_stores()
+                  or len(self.cpu_block_pool.cached_block_hash_to_block))
+        if rebinding and in_use:
+            # not in vLLM: transfers and tables name the old pool's blocks, and the CPU cache's
+            # bytes live in the old engine's workers (a new engine's mirrors hold zeros)
+            raise ValueError("bind_gpu_block_pool: this connector serves another GPU pool "
+                             "(transfers, requests or a CPU cache): reset() it first")
         self._gpu_block_pool = gpu_block_pool
-
-    def _holds_gpu_block_ids(self) -> bool:
-        return bool(self._reqs_to_store) or self.has_pending_loads() or self.has_pending_stores()
 
     # --- lookup and load ------------------------------------------------------
 
     def _find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_length: int
                                 ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """vLLM's cpu_coordinator.find_longest_cache_hit, for full-attention groups."""
         # vLLM's hybrid coordinator looks each block-size class up in turn, capped by the length
         # the previous ones left, and repeats until the length is stable. Full attention is
         # downward-closed (a prefix of a hit is a hit), so with full-attention groups only the
@@ -871,11 +900,11 @@ class SimpleCPUOffloadScheduler:
         # blocks.
         hits: list[list[KVCacheBlock]] = [[] for _ in self.group_block_sizes]
         hit_length = max_length
-        for size, gids in self._groups_by_size.items():
-            blocks, hit_length = find_longest_cache_hit(block_hashes, hit_length, gids,
+        for size, group_ids in self._group_ids_by_block_size.items():
+            blocks, hit_length = find_longest_cache_hit(block_hashes, hit_length, group_ids,
                                                         self.cpu_block_pool, size,
                                                         alignment_tokens=self.block_size)
-            for g, group_blocks in zip(gids, blocks):
+            for g, group_blocks in zip(group_ids, blocks):
                 hits[g] = group_blocks
         # trim the groups looked up before the cap fell
         for g, size in enumerate(self.group_block_sizes):
@@ -886,149 +915,94 @@ class SimpleCPUOffloadScheduler:
                                    ) -> tuple[int, bool]:
         """Tokens beyond the local (GPU) hit that the CPU cache holds, and True if they will be
         loaded asynchronously. Pins the hit CPU blocks until update_state_after_alloc()."""
-        _check_int("num_computed_tokens", num_computed_tokens, 0)
-        if num_computed_tokens > request.num_tokens:
-            raise ValueError(f"num_computed_tokens={num_computed_tokens} outside "
-                             f"[0, {request.num_tokens}]")
         # a retry (e.g. after a failed allocation) drops the earlier pin first
-        stale = self._pending_cpu_hits.pop(request.request_id, None)
-        if stale is not None:
+        if stale := self._pending_cpu_hits.pop(request.request_id, None):
             self._free_pending_cpu_hit(stale)
-        self._pending_local_hits.pop(request.request_id, None)
-        if request.skip_reading_external_kv:
+        self._pending_local_hits.pop(request.request_id, None)  # vLLM 0.34
+        if request.skip_reading_external_kv:  # vLLM 0.30
             return 0, False
-        if num_computed_tokens:
-            # remembered even when nothing hits on CPU below; a request waiting for GPU blocks
-            # repeats this lookup every step, so the latest local hit is the one refreshed
+        if num_computed_tokens:  # vLLM 0.34
+            # Refreshed at admission: a request waiting for blocks repeats this lookup every step
             self._pending_local_hits[request.request_id] = num_computed_tokens
-        # loads copy whole blocks: the external part must start on a block boundary
-        if num_computed_tokens % self.block_size:
+        if num_computed_tokens % self.block_size != 0:  # vLLM 0.30
+            # loads copy whole blocks: the external part must start on a block boundary
             return 0, False
-        remaining = request.block_hashes[num_computed_tokens // self.hash_block_size:]
-        # the last token is always recomputed (its logits are needed)
+        num_skipped_hashes = num_computed_tokens // self.hash_block_size
+        remaining_hashes = request.block_hashes[num_skipped_hashes:]
+        if not remaining_hashes:
+            return 0, False
+        # Must recompute at least the last token (its logits are needed)
         max_hit_len = request.num_tokens - 1 - num_computed_tokens
-        if not remaining or max_hit_len <= 0:
+        if max_hit_len <= 0:
             return 0, False
-        hit_blocks, hit_length = self._find_longest_cache_hit(remaining, max_hit_len)
-        if hit_length == 0:
-            return 0, False
-        # pin: LRU eviction between the two scheduler calls must not take these blocks
-        self.cpu_block_pool.touch(b for grp in hit_blocks for b in grp if not b.is_null)
-        self._pending_cpu_hits[request.request_id] = PendingCPUHit(hit_blocks, hit_length,
-                                                                   num_computed_tokens)
-        return hit_length, True
+        cpu_hit_blocks, hit_length = self._find_longest_cache_hit(remaining_hashes, max_hit_len)
+        if hit_length > 0:
+            # pin: LRU eviction between the two scheduler calls must not take these blocks
+            pin_blocks = [blk for grp in cpu_hit_blocks for blk in grp if not blk.is_null]
+            self.cpu_block_pool.touch(pin_blocks)
+            self._pending_cpu_hits[request.request_id] = PendingCPUHit(
+                cpu_hit_blocks, hit_length, num_computed_tokens)
+            return hit_length, True
+        return 0, False
 
     def update_state_after_alloc(self, request: Request, blocks: tuple[list[KVCacheBlock], ...],
                                  num_external_tokens: int) -> None:
         """The scheduler allocated `blocks` (the request's GPU table per group) and accepted
         `num_external_tokens` of the offered hit (maybe fewer). Registers the request for eager
         stores and sets up its load: GPU blocks right after the local hit <- CPU hit blocks."""
-        rid = request.request_id
-        # Plan: check the call, pair each GPU destination with its CPU source. A bad call
-        # raises there, before any state changes.
-        gpu_blocks, cpu_blocks = self._plan_load(request, blocks, num_external_tokens)
-        # Apply.
-        old = self._reqs_to_store.get(rid)
-        if old is not None and old.finished:
-            # the id is reused while its previous owner's stores are in flight: those complete
-            # (and cache) on their own; the new request gets its own state
-            self._cleanup_store_request(rid)
+        self._check_update_state_after_alloc(request, num_external_tokens)
+        req_id = request.request_id
+        num_groups = len(blocks)
         # Store tracking: register the request (also with 0 external tokens: it will be
         # stored); its block ids accumulate from each step's scheduler output
-        if rid not in self._reqs_to_store:
-            num_groups = len(self.group_block_sizes)
-            self._reqs_to_store[rid] = StoreRequestState(
+        if req_id not in self._reqs_to_store:
+            self._reqs_to_store[req_id] = StoreRequestState(
                 request, tuple([] for _ in range(num_groups)), [0] * num_groups)
-        if num_local_tokens := self._pending_local_hits.pop(rid, None):
+        if num_local_tokens := self._pending_local_hits.pop(req_id, None):  # vLLM 0.34
             self._refresh_cpu_lru(request, num_local_tokens)
-        pending = self._pending_cpu_hits.pop(rid, None)
-        if pending is None:
+        # the hit get_num_new_matched_tokens() pinned, to survive LRU eviction until now
+        pending = self._pending_cpu_hits.pop(req_id, None)
+        if num_external_tokens == 0:
+            if pending is not None:
+                # the scheduler declined the hit (vLLM logs a warning): drop the pin
+                self._free_pending_cpu_hit(pending)
             return
-        # pin the CPU sources for the copy, so that LRU eviction cannot take them
-        self.cpu_block_pool.touch(cpu_blocks)
-        # then drop the lookup pin (after the pin above: a source never drops to 0 refs in
-        # between); with 0 external tokens the scheduler declined the hit: only this happens
-        self._free_pending_cpu_hit(pending)
-        # pin the GPU destinations, so that they are not freed while the copy writes them
-        self._require_gpu_pool().touch(gpu_blocks)
-        if num_external_tokens:
-            gpu_block_ids = [b.block_id for b in gpu_blocks]
-            cpu_block_ids = [b.block_id for b in cpu_blocks]
-            transfer = TransferMeta(gpu_block_ids, cpu_block_ids)
-            self._reqs_to_load[rid] = LoadRequestState(request, transfer)
-
-    def _plan_load(self, request: Request, blocks: tuple[list[KVCacheBlock], ...],
-                   num_external_tokens: int) -> tuple[list[KVCacheBlock], list[KVCacheBlock]]:
-        """The planning half of update_state_after_alloc(): check the call and return the load's
-        GPU destinations and CPU sources, pairwise (both empty without a load). Pure: reads the
-        manager's state, changes nothing."""
-        rid = request.request_id
-        num_groups = len(self.group_block_sizes)
-        if len(blocks) != num_groups:
-            raise ValueError(f"{rid}: blocks has {len(blocks)} groups, expected {num_groups}")
-        old = self._reqs_to_store.get(rid)
-        if old is not None and old.request is not request and not old.finished:
-            raise ValueError(f"request id {rid!r} is already in use by a running request")
-        _check_int("num_external_tokens", num_external_tokens, 0)
-        if num_external_tokens % self.hash_block_size:
-            raise ValueError(f"{rid}: num_external_tokens={num_external_tokens} is misaligned: "
-                             "must be a non-negative multiple of "
-                             f"hash_block_size={self.hash_block_size}")
-        if not num_external_tokens:
-            return [], []
-        pending = self._pending_cpu_hits.get(rid)
         if pending is None:
-            raise ValueError(f"{rid}: num_external_tokens={num_external_tokens} but "
-                             "get_num_new_matched_tokens() offered no CPU hit")
-        if num_external_tokens > pending.hit_length:
-            raise ValueError(f"{rid}: num_external_tokens={num_external_tokens} exceeds the "
-                             f"CPU hit of {pending.hit_length} tokens")
-        if rid in self._reqs_to_load:
-            raise ValueError(f"{rid}: a load is already pending for this request")
-        gpu_blocks: list[KVCacheBlock] = []
-        cpu_blocks: list[KVCacheBlock] = []
+            logger.warning("update_state_after_alloc: req_id=%s accepted %d external tokens "
+                           "but no CPU hit is pending; skipping the load", req_id,
+                           num_external_tokens)
+            return
+        assert pending.num_computed_tokens % self.block_size == 0, (
+            "external loads must start at a scheduler-block boundary")
+        # fine-grained hits end on hash boundaries: per-group block counts round up below
+        assert num_external_tokens % self.hash_block_size == 0, (
+            f"num_external_tokens={num_external_tokens} is not aligned to "
+            f"hash_block_size={self.hash_block_size}")
+        gpu_block_ids: list[int] = []
+        cpu_block_ids: list[int] = []
+        cpu_blocks_to_touch: list[KVCacheBlock] = []
         for g, g_block_size in enumerate(self.group_block_sizes):
+            # the scheduler may accept fewer tokens than offered: the leading blocks only
+            n_take_g = cdiv(num_external_tokens, g_block_size)
             # the load lands right after the local hit, counted in this group's blocks
             gpu_ext_start = pending.num_computed_tokens // g_block_size
-            # the scheduler may accept fewer tokens than offered: the leading blocks only
-            # (rounded up: a fine-grained hit ends inside a block)
-            n_take_g = cdiv(num_external_tokens, g_block_size)
-            group_gpu_blocks = blocks[g]
-            if gpu_ext_start + n_take_g > len(group_gpu_blocks):
-                raise ValueError(f"{rid}: group {g} has {len(group_gpu_blocks)} GPU blocks, too "
-                                 f"few for {pending.num_computed_tokens} local + "
-                                 f"{num_external_tokens} external tokens")
             for i, cpu_blk in enumerate(pending.hit_blocks[g][:n_take_g]):
                 # a null slot (e.g. sliding window padding) has nothing to copy
                 if cpu_blk.is_null:
                     continue
-                gpu_blocks.append(group_gpu_blocks[gpu_ext_start + i])
-                cpu_blocks.append(cpu_blk)
-        self._check_load_destinations(rid, gpu_blocks)
-        return gpu_blocks, cpu_blocks
-
-    def _check_load_destinations(self, rid: str, gpu_blocks: list[KVCacheBlock]) -> None:
-        """A load overwrites its destinations: each must be a block the scheduler has just
-        allocated to this request (held, no hash), once. A cached block holds live KV under a
-        prefix-cache key, the null block is shared by every table, a free block is nobody's."""
-        pool = self._require_gpu_pool()
-        for blk in gpu_blocks:
-            # one test per block on the hot path (the null block's ref_cnt is always 0)
-            if type(blk) is KVCacheBlock and blk.ref_cnt > 0 and blk.block_hash is None:
-                continue
-            if type(blk) is not KVCacheBlock or blk.pool is not pool:
-                problem = "is not a block of the GPU pool"
-            elif blk.is_null:
-                problem = "is the null block"
-            elif blk.ref_cnt < 1:
-                problem = "is free (allocated to no request)"
-            else:
-                problem = "is cached (it holds live KV under a prefix-cache key)"
-            raise ValueError(f"{rid}: load destination {blk!r} {problem}; a load fills only "
-                             "blocks newly allocated to this request")
-        if len(set(gpu_blocks)) != len(gpu_blocks):  # blocks hash by identity
-            raise ValueError(f"{rid}: a GPU block appears twice among the load destinations "
-                             f"{[blk.block_id for blk in gpu_blocks]}")
+                gpu_block_ids.append(blocks[g][gpu_ext_start + i].block_id)
+                cpu_block_ids.append(cpu_blk.block_id)
+                cpu_blocks_to_touch.append(cpu_blk)
+        # pin the CPU sources for the copy, so that LRU eviction cannot take them
+        self.cpu_block_pool.touch(cpu_blocks_to_touch)
+        # then drop the lookup pin (after the pin above: a source never drops to 0 refs between)
+        self._free_pending_cpu_hit(pending)
+        # pin the GPU destinations, so that they are not freed while the copy writes them
+        assert self._gpu_block_pool is not None
+        self._gpu_block_pool.touch([self._gpu_block_pool.blocks[b] for b in gpu_block_ids])
+        assert self._reqs_to_load.get(req_id) is None
+        self._reqs_to_load[req_id] = LoadRequestState(
+            request, TransferMeta(gpu_block_ids, cpu_block_ids))
 
     def _refresh_cpu_lru(self, request: Request, num_local_tokens: int) -> None:
         """Move the CPU copies of the request's local (GPU) hit to the MRU end (vLLM 0.34).
@@ -1049,35 +1023,39 @@ class SimpleCPUOffloadScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> SimpleCPUOffloadMetadata:
         """At most one store event (this step's confirmed blocks + queued finish flushes) and one
         load event (every load not yet sent) per step."""
-        if not isinstance(scheduler_output, SchedulerOutput):
-            raise TypeError(f"scheduler_output must be a SchedulerOutput, got {scheduler_output!r}")
-        for rid, ids in scheduler_output.new_block_ids.items():
-            self._check_gpu_block_ids(ids, f"new_block_ids[{rid!r}]")
+        # --- Stores ---
+        store_event = -1
         store_gpu, store_cpu, store_req_ids = self._prepare_eager_store_specs(scheduler_output)
-        for transfer in self._pending_finished_stores:  # bug-2 fix: merge the finish flushes
+        for transfer in self._pending_finished_stores:  # PR #53532: merge the finish flushes
             store_gpu.extend(transfer.gpu_block_ids)
             store_cpu.extend(transfer.cpu_block_ids)
-        self._pending_finished_stores.clear()
-        store_event = -1
+        self._pending_finished_stores.clear()  # PR #53532
         if store_gpu:
             store_event = self._store_event_counter
             self._store_event_counter += 1
             self._store_event_to_blocks[store_event] = TransferMeta(store_gpu, store_cpu)
             if store_req_ids:
                 self._store_event_to_reqs[store_event] = store_req_ids
-                for rid in store_req_ids:
-                    self._reqs_to_store[rid].store_events.add(store_event)
-        load_event, load_gpu, load_cpu, load_req_ids = -1, [], [], []
-        for rid, state in self._reqs_to_load.items():
-            if state.load_event is None:
-                load_gpu.extend(state.transfer_meta.gpu_block_ids)
-                load_cpu.extend(state.transfer_meta.cpu_block_ids)
-                load_req_ids.append(rid)
+                for req_id in store_req_ids:
+                    store_state = self._reqs_to_store.get(req_id)
+                    if store_state is not None:
+                        store_state.store_events.add(store_event)
+        # --- Loads ---
+        load_event = -1
+        load_gpu: list[int] = []
+        load_cpu: list[int] = []
+        load_req_ids: list[str] = []
+        for req_id, load_state in self._reqs_to_load.items():
+            if load_state.load_event is not None:
+                continue
+            load_gpu.extend(load_state.transfer_meta.gpu_block_ids)
+            load_cpu.extend(load_state.transfer_meta.cpu_block_ids)
+            load_req_ids.append(req_id)
         if load_req_ids:
             load_event = self._load_event_counter
             self._load_event_counter += 1
-            for rid in load_req_ids:
-                self._reqs_to_load[rid].load_event = load_event
+            for req_id in load_req_ids:
+                self._reqs_to_load[req_id].load_event = load_event
             self._load_event_to_reqs[load_event] = load_req_ids
         return SimpleCPUOffloadMetadata(
             load_event=load_event, load_gpu_blocks=load_gpu, load_cpu_blocks=load_cpu,
@@ -1090,42 +1068,46 @@ class SimpleCPUOffloadScheduler:
         """This step's stores: for each scheduled request, its confirmed blocks not yet on CPU
         (GPU source ids, CPU destination ids, the requests they belong to). Sources are pinned
         until the copy completes; CPU destinations are allocated (may evict LRU CPU blocks)."""
-        if self._gpu_block_pool is None:
+        merged_gpu_block_ids: list[int] = []
+        merged_cpu_block_ids: list[int] = []
+        req_ids: list[str] = []
+        gpu_block_pool = self._gpu_block_pool
+        if gpu_block_pool is None:
             return [], [], []
-        gpu_pool = self._require_gpu_pool()
         num_groups = len(self.group_block_sizes)
-        for rid in scheduler_output.preempted_req_ids:
-            # its blocks are gone; it resumes with a new table, stored from its start again
-            state = self._reqs_to_store.get(rid)
+        # Preemption frees the request's blocks. It resumes with a full new block table.
+        for req_id in scheduler_output.preempted_req_ids:  # vLLM 0.32
+            state = self._reqs_to_store.get(req_id)
             if state is not None:
                 state.block_ids = tuple([] for _ in range(num_groups))
                 state.num_stored_blocks = [0] * num_groups
-        all_gpu: list[int] = []
-        all_cpu: list[int] = []
-        req_ids: list[str] = []
-        for rid, new_ids, is_full_table in yield_req_data(scheduler_output):
-            state = self._reqs_to_store.get(rid)
+        for req_id, block_id_groups, is_full_table in yield_req_data(scheduler_output):
+            state = self._reqs_to_store.get(req_id)
             if state is None or state.finished:
                 continue
             if is_full_table:  # a resumed (or re-sent) request: its new table replaces the old
                 state.block_ids = tuple([] for _ in range(num_groups))
-            for g, ids in enumerate((new_ids or ())[:num_groups]):
-                if ids is not None:
-                    state.block_ids[g].extend(ids)
-            if not scheduler_output.num_scheduled_tokens.get(rid, 0):
+            if block_id_groups:
+                for g in range(min(num_groups, len(block_id_groups))):
+                    if block_id_groups[g] is not None:
+                        state.block_ids[g].extend(block_id_groups[g])
+            if not scheduler_output.num_scheduled_tokens.get(req_id, 0):
                 continue
-            gpu_ids, advanced = self._select_eager_blocks_to_store(state, state.block_ids)
-            if gpu_ids:
-                all_gpu.extend(gpu_ids)
-                all_cpu.extend(self._allocate_cpu_blocks(gpu_ids))
-                req_ids.append(rid)
-                self._in_flight_store_gpu_blocks.update(gpu_ids)
+            gpu_block_ids, advanced_per_group = self._select_eager_blocks_to_store(
+                state, state.block_ids)
+            if gpu_block_ids:
+                cpu_block_ids = self._allocate_cpu_blocks(gpu_block_ids)
+                req_ids.append(req_id)
+                merged_gpu_block_ids.extend(gpu_block_ids)
+                merged_cpu_block_ids.extend(cpu_block_ids)
+                self._in_flight_store_gpu_blocks.update(gpu_block_ids)
                 # pinned until the copy completes
-                gpu_pool.touch([gpu_pool.blocks[b] for b in gpu_ids])
+                gpu_block_pool.touch([gpu_block_pool.blocks[b] for b in gpu_block_ids])
+            # advance the cursors past the stored blocks and the skipped ones
             for g in range(num_groups):
-                state.num_stored_blocks[g] += advanced[g]
+                state.num_stored_blocks[g] += advanced_per_group[g]
         # one entry per request, in first-seen order
-        return all_gpu, all_cpu, list(dict.fromkeys(req_ids))
+        return merged_gpu_block_ids, merged_cpu_block_ids, list(dict.fromkeys(req_ids))
 
     def _select_eager_blocks_to_store(self, state: StoreRequestState,
                                       block_ids_by_group: tuple[list[int], ...]
@@ -1133,54 +1115,57 @@ class SimpleCPUOffloadScheduler:
         """Confirmed blocks past the request's cursors that are worth storing, up to the CPU
         pool's free blocks, over every group; and how far each cursor may advance (skipped
         blocks count). Pure: allocates, pins and advances nothing. Shared by the per-step scan
-        and the finish flush, so both skip exactly the same blocks."""
-        req = state.request
-        gpu_pool = self._require_gpu_pool()
+        and the finish flush, so both skip exactly the same blocks (PR #53532)."""
+        assert self._gpu_block_pool is not None
+        gpu_block_ids: list[int] = []
+        advanced_per_group = [0] * len(self.group_block_sizes)
+        request = state.request
         # confirmed = computed by a forward pass that has finished
-        confirmed = req.num_computed_tokens - req.num_output_placeholders
-        # vLLM's hybrid coordinator only caches scheduler-block-aligned prefixes
-        if len(self.group_block_sizes) == 1:
-            cacheable = confirmed
-        else:
-            cacheable = confirmed - confirmed % self.block_size
+        confirmed_tokens = request.num_computed_tokens - request.num_output_placeholders
         num_free = self.cpu_block_pool.get_num_free_blocks()
-        out: list[int] = []
-        advanced = [0] * len(self.group_block_sizes)
-        for g, ids in enumerate(block_ids_by_group):
-            if len(out) >= num_free:
+        for g, group_gpu_ids in enumerate(block_ids_by_group):
+            if len(gpu_block_ids) >= num_free:
                 break
-            size = self.group_block_sizes[g]
-            scale = size // self.hash_block_size
-            for i in range(state.num_stored_blocks[g], min(len(ids), cacheable // size)):
-                blk = gpu_pool.blocks[ids[i]]
-                if blk.is_null and (i + 1) * scale <= len(req.block_hashes):
-                    # a null slot may still have its KV cached elsewhere in the GPU pool
-                    block_hash = req.block_hashes[(i + 1) * scale - 1]
-                    hit = gpu_pool.get_cached_block(block_hash, [g])
-                    if hit:
-                        blk = hit[0]
-                if not self._is_store_candidate(blk):
-                    advanced[g] += 1
+            group_size = self.group_block_sizes[g]
+            # the GPU KV cache manager's cacheable prefix: a lone group caches every full
+            # block, a hybrid coordinator only scheduler-block-aligned prefixes (vLLM 0.32)
+            cacheable_tokens = confirmed_tokens
+            if len(self.group_block_sizes) > 1:
+                cacheable_tokens -= confirmed_tokens % self.block_size
+            ready = min(len(group_gpu_ids), cacheable_tokens // group_size)
+            scale = group_size // self.hash_block_size
+            start = state.num_stored_blocks[g]
+            for i in range(start, ready):
+                gpu_block = self._gpu_block_pool.blocks[group_gpu_ids[i]]
+                if gpu_block.is_null and (i + 1) * scale <= len(request.block_hashes):
+                    # vLLM 0.30: a null slot may still have its KV cached elsewhere in the pool
+                    block_hash = request.block_hashes[(i + 1) * scale - 1]
+                    recovered = self._gpu_block_pool.get_cached_block(block_hash, [g])
+                    if recovered:
+                        gpu_block = recovered[0]
+                if self._classify_store_candidate(gpu_block) is not _StoreAdmission.READY:
+                    advanced_per_group[g] += 1
                     continue
-                if len(out) >= num_free:  # CPU full: the cursor stays, a later step retries
-                    break
-                out.append(blk.block_id)
-                advanced[g] += 1
-        return out, advanced
+                if len(gpu_block_ids) >= num_free:  # CPU full: the cursor stays, a later step
+                    break                            # retries
+                gpu_block_ids.append(gpu_block.block_id)
+                advanced_per_group[g] += 1
+        return gpu_block_ids, advanced_per_group
 
-    def _is_store_candidate(self, gpu_block: KVCacheBlock) -> bool:
-        """Worth a copy: a real block, cached on the GPU (so its KV is complete and keyed), not
-        being copied already, and not on CPU yet (its primary key misses there)."""
-        if gpu_block.is_null or gpu_block.block_hash is None:
-            return False
+    def _classify_store_candidate(self, gpu_block: KVCacheBlock) -> _StoreAdmission:
+        if gpu_block.is_null:
+            return _StoreAdmission.NULL_BLOCK
+        if gpu_block.block_hash is None:
+            return _StoreAdmission.NOT_HASHED
         if gpu_block.block_id in self._in_flight_store_gpu_blocks:
-            return False
-        cpu_map = self.cpu_block_pool.cached_block_hash_to_block
-        return cpu_map.get_one_block(gpu_block.block_hash) is None
+            return _StoreAdmission.IN_FLIGHT
+        if self.cpu_block_pool.cached_block_hash_to_block.get_one_block(gpu_block.block_hash):
+            return _StoreAdmission.ALREADY_CACHED
+        return _StoreAdmission.READY
 
     def _allocate_cpu_blocks(self, gpu_block_ids: list[int]) -> list[int]:
-        """CPU destinations for a selection (may evict LRU CPU blocks). Hook for the pre-fix
-        variant."""
+        """CPU destinations for a selection (may evict LRU CPU blocks). vLLM calls
+        get_new_blocks() inline; a hook here, for the pre-fix variant's stamping."""
         cpu_blocks = self.cpu_block_pool.get_new_blocks(len(gpu_block_ids))
         return [b.block_id for b in cpu_blocks]
 
@@ -1189,31 +1174,12 @@ class SimpleCPUOffloadScheduler:
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Loads complete per request (finished_recving); stores per event, once all
         world_size workers reported it (counts accumulate across steps)."""
-        if not isinstance(connector_output, KVConnectorOutput):
-            raise TypeError(f"connector_output must be a KVConnectorOutput, "
-                            f"got {connector_output!r}")
+        # --- Load completions ---
+        for req_id in list(connector_output.finished_recving or []):
+            self._cleanup_load_request(req_id)
+        # --- Store completions ---
         meta = connector_output.kv_connector_worker_meta
-        finished_recving = list(connector_output.finished_recving or ())
-        # validate the whole report before any state changes
-        for rid in finished_recving:
-            load = self._reqs_to_load.get(rid)
-            if load is not None and load.load_event is None:
-                raise ValueError(f"finished_recving names {rid!r}, whose load was never sent")
-        if meta is not None and not isinstance(meta, SimpleCPUOffloadWorkerMetadata):
-            raise TypeError(f"kv_connector_worker_meta must be a SimpleCPUOffloadWorkerMetadata, "
-                            f"got {meta!r}")
-        completed_store_events = meta.completed_store_events if meta is not None else {}
-        for event, count in completed_store_events.items():
-            _check_int("a completed store event", event, 0)
-            _check_int(f"completed_store_events[{event}]", count, 1)
-            # an event not issued yet: with world_size > 1 its count would be kept, and one real
-            # report would then complete it before every worker's copy ran
-            if event >= self._store_event_counter:
-                raise ValueError(f"completed_store_events names store event {event}, which was "
-                                 f"never issued (the next is {self._store_event_counter})")
-        for rid in finished_recving:
-            self._cleanup_load_request(rid)
-        if meta is None:
+        if not isinstance(meta, SimpleCPUOffloadWorkerMetadata):
             return
         # NOTE: as in vLLM, a count for an event that is no longer known (a duplicate, or from
         # before a reset) is kept until it reaches world_size, then ignored; reset() drops it.
@@ -1228,77 +1194,81 @@ class SimpleCPUOffloadScheduler:
     def _process_store_event(self, event: int) -> None:
         transfer = self._store_event_to_blocks.pop(event, None)
         if transfer is None:
-            abandoned = self._abandoned_store_event_to_blocks.pop(event, None)
-            if abandoned is not None:
-                # sent before a reset(): release the pins, cache nothing
-                self._release_transfer_refs(abandoned, abandoned=True)
-            # else stale (from before a reset) or a duplicate report: ignore
+            transfer = self._abandoned_store_event_to_blocks.pop(event, None)
+            if transfer is None:
+                return  # stale (from before a reset) or a duplicate report
+            # sent before a reset(): release the pins, cache nothing
+            self._release_transfer_refs(transfer, abandoned=True)
             return
         self._in_flight_store_gpu_blocks.difference_update(transfer.gpu_block_ids)
         self._process_store_completion(transfer.gpu_block_ids, transfer.cpu_block_ids)
-        for rid in self._store_event_to_reqs.pop(event, []):
-            state = self._reqs_to_store.get(rid)
-            if state is not None:
-                state.store_events.discard(event)
-                if state.finished and not state.store_events:
-                    self._cleanup_store_request(rid)
+        for req_id in self._store_event_to_reqs.pop(event, []):
+            state = self._reqs_to_store.get(req_id)
+            if state is None:
+                continue
+            state.store_events.discard(event)
+            if state.finished and not state.store_events:
+                self._cleanup_store_request(req_id)
 
     def _process_store_completion(self, gpu_block_ids: list[int],
                                   cpu_block_ids: list[int]) -> None:
         """Register the copied CPU blocks in the CPU prefix cache, then drop both pins."""
-        gpu_pool = self._require_gpu_pool()
+        assert self._gpu_block_pool is not None
         cpu_blocks = [self.cpu_block_pool.blocks[b] for b in cpu_block_ids]
-        for gpu_id, cpu_block in zip(gpu_block_ids, cpu_blocks):
-            self._register_stored_block(cpu_block, gpu_pool.blocks[gpu_id])
+        for gpu_block_id, cpu_block in zip(gpu_block_ids, cpu_blocks):
+            self._register_stored_block(cpu_block, self._gpu_block_pool.blocks[gpu_block_id])
         # ref 0 with a hash: they join the back of the free queues as cached (LRU) blocks
         self._release_transfer_refs(TransferMeta(gpu_block_ids, cpu_block_ids))
 
     def _register_stored_block(self, cpu_block: KVCacheBlock, gpu_block: KVCacheBlock) -> None:
-        """The bug-1 fix. The keys come from the GPU source block, still pinned, so its hashes
-        cannot have been evicted: the primary and every fine-grained secondary key."""
-        primary = gpu_block.block_hash
-        assert primary is not None, (
+        """The registration fix (PR #53532). The keys come from the GPU source block, still
+        pinned, so its hashes cannot have been evicted: the primary and every fine-grained
+        secondary key, each through the pool's own _insert_block_hash()."""
+        primary_hash = gpu_block.block_hash
+        assert primary_hash is not None, (
             f"GPU block {gpu_block.block_id} lost its hash while pinned for a store: "
             "this indicates a bug in the KV connector")
-        # reset_hash() first: _insert_block_hash returns early when the block already carries
-        # this key as its primary, and pre-fix code stamped CPU blocks at allocation. vLLM has
-        # since stopped stamping; the reset stays so a future stamp cannot silently disable the
-        # cache again.
+        # not in vLLM (PR #53532's first version had it): reset_hash() first. While CPU blocks
+        # were stamped at allocation, _insert_block_hash() returned at its first guard (the
+        # block already carries this key) and the primary never reached the map. Review inside
+        # the PR dropped the stamp, and the merged fix has neither the stamp nor this line; on
+        # an unstamped block it is a no-op, kept so that a stamp can never silently come back.
         cpu_block.reset_hash()
-        self.cpu_block_pool._insert_block_hash(primary, cpu_block,
+        self.cpu_block_pool._insert_block_hash(primary_hash, cpu_block,  # PR #53532
                                                gpu_block.block_hash_num_tokens)
-        # every fine-grained secondary key too: what 0.29 never copied
-        gpu_pool = self._require_gpu_pool()
-        secondary_keys = gpu_pool.cached_block_hashes_by_block.get(gpu_block.block_id, ())
-        for key in secondary_keys:
+        # every fine-grained secondary key too: what 0.29 never copied (PR #53532)
+        secondary_hashes = self._gpu_block_pool.cached_block_hashes_by_block.get(
+            gpu_block.block_id, ())
+        for block_hash in secondary_hashes:
             # as vLLM: a secondary key's token count is not known here
-            self.cpu_block_pool._insert_block_hash(key, cpu_block, None)
+            self.cpu_block_pool._insert_block_hash(block_hash, cpu_block, None)
 
     def _release_transfer_refs(self, transfer: TransferMeta, abandoned: bool = False) -> None:
         """Drop a transfer's pins on both pools (CPU first, as vLLM). Caches nothing by itself:
         a completed store registers its CPU blocks before calling this. `abandoned` marks a
         store whose copy must not be cached (a hook for the pre-fix variant's stamps)."""
-        gpu_pool = self._require_gpu_pool()
-        cpu_blocks = self.cpu_block_pool.blocks
-        self.cpu_block_pool.free_blocks([cpu_blocks[b] for b in transfer.cpu_block_ids])
-        gpu_pool.free_blocks([gpu_pool.blocks[b] for b in transfer.gpu_block_ids])
+        cpu_blocks = [self.cpu_block_pool.blocks[b] for b in transfer.cpu_block_ids]
+        self.cpu_block_pool.free_blocks(cpu_blocks)
+        assert self._gpu_block_pool is not None
+        self._gpu_block_pool.free_blocks(
+            [self._gpu_block_pool.blocks[b] for b in transfer.gpu_block_ids])
 
     def has_pending_stores(self) -> bool:
         """True while a store is queued (finish flush) or in flight, also after a reset()."""
-        return bool(self._pending_finished_stores
+        return bool(self._pending_finished_stores  # PR #53532
                     or self._store_event_to_blocks
                     or self._abandoned_store_event_to_blocks)
 
     def has_pending_loads(self) -> bool:
-        """True while an accepted load is not yet reported done, an aborted request's included
-        (its GPU destinations stay pinned until the workers report it). Not in vLLM's manager:
+        """not in vLLM: True while an accepted load is not yet reported done, an aborted
+        request's included (its GPU destinations stay pinned until the workers report it).
         vLLM's scheduler tracks its own WAITING_FOR_REMOTE_KVS requests; this project's engine
         asks here, so that it steps until every pool is free again."""
         return bool(self._reqs_to_load or self._abandoned_reqs_to_load)
 
     def has_pending_push_work(self) -> bool:
-        """The connector's name for it: an engine keeps stepping while this is True, even with no
-        request left, so that queued finish flushes get sent and completed."""
+        """PR #53532 (the connector's has_pending_transfers, renamed): an engine keeps stepping
+        while this is True, even with no request left, so queued finish flushes get sent."""
         return self.has_pending_stores()
 
     # --- finish and reset ----------------------------------------------------------
@@ -1306,44 +1276,42 @@ class SimpleCPUOffloadScheduler:
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
         """(False, None): the GPU blocks may be freed at once; in-flight copies hold their own
         refs."""
-        rid = request.request_id
-        self._check_request_owns_id(request, "request_finished")
-        pending = self._pending_cpu_hits.pop(rid, None)
+        req_id = request.request_id
+        # aborted between lookup and allocation: drop the lookup pin
+        pending = self._pending_cpu_hits.pop(req_id, None)
         if pending is not None:
-            # aborted between lookup and allocation: drop the lookup pin
             self._free_pending_cpu_hit(pending)
-        self._pending_local_hits.pop(rid, None)
-        load = self._reqs_to_load.get(rid)
-        if load is not None:
-            if load.load_event is not None:
-                load.finished = True  # the copy may be running: release at completion
+        self._pending_local_hits.pop(req_id, None)  # vLLM 0.34
+        # a load in flight is cleaned up when it completes
+        load_state = self._reqs_to_load.get(req_id)
+        if load_state is not None:
+            if load_state.load_event is not None:
+                load_state.finished = True
             else:
-                self._cleanup_load_request(rid)
-        store = self._reqs_to_store.get(rid)
-        if store is not None:
-            # stores in flight complete (and cache) on their own; clean up after the last one
-            if store.store_events:
-                store.finished = True
+                self._cleanup_load_request(req_id)
+        # stores in flight complete (and cache) on their own; clean up after the last one
+        store_state = self._reqs_to_store.get(req_id)
+        if store_state is not None:
+            if store_state.store_events:
+                store_state.finished = True
             else:
-                self._cleanup_store_request(rid)
+                self._cleanup_store_request(req_id)
         return False, None
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, None]:
-        self._check_gpu_block_ids(block_ids, "block_ids")
-        self._check_request_owns_id(request, "request_finished_all_groups")
-        self._queue_finished_eager_store(request, block_ids)
+        self._queue_finished_eager_store(request, block_ids)  # PR #53532
         return self.request_finished(request, block_ids=[])
 
     def _queue_finished_eager_store(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> None:
-        """The bug-2 fix: blocks confirmed in the request's last step(s) would never be seen by a
-        later per-step scan. Select them the same way, allocate and pin now, send with the next
-        build_connector_meta()."""
+        """PR #53532, the final flush: blocks confirmed in the request's last step(s) would
+        never be seen by a later per-step scan. Select them the same way, allocate and pin now,
+        send with the next build_connector_meta()."""
         state = self._reqs_to_store.get(request.request_id)
-        if state is None or self._gpu_block_pool is None:
+        gpu_pool = self._gpu_block_pool
+        if state is None or gpu_pool is None:
             return
-        gpu_pool = self._require_gpu_pool()
         gpu_ids, _ = self._select_eager_blocks_to_store(state, block_ids)
         if not gpu_ids:
             return
@@ -1351,37 +1319,39 @@ class SimpleCPUOffloadScheduler:
         self._pending_finished_stores.append(TransferMeta(gpu_ids, cpu_ids))
         self._in_flight_store_gpu_blocks.update(gpu_ids)
         # pinned until the copy completes, as a per-step store
-        gpu_pool.touch(gpu_pool.blocks[b] for b in gpu_ids)
+        gpu_pool.touch([gpu_pool.blocks[b] for b in gpu_ids])
 
     def _free_pending_cpu_hit(self, pending: PendingCPUHit) -> None:
-        hit_blocks = [b for grp in pending.hit_blocks for b in grp if not b.is_null]
-        self.cpu_block_pool.free_blocks(hit_blocks)
+        blocks_to_free = [b for grp in pending.hit_blocks for b in grp if not b.is_null]
+        if blocks_to_free:
+            self.cpu_block_pool.free_blocks(blocks_to_free)
 
-    def _cleanup_load_request(self, rid: str) -> None:
-        state = self._reqs_to_load.pop(rid, None)
+    def _cleanup_load_request(self, req_id: str) -> None:
+        state = self._reqs_to_load.pop(req_id, None)
         if state is None:
-            state = self._abandoned_reqs_to_load.pop(rid, None)
+            state = self._abandoned_reqs_to_load.pop(req_id, None)
         if state is None:
-            return  # duplicate or stale report
+            return  # a duplicate or stale report
+        # remove this request (not the whole event) from the event's list
         if state.load_event is not None:
             reqs = self._load_event_to_reqs.get(state.load_event)
             if reqs is not None:
-                if rid in reqs:
-                    reqs.remove(rid)
+                if req_id in reqs:
+                    reqs.remove(req_id)
                 if not reqs:
                     del self._load_event_to_reqs[state.load_event]
         self._release_transfer_refs(state.transfer_meta)
 
-    def _cleanup_store_request(self, rid: str) -> None:
+    def _cleanup_store_request(self, req_id: str) -> None:
         """Metadata only: the blocks belong to the store events, which release them."""
-        state = self._reqs_to_store.pop(rid, None)
+        state = self._reqs_to_store.pop(req_id, None)
         if state is None:
             return
         for event in state.store_events:
             reqs = self._store_event_to_reqs.get(event)
             if reqs is not None:
-                if rid in reqs:
-                    reqs.remove(rid)
+                if req_id in reqs:
+                    reqs.remove(req_id)
                 if not reqs:
                     del self._store_event_to_reqs[event]
         state.store_events.clear()
@@ -1391,21 +1361,22 @@ class SimpleCPUOffloadScheduler:
         released now; sent ones are *abandoned*: their completions release the refs and cache
         nothing. Returns True only once the CPU cache was actually reset (nothing abandoned
         left)."""
-        for pending in self._pending_cpu_hits.values():
+        for pending in self._pending_cpu_hits.values():  # vLLM 0.32
             self._free_pending_cpu_hit(pending)
-        self._pending_cpu_hits.clear()
-        self._pending_local_hits.clear()
+        self._pending_cpu_hits.clear()  # vLLM 0.32
+        self._pending_local_hits.clear()  # vLLM 0.34
         self._abandoned_store_event_to_blocks.update(self._store_event_to_blocks)
-        for transfer in self._pending_finished_stores:
+        for transfer in self._pending_finished_stores:  # PR #53532: never sent, release now
             self._release_transfer_refs(transfer, abandoned=True)
         self._pending_finished_stores.clear()
         self._store_event_to_blocks.clear()
         self._in_flight_store_gpu_blocks.clear()
-        for rid in list(self._reqs_to_load):
-            if self._reqs_to_load[rid].load_event is None:
-                self._cleanup_load_request(rid)
+        # loads not sent to a worker cannot have a copy running; sent ones stay pinned
+        for req_id in list(self._reqs_to_load):
+            if self._reqs_to_load[req_id].load_event is None:
+                self._cleanup_load_request(req_id)
             else:
-                self._abandoned_reqs_to_load[rid] = self._reqs_to_load.pop(rid)
+                self._abandoned_reqs_to_load[req_id] = self._reqs_to_load.pop(req_id)
         self._reqs_to_store.clear()
         self._store_event_to_reqs.clear()
         # only the counts of abandoned events still matter: their completions release pins
@@ -1416,41 +1387,15 @@ class SimpleCPUOffloadScheduler:
             return False
         return self.cpu_block_pool.reset_prefix_cache()
 
-    # --- helpers ---------------------------------------------------------------
-
-    def _require_gpu_pool(self) -> BlockPool:
-        """The one way to the GPU pool once bound (`self._gpu_block_pool is None` only asks
-        whether it is bound)."""
-        assert self._gpu_block_pool is not None, "bind_gpu_block_pool() was not called"
-        return self._gpu_block_pool
-
-    def _check_request_owns_id(self, request: Request, what: str) -> None:
-        """State is kept per request id; a late call for an earlier request whose id a live
-        request now reuses must not finish (and drop the stores of) the live one."""
-        rid = request.request_id
-        for state in (self._reqs_to_store.get(rid), self._reqs_to_load.get(rid)):
-            if state is not None and state.request is not request and not state.finished:
-                raise ValueError(f"{what}: request id {rid!r} belongs to another, live request "
-                                 "(a stale call for an earlier request with this id?)")
-
-    def _check_gpu_block_ids(self, ids_by_group: Sequence[Sequence[int] | None],
-                             what: str) -> None:
-
-        # before a pool is bound, only the type and sign of an id can be checked
-        if self._gpu_block_pool is None:
-            n = math.inf
-        else:
-            n = self._require_gpu_pool().num_gpu_blocks
-        num_groups = len(self.group_block_sizes)
-        if len(ids_by_group) > num_groups:
-            raise ValueError(f"{what}: {len(ids_by_group)} groups, the connector has "
-                             f"{num_groups}")
-        for ids in ids_by_group:
-            for b in ids or ():
-                if type(b) is not int:  # type(), not isinstance(): True is no block id
-                    raise TypeError(f"{what}: GPU block id {b!r} is not an int")
-                if not 0 <= b < n:
-                    raise ValueError(f"{what}: GPU block id {b!r} out of range [0, {n})")
+    def _check_update_state_after_alloc(self, request: Request,
+                                        num_external_tokens: int) -> None:
+        """not in vLLM: accepting more tokens than the pending hit offered would load fewer
+        blocks than the scheduler counts as computed; it would then read uninitialised KV as
+        the prompt's, silently (vLLM's slice truncates the load)."""
+        pending = self._pending_cpu_hits.get(request.request_id)
+        if pending is not None and num_external_tokens > pending.hit_length:
+            raise ValueError(f"{request.request_id}: num_external_tokens={num_external_tokens} "
+                             f"exceeds the CPU hit of {pending.hit_length} tokens")
 
 
 # -----------------------------------------------------------------------------
@@ -1471,6 +1416,9 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
 
     def __init__(self, *args: Any, registration_bug: bool = True, flush_bug: bool = True,
                  skip_reset_hash: bool = False, **kwargs: Any):
+        _check_type("registration_bug", registration_bug, bool)
+        _check_type("flush_bug", flush_bug, bool)
+        _check_type("skip_reset_hash", skip_reset_hash, bool)
         if registration_bug and skip_reset_hash:
             # the trap lives inside the fix's registration path: it cannot be combined with
             # the pre-fix registration, which never calls _insert_block_hash()
@@ -1486,7 +1434,8 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
             # vLLM 0.29, _prepare_eager_store_specs: `cpu_blk._block_hash = bhash` right after
             # get_new_blocks(), around the pool (0.34 made the field plain: block_hash). The
             # key is on the block, not in the map yet.
-            gpu_blocks = self._require_gpu_pool().blocks
+            assert self._gpu_block_pool is not None
+            gpu_blocks = self._gpu_block_pool.blocks
             for gpu_id, cpu_id in zip(gpu_block_ids, cpu_ids):
                 self.cpu_block_pool.blocks[cpu_id].block_hash = gpu_blocks[gpu_id].block_hash
         return cpu_ids
@@ -1507,8 +1456,8 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         # then recorded under that stamped primary, findable only by its fine-grained key.
         self.cpu_block_pool._insert_block_hash(gpu_block.block_hash, cpu_block,
                                                gpu_block.block_hash_num_tokens)
-        gpu_pool = self._require_gpu_pool()
-        for key in gpu_pool.cached_block_hashes_by_block.get(gpu_block.block_id, ()):
+        assert self._gpu_block_pool is not None
+        for key in self._gpu_block_pool.cached_block_hashes_by_block.get(gpu_block.block_id, ()):
             self.cpu_block_pool._insert_block_hash(key, cpu_block, None)
 
     def _release_transfer_refs(self, transfer: TransferMeta, abandoned: bool = False) -> None:
@@ -1532,13 +1481,15 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         confirmed_tokens = req.num_computed_tokens - req.num_output_placeholders
         aligned_tokens = confirmed_tokens // self.block_size * self.block_size
         num_free = self.cpu_block_pool.get_num_free_blocks()
-        gpu_blocks = self._require_gpu_pool().blocks
+        assert self._gpu_block_pool is not None
+        gpu_blocks = self._gpu_block_pool.blocks
         out: list[int] = []
         advanced = [0] * len(block_ids_by_group)
         for g, ids in enumerate(block_ids_by_group):
             ready_blocks = aligned_tokens // self.group_block_sizes[g]
             for gpu_id in ids[state.num_stored_blocks[g]:ready_blocks]:
-                if self._is_store_candidate(gpu_blocks[gpu_id]):
+                candidate = self._classify_store_candidate(gpu_blocks[gpu_id])
+                if candidate is _StoreAdmission.READY:
                     if len(out) >= num_free:
                         return out, advanced  # out of space: 0.29 leaves every group here
                     out.append(gpu_id)
@@ -1548,7 +1499,6 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
     def _queue_finished_eager_store(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> None:
         if not self.flush_bug:
-
             return super()._queue_finished_eager_store(request, block_ids)
         # vLLM 0.29: request_finished_all_groups() went straight to request_finished()
         # (`TODO: flush on finish`): the request's state was dropped, nothing queued
@@ -1586,8 +1536,7 @@ class SimpleCPUOffloadWorker:
     for the compute stream's earlier work: its GPU destination may be a block a finished request
     was still being read from. Completion is polled (event.query(), never a sync) in FIFO order,
     one high-water mark per direction: event i done => every event <= i of that stream done.
-    So event indices must grow per direction (a lower one is a ValueError); an event with
-    nothing to copy is complete at once.
+    So event indices must grow per direction; an event with nothing to copy is complete at once.
     CPU: the same calls, copies done synchronously (events are None = already complete). With
     a `copy_engine` (an object with torch.cuda's Stream/Event/current_stream/stream names, e.g.
     the tests' DeferredCopyEngine, a simulated asynchronous device), the CUDA branch itself runs
@@ -1598,11 +1547,11 @@ class SimpleCPUOffloadWorker:
     """
 
     def __init__(self, num_cpu_blocks: int, copy_engine: Any = None):
-        _check_int("num_cpu_blocks", num_cpu_blocks, 2)  # block 0 is the null block
+        _check_int("num_cpu_blocks", num_cpu_blocks, 2, MAX_BLOCKS)  # block 0 is the null block
         self.num_cpu_blocks = num_cpu_blocks
         self.num_gpu_blocks = 0
-        self.gpu_caches: dict[str, torch.Tensor] = {}  # region -> [num_gpu_blocks, ...] view
-        self.cpu_caches: dict[str, torch.Tensor] = {}  # region -> [num_cpu_blocks, ...] mirror
+        self.gpu_kv_caches: dict[str, torch.Tensor] = {}  # region -> [num_gpu_blocks, ...] view
+        self.cpu_kv_caches: dict[str, torch.Tensor] = {}  # region -> [num_cpu_blocks, ...]
         self.device = torch.device("cpu")
         self.copy_engine = copy_engine  # None: torch.cuda on CUDA, synchronous copies on CPU
         # set by register_kv_caches() on CUDA (or with a copy_engine); None: synchronous copies
@@ -1614,76 +1563,36 @@ class SimpleCPUOffloadWorker:
         # highest completed event per direction (the high-water mark)
         self._load_hwm = -1
         self._store_hwm = -1
-        # highest event bound per direction: a new event must be above it
+        # not in vLLM: highest event bound per direction (a new one must be above it)
         self._last_load_event = -1
         self._last_store_event = -1
         self._pending_load_event_indices: set[int] = set()
         self._pending_store_event_indices: set[int] = set()
-        # loads done, not yet reported by get_finished()
+        # not in vLLM: loads with nothing to copy, done at bind, reported by get_finished()
         self._finished_recving: set[str] = set()
         self._completed_store_events: dict[int, int] = {}
         self._connector_metadata: SimpleCPUOffloadMetadata | None = None
         self._store_compute_done = None  # reused: copies are FIFO per stream
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor],
-                           num_gpu_blocks: int | None = None) -> None:
-        """Each tensor is [num_blocks, ...] or FlashAttention-shaped (2, num_blocks, ...), which
-        is split into a K and a V region. `num_gpu_blocks` settles the ambiguous case of a
-        leading 2 (default: the first dimension that is not 2, else FlashAttention-shaped)."""
-        if not kv_caches:
-            raise ValueError("register_kv_caches: no KV caches given")
-        tensors = list(kv_caches.values())
-        if any(not isinstance(t, torch.Tensor) or t.dim() < 2 for t in tensors):
-            raise ValueError("KV caches must be tensors of at least 2 dims: [num_blocks, ...] "
-                             "or (2, num_blocks, ...)")
-        device = tensors[0].device
-        if num_gpu_blocks is not None:
-            _check_int("num_gpu_blocks", num_gpu_blocks, 1)
-        else:
-            # a leading dimension that is not 2 is the block count; if every tensor leads with
-            # 2, take them as FlashAttention-shaped (2, num_blocks, ...)
-            leading_dims = [t.shape[0] for t in tensors if t.shape[0] != 2]
-            num_gpu_blocks = leading_dims[0] if leading_dims else tensors[0].shape[1]
-        # Split every cache into regions of shape [num_blocks, ...]: block i is one contiguous
-        # row there, so a run of consecutive block ids is one slice copy on both sides.
-        regions: dict[str, torch.Tensor] = {}
-        seen: set[tuple[int, tuple[int, ...]]] = set()
-        for name, t in kv_caches.items():
-            if t.device != device:
-                raise ValueError(f"KV cache {name!r} is on {t.device}, others on {device}")
-            is_flash_layout = (t.shape[0] != num_gpu_blocks and t.shape[0] == 2
-                               and t.shape[1] == num_gpu_blocks)
-            if is_flash_layout:
-                # (2, N, ...): K and V are two separate regions
-                parts = {f"{name}.k": t[0], f"{name}.v": t[1]}
-            elif t.shape[0] == num_gpu_blocks:
-                parts = {name: t}
-            else:
-                raise ValueError(f"KV cache {name!r} has shape {tuple(t.shape)}: expected "
-                                 f"[{num_gpu_blocks}, ...] or (2, {num_gpu_blocks}, ...)")
-            for key, region in parts.items():
-                if not region.is_contiguous():
-                    raise ValueError(f"KV cache region {key!r} is not contiguous")
-                # layers that share storage (same address and shape) are copied once
-                ident = (region.data_ptr(), tuple(region.shape))
-                if ident not in seen:
-                    seen.add(ident)
-                    regions[key] = region
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_gpu_blocks: int,
+                           block_dim: int) -> None:
+        """Mirror the GPU KV caches in CPU memory. `block_dim` says where the block dimension
+        is (vLLM reads it from the KV-cache spec; here the caller says it, never the shapes):
+        0 for [num_gpu_blocks, ...], 1 for FlashAttention's (2, num_gpu_blocks, ...), which is
+        split into a K and a V region. All or nothing: a bad argument changes nothing."""
+        regions = self._check_kv_caches(kv_caches, num_gpu_blocks, block_dim)
+        device = next(iter(regions.values())).device
         # CUDA caches get pinned host mirrors: DMA reads and writes them directly, async
         pin = device.type == "cuda"
-        if pin and self.copy_engine is not None:
-            raise ValueError("kv_caches are on CUDA: copy_engine simulates a device for CPU caches")
-        if self.cpu_caches:
-            raise ValueError("register_kv_caches: this worker's KV caches are already registered "
-                             "(once per worker: see the class docstring)")
         self.device = device
         self.num_gpu_blocks = num_gpu_blocks
-        self.gpu_caches = regions
+        self.gpu_kv_caches = regions
         # one CPU mirror per region: the same row layout, num_cpu_blocks rows
-        self.cpu_caches = {}
+        self.cpu_kv_caches = {}
         for key, region in regions.items():
             mirror_shape = (self.num_cpu_blocks, *region.shape[1:])
-            self.cpu_caches[key] = torch.zeros(mirror_shape, dtype=region.dtype, pin_memory=pin)
+            self.cpu_kv_caches[key] = torch.zeros(mirror_shape, dtype=region.dtype,
+                                                  pin_memory=pin)
         if pin or self.copy_engine is not None:
             dev = self.copy_engine or torch.cuda
             # (least, greatest): 0 is the lowest, copies yield to compute
@@ -1691,36 +1600,65 @@ class SimpleCPUOffloadWorker:
             self.load_stream = dev.Stream(self.device, priority=low_priority)
             self.store_stream = dev.Stream(self.device, priority=low_priority)
 
+    def _check_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_gpu_blocks: int,
+                         block_dim: int) -> dict[str, torch.Tensor]:
+        """not in vLLM: the person-facing checks of register_kv_caches(), all before anything
+        is registered. Returns the regions, each [num_gpu_blocks, ...] and contiguous, so block
+        i is one row and a run of consecutive ids is one slice copy on both sides."""
+        _check_type("kv_caches", kv_caches, dict)
+        _check_int("num_gpu_blocks", num_gpu_blocks, 1, MAX_BLOCKS)
+        _check_int("block_dim", block_dim, 0, 1)
+        if self.cpu_kv_caches:
+            raise ValueError("register_kv_caches: this worker's KV caches are already registered "
+                             "(once per worker: see the class docstring)")
+        if not kv_caches:
+            raise ValueError("register_kv_caches: no KV caches given")
+        regions: dict[str, torch.Tensor] = {}
+        seen: set[tuple[int, tuple[int, ...]]] = set()
+        device = None
+        for name, t in kv_caches.items():
+            _check_type(f"kv_caches[{name!r}]", t, torch.Tensor)
+            device = t.device if device is None else device
+            if t.device != device:
+                raise ValueError(f"KV cache {name!r} is on {t.device}, others on {device}")
+            expected = "(2, num_gpu_blocks, ...)" if block_dim else "[num_gpu_blocks, ...]"
+            leading = (2, num_gpu_blocks) if block_dim else (num_gpu_blocks,)
+            if t.dim() < 2 or tuple(t.shape[:block_dim + 1]) != leading:
+                raise ValueError(f"KV cache {name!r} has shape {tuple(t.shape)}: expected "
+                                 f"{expected} with num_gpu_blocks={num_gpu_blocks}")
+            # (2, N, ...): K and V are two separate regions
+            parts = {f"{name}.k": t[0], f"{name}.v": t[1]} if block_dim else {name: t}
+            for key, region in parts.items():
+                if key in regions or (key != name and key in kv_caches):
+                    raise ValueError(f"KV cache region name {key!r} is used twice")
+                if not region.is_contiguous():
+                    raise ValueError(f"KV cache region {key!r} is not contiguous")
+                # layers that share storage (same address and shape) are copied once
+                ident = (region.data_ptr(), tuple(region.shape))
+                if ident not in seen:
+                    seen.add(ident)
+                    regions[key] = region
+        if device.type == "cuda" and self.copy_engine is not None:
+            raise ValueError("kv_caches are on CUDA: copy_engine simulates a device for CPU caches")
+        return regions
+
     # --- per step ---------------------------------------------------------------
 
     def bind_connector_metadata(self, metadata: SimpleCPUOffloadMetadata) -> None:
-        # validate before recording anything: a rejected event must never be reported complete
-        if not isinstance(metadata, SimpleCPUOffloadMetadata):
-            raise TypeError(f"metadata must be a SimpleCPUOffloadMetadata, got {metadata!r}")
-        _check_int("load_event", metadata.load_event, -1)
-        _check_int("store_event", metadata.store_event, -1)
-        self._check_ids(metadata.store_gpu_blocks, metadata.store_cpu_blocks, self.num_gpu_blocks,
-                        self.num_cpu_blocks, "store")
-        self._check_ids(metadata.load_cpu_blocks, metadata.load_gpu_blocks, self.num_cpu_blocks,
-                        self.num_gpu_blocks, "load")
-        for what, event, last in (("load_event", metadata.load_event, self._last_load_event),
-                                  ("store_event", metadata.store_event, self._last_store_event)):
-            # the high-water mark would report it done once a later event is done
-            if 0 <= event <= last:
-                raise ValueError(f"{what}={event} after {what}={last}: event indices must grow")
+        self._check_bind_connector_metadata(metadata)
         self._connector_metadata = metadata
         if metadata.load_event >= 0:
             self._last_load_event = metadata.load_event
             if metadata.load_cpu_blocks:
                 self._pending_load_event_indices.add(metadata.load_event)
-            else:  # nothing to copy: done now (no copy event would ever report it)
+            else:  # not in vLLM: nothing to copy, done now (no copy event would report it)
                 reqs = metadata.load_event_to_reqs.get(metadata.load_event, ())
                 self._finished_recving.update(reqs)
         if metadata.store_event >= 0:
             self._last_store_event = metadata.store_event
             if metadata.store_gpu_blocks:
                 self._pending_store_event_indices.add(metadata.store_event)
-            else:
+            else:  # not in vLLM, as above
                 self._completed_store_events[metadata.store_event] = 1
 
     def clear_connector_metadata(self) -> None:
@@ -1731,10 +1669,10 @@ class SimpleCPUOffloadWorker:
         if not metadata.need_flush:
             return
         for events, is_store in ((self._load_events, False), (self._store_events, True)):
-            for idx, ev in events:
-                if ev is not None:
-                    ev.synchronize()  # note: a CPU-GPU sync point, only on preemption
-                self._set_hwm(is_store, idx)
+            for event_idx, event in events:
+                if event is not None:
+                    event.synchronize()  # note: a CPU-GPU sync point, only on preemption
+                self._set_hwm(is_store, event_idx)
             events.clear()
 
     def start_load_kv(self) -> None:
@@ -1756,17 +1694,15 @@ class SimpleCPUOffloadWorker:
         finished_recving = self._finished_recving
         self._finished_recving = set()
         if self._pending_load_event_indices:
-            hwm = self._poll(is_store=False)
-            done = [j for j in self._pending_load_event_indices if j <= hwm]
-            for j in done:
+            load_wm = self._poll_stream_events(is_store=False)
+            for j in [j for j in self._pending_load_event_indices if j <= load_wm]:
                 self._pending_load_event_indices.discard(j)
                 # the requests of every outstanding event come with each step's metadata
                 if metadata is not None:
                     finished_recving.update(metadata.load_event_to_reqs.get(j, ()))
         if self._pending_store_event_indices:
-            hwm = self._poll(is_store=True)
-            done = [j for j in self._pending_store_event_indices if j <= hwm]
-            for j in done:
+            store_wm = self._poll_stream_events(is_store=True)
+            for j in [j for j in self._pending_store_event_indices if j <= store_wm]:
                 self._pending_store_event_indices.discard(j)
                 self._completed_store_events[j] = 1
         return None, finished_recving or None
@@ -1783,11 +1719,11 @@ class SimpleCPUOffloadWorker:
     def _launch(self, src_ids: list[int], dst_ids: list[int], is_store: bool,
                 event_idx: int) -> None:
         if is_store:
-            src = self.gpu_caches
-            dst = self.cpu_caches
+            src = self.gpu_kv_caches
+            dst = self.cpu_kv_caches
         else:
-            src = self.cpu_caches
-            dst = self.gpu_caches
+            src = self.cpu_kv_caches
+            dst = self.gpu_kv_caches
         runs = _coalesce_runs(src_ids, dst_ids)
         event = None
         # CUDA, or a copy_engine standing in for torch.cuda (the tests' simulated device)
@@ -1828,29 +1764,14 @@ class SimpleCPUOffloadWorker:
         events = self._store_events if is_store else self._load_events
         events.append((event_idx, event))
 
-    @staticmethod
-    def _check_ids(src_ids: list[int], dst_ids: list[int], n_src: int, n_dst: int,
-                   what: str) -> None:
-        if len(src_ids) != len(dst_ids):
-            raise ValueError(f"{what}: {len(src_ids)} source ids but {len(dst_ids)} "
-                             "destination ids")
-        for ids, n, side in ((src_ids, n_src, "source"), (dst_ids, n_dst, "destination")):
-            # type(), not isinstance(): True is no block id
-            bad = [b for b in ids if type(b) is not int or not 0 <= b < n]
-            not_ints = [b for b in bad if type(b) is not int]
-            if not_ints:
-                raise TypeError(f"{what}: {side} block ids {not_ints[:4]} are not ints")
-            if bad:
-                raise ValueError(f"{what}: {side} block ids {bad[:4]} out of range [0, {n})")
-
-    def _poll(self, is_store: bool) -> int:
+    def _poll_stream_events(self, is_store: bool) -> int:
+        """Non-blocking: pop the completed events in FIFO order; returns the high-water mark."""
         events = self._store_events if is_store else self._load_events
-        # FIFO: stop at the first event not done; None = a CPU copy, done when issued
+        # None = a CPU copy, done when issued
         while events and (events[0][1] is None or events[0][1].query()):
             event_idx, _ = events.pop(0)
             self._set_hwm(is_store, event_idx)
         return self._store_hwm if is_store else self._load_hwm
-
 
     def _set_hwm(self, is_store: bool, idx: int) -> None:
         # max(): never back, or an event above it but already done would never be reported
@@ -1858,6 +1779,25 @@ class SimpleCPUOffloadWorker:
             self._store_hwm = max(self._store_hwm, idx)
         else:
             self._load_hwm = max(self._load_hwm, idx)
+
+    def _check_bind_connector_metadata(self, metadata: SimpleCPUOffloadMetadata) -> None:
+        """not in vLLM: copies that no event reports (blocks with event -1) would keep their
+        pins forever, a leak; an event index that does not grow would be reported done by the
+        high-water mark of an earlier one, and the manager would cache a block whose copy has
+        not run; source and destination lists of different lengths would pair the wrong
+        blocks. Each would corrupt the CPU cache silently."""
+        for what, event, last, src, dst in (
+                ("load", metadata.load_event, self._last_load_event,
+                 metadata.load_cpu_blocks, metadata.load_gpu_blocks),
+                ("store", metadata.store_event, self._last_store_event,
+                 metadata.store_gpu_blocks, metadata.store_cpu_blocks)):
+            if len(src) != len(dst):
+                raise ValueError(f"{what}: {len(src)} source ids but {len(dst)} destination ids")
+            if src and event < 0:
+                raise ValueError(f"{what}: {len(src)} blocks to copy under {what}_event={event}")
+            if 0 <= event <= last:
+                raise ValueError(f"{what}_event={event} after {what}_event={last}: event "
+                                 "indices must grow")
 
 
 # -----------------------------------------------------------------------------
@@ -1883,6 +1823,8 @@ class ToyModel:
                             ("head_dim", head_dim), ("vocab_size", vocab_size)):
             _check_int(name, value, 1)
         _check_int("rounds", rounds, 0)
+        _check_type("dtype", dtype, torch.dtype)
+        _check_type("device", device, (str, torch.device))
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -1957,71 +1899,36 @@ class MiniEngine:
                  model: ToyModel, connector: SimpleCPUOffloadScheduler | None = None,
                  worker: SimpleCPUOffloadWorker | list[SimpleCPUOffloadWorker] | None = None,
                  capture_kv: bool = False):
-        _check_int("num_gpu_blocks", num_gpu_blocks, 1)
-        _check_int("block_size", block_size, 1)
-        _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
-        if connector is not None and (connector.block_size != block_size
-                                      or connector.group_block_sizes != [block_size]):
-            raise ValueError(f"connector block sizes {connector.group_block_sizes} do not match "
-                             f"the engine's single group of block_size {block_size}")
-
         # one worker per TP rank
-        if isinstance(worker, list):
-            self.workers = worker
-        elif worker is not None:
-            self.workers = [worker]
-        else:
-            self.workers = []
-        if self.workers and connector is None:
-            raise ValueError("a worker needs a connector: the connector's metadata tells it what "
-                             "to copy")
-        if connector is not None and any(w.num_cpu_blocks != connector.num_cpu_blocks
-                                         for w in self.workers):
-            raise ValueError("worker and connector disagree on num_cpu_blocks")
-        if connector is not None and len(self.workers) != connector.world_size:
-            # a store completes on world_size reports: fewer workers never complete it, more
-            # complete it while another worker's copy may still be queued
-            raise ValueError(f"{len(self.workers)} workers but the connector's world_size is "
-                             f"{connector.world_size}: one worker per rank")
-        if any(w.cpu_caches for w in self.workers):
-            raise ValueError("a worker's KV caches are already registered: it serves another "
-                             "engine")
-        # a connector bound before: its transfers name another engine's GPU blocks, and its CPU
-        # cache's bytes live in that engine's workers (these workers' mirrors are zeros)
-        if connector is not None and connector._gpu_block_pool is not None and (
-                connector._holds_gpu_block_ids()
-                or len(connector.cpu_block_pool.cached_block_hash_to_block)):
-            raise ValueError("the connector serves another engine (transfers, requests or a CPU "
-                             "cache): reset() it once nothing is in flight, then build on it")
+        workers = worker if isinstance(worker, list) else [worker] if worker is not None else []
+        self._check_init(num_gpu_blocks, block_size, max_num_batched_tokens, model, connector,
+                         workers, capture_kv)
         self.hash_block_size = connector.hash_block_size if connector is not None else block_size
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.model = model
         self.connector = connector
+        self.workers = workers
         self.capture_kv = capture_kv
         self.gpu_block_pool = BlockPool(num_gpu_blocks, True, self.hash_block_size)
         # FlashAttention layout per layer: (2, num_blocks, block_size, num_kv_heads, head_dim)
         cache_shape = (2, num_gpu_blocks, block_size, model.num_kv_heads, model.head_dim)
-        self.kv_caches = {}
-        for i in range(model.num_layers):
-            self.kv_caches[f"layers.{i}"] = torch.zeros(cache_shape, dtype=model.dtype,
-                                                        device=model.device)
-
-        for w in self.workers:
-            w.register_kv_caches(self.kv_caches, num_gpu_blocks)
+        self.kv_caches = {f"layers.{i}": torch.zeros(cache_shape, dtype=model.dtype,
+                                                      device=model.device)
+                          for i in range(model.num_layers)}
         if connector is not None:
             connector.bind_gpu_block_pool(self.gpu_block_pool)
+        for w in workers:
+            w.register_kv_caches(self.kv_caches, num_gpu_blocks, block_dim=1)
         # FIFO; a preempted request goes to the front. Requests waiting for a CPU load
         # (WAITING_FOR_REMOTE_KVS) stay here too, holding their GPU blocks
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         # every request added and not yet finished or aborted, by id (vLLM's scheduler.requests)
         self.requests: dict[str, Request] = {}
-        # steps run so far (run() stops at max_steps)
-        self.num_steps = 0
-        # request id -> its GPU block table (one group)
-        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
-        # request id -> how many of its blocks are registered in the GPU prefix cache
+        self.num_steps = 0  # steps run so far (run() stops at max_steps)
+        # request id -> its GPU block table (one group), and how much of it is cached
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.stats: dict[str, RequestStats] = {}
         self._t_arrival: dict[str, float] = {}
@@ -2030,24 +1937,66 @@ class MiniEngine:
         # reset_connector_cache() was refused: retried after every step, no CPU lookup until done
         self._connector_reset_pending = False
 
+    @staticmethod
+    def _check_init(num_gpu_blocks: int, block_size: int, max_num_batched_tokens: int,
+                    model: ToyModel, connector: SimpleCPUOffloadScheduler | None,
+                    workers: list[SimpleCPUOffloadWorker], capture_kv: bool) -> None:
+        """not in vLLM: every argument, before the engine takes anything (a worker it refuses
+        stays unregistered, a connector unbound)."""
+        _check_int("num_gpu_blocks", num_gpu_blocks, 2, MAX_BLOCKS)
+        _check_int("block_size", block_size, 1)
+        _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+        _check_type("model", model, ToyModel)
+        _check_type("capture_kv", capture_kv, bool)
+        if connector is not None:
+            # duck-typed, so that a test's proxy around a connector or a worker is accepted
+            if not hasattr(connector, "build_connector_meta"):
+                raise TypeError(f"connector must be a SimpleCPUOffloadScheduler, got {connector!r}")
+            if connector.group_block_sizes != [block_size]:
+                raise ValueError(f"connector block sizes {connector.group_block_sizes} do not "
+                                 f"match the engine's single group of block_size {block_size}")
+            # a store completes on world_size reports: fewer workers never complete it, more
+            # complete it while another worker's copy may still be queued
+            if workers and len(workers) != connector.world_size:
+                raise ValueError(f"{len(workers)} workers but the connector's world_size is "
+                                 f"{connector.world_size}: one worker per rank")
+        for w in workers:
+            if not hasattr(w, "bind_connector_metadata"):
+                raise TypeError(f"worker must be a SimpleCPUOffloadWorker, got {w!r}")
+            if connector is None:
+                raise ValueError("a worker needs a connector: its metadata says what to copy")
+            if w.num_cpu_blocks != connector.num_cpu_blocks:
+                raise ValueError("worker and connector disagree on num_cpu_blocks")
+            if w.cpu_kv_caches:
+                raise ValueError("a worker's KV caches are already registered: it serves "
+                                 "another engine")
+        if len(set(map(id, workers))) != len(workers):
+            raise ValueError("the same worker is listed twice: one worker per rank")
+
     def add_request(self, request: Request) -> None:
-        if not isinstance(request, Request):
-            raise TypeError(f"add_request takes a Request, got {request!r}")
-        rid = request.request_id
-        if rid in self.stats:
-            raise ValueError(f"request id {rid!r} is already in use")
+        _check_type("request", request, Request)
+        req_id = request.request_id
+        if req_id in self.stats:
+            raise ValueError(f"request id {req_id!r} is already in use")
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {req_id!r} has run already (a Request runs once)")
+        if request.num_tokens != request.num_prompt_tokens:
+            raise ValueError(f"request {req_id!r} has output tokens already")
+        if request._engine is not None:
+            raise ValueError(f"request {req_id!r} was added to another engine")
         max_num_tokens = request.num_prompt_tokens + request.max_tokens - 1
         # the null block is not capacity
         if cdiv(max_num_tokens, self.block_size) > self.gpu_block_pool.num_gpu_blocks - 1:
-            raise ValueError(f"request {rid!r} needs more GPU blocks than the pool has: "
+            raise ValueError(f"request {req_id!r} needs more GPU blocks than the pool has: "
                              "it could never run (vLLM rejects it up front too)")
         if request.hash_block_size != self.hash_block_size:
             raise ValueError(f"request hash_block_size {request.hash_block_size} != engine's "
                              f"{self.hash_block_size}")
+        request._engine = self
         self.waiting.append(request)
-        self.requests[rid] = request
-        self.stats[rid] = RequestStats(prompt_tokens=request.num_prompt_tokens)
-        self._t_arrival[rid] = time.perf_counter()
+        self.requests[req_id] = request
+        self.stats[req_id] = RequestStats(prompt_tokens=request.num_prompt_tokens)
+        self._t_arrival[req_id] = time.perf_counter()
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request wherever it is (waiting, loading, running), as vLLM's abort does: the
@@ -2063,7 +2012,7 @@ class MiniEngine:
         req.status = RequestStatus.FINISHED_ABORTED
         del self.requests[request_id]
         if self.connector is not None:
-            block_ids = [b.block_id for b in self.req_blocks.get(request_id, [])]
+            block_ids = [b.block_id for b in self.req_to_blocks.get(request_id, [])]
             self.connector.request_finished_all_groups(req, (block_ids,))
         self._free(req)
 
@@ -2105,7 +2054,7 @@ class MiniEngine:
     def _allocate(self, req: Request, num_tokens: int) -> list[KVCacheBlock] | None:
         """Grow the request's table to cover num_tokens; None (nothing taken) if the pool is
         short."""
-        blocks = self.req_blocks.setdefault(req.request_id, [])
+        blocks = self.req_to_blocks.setdefault(req.request_id, [])
         num_new_blocks = cdiv(num_tokens, self.block_size) - len(blocks)
         if num_new_blocks > self.gpu_block_pool.get_num_free_blocks():
             return None
@@ -2117,48 +2066,49 @@ class MiniEngine:
         # vLLM hashes blocks at scheduling time, for tokens this step will have computed
         num_hashed_tokens = len(req.block_hashes) * self.hash_block_size
         num_full_blocks = min(num_tokens, num_hashed_tokens) // self.block_size
-        rid = req.request_id
-        num_cached_blocks = self.num_cached_blocks.get(rid, 0)
-        self.gpu_block_pool.cache_full_blocks(req, self.req_blocks[rid], num_cached_blocks,
+        req_id = req.request_id
+        num_cached_blocks = self.num_cached_blocks.get(req_id, 0)
+        self.gpu_block_pool.cache_full_blocks(req, self.req_to_blocks[req_id], num_cached_blocks,
                                               num_full_blocks, self.block_size, 0)
-        self.num_cached_blocks[rid] = max(num_full_blocks, num_cached_blocks)
+        self.num_cached_blocks[req_id] = max(num_full_blocks, num_cached_blocks)
 
     def _free(self, req: Request) -> None:
         # reversed: a request's tail blocks are the least likely to be shared, so evicted first
-        self.gpu_block_pool.free_blocks(reversed(self.req_blocks.pop(req.request_id, [])))
+        self.gpu_block_pool.free_blocks(reversed(self.req_to_blocks.pop(req.request_id, [])))
         self.num_cached_blocks.pop(req.request_id, None)
 
     def _preempt(self, scheduler_output: SchedulerOutput) -> Request:
         """Preempt the last running request (vLLM's policy for FCFS): free its blocks, send it
         to the front of the waiting queue, recompute it later from scratch (or from a hit)."""
         victim = self.running.pop()
-        rid = victim.request_id
+        req_id = victim.request_id
         self._free(victim)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.waiting.insert(0, victim)
         # the connector hears it (its blocks may be reused at once); it was not scheduled
-        scheduler_output.preempted_req_ids.add(rid)
-        scheduler_output.num_scheduled_tokens.pop(rid, None)
-        scheduler_output.new_block_ids.pop(rid, None)
+        scheduler_output.preempted_req_ids.add(req_id)
+        scheduler_output.num_scheduled_tokens.pop(req_id, None)
+        scheduler_output.new_block_ids.pop(req_id, None)
         return victim
 
     def _schedule(self) -> SchedulerOutput:
         """vLLM's order: the running requests first (they keep their budget and may preempt
         others to grow), then, if nobody was preempted, the waiting ones."""
         scheduler_output = SchedulerOutput()
-        token_budget = self._schedule_running(scheduler_output, self.max_num_batched_tokens)
-        scheduled_running = scheduler_output.num_scheduled_tokens
+        running_tokens: dict[str, int] = {}
+        token_budget = self._schedule_running(scheduler_output, running_tokens,
+                                              self.max_num_batched_tokens)
         if not scheduler_output.preempted_req_ids:
-            scheduler_output.num_scheduled_tokens = {}
             self._schedule_waiting(scheduler_output, token_budget)
-            # listed as vLLM 0.34 sends them: new and resumed requests (whole tables) before
-            # running ones, although the running ones were scheduled first
-            scheduler_output.num_scheduled_tokens |= scheduled_running
+        # listed as vLLM 0.34 sends them: new and resumed requests (whole tables) before
+        # running ones, although the running ones were scheduled first
+        scheduler_output.num_scheduled_tokens.update(running_tokens)
         return scheduler_output
 
-    def _schedule_running(self, scheduler_output: SchedulerOutput, token_budget: int) -> int:
+    def _schedule_running(self, scheduler_output: SchedulerOutput, running_tokens: dict[str, int],
+                          token_budget: int) -> int:
         """Give each running request its next chunk (a decode step is a chunk of one token),
         growing its block table; when the GPU pool is short, preempt from the back of the
         running list (possibly the request itself). Returns the budget left."""
@@ -2166,7 +2116,7 @@ class MiniEngine:
             # a request preempted earlier in this loop is no longer running
             if token_budget == 0 or req.status != RequestStatus.RUNNING:
                 continue
-            rid = req.request_id
+            req_id = req.request_id
             num_new_tokens = min(req.num_tokens - req.num_computed_tokens, token_budget)
             num_tokens = req.num_computed_tokens + num_new_tokens
             while (new_blocks := self._allocate(req, num_tokens)) is None:
@@ -2175,66 +2125,64 @@ class MiniEngine:
             if new_blocks is None:
                 continue  # it preempted itself
             self._cache_blocks(req, num_tokens)
-            scheduler_output.num_scheduled_tokens[rid] = num_new_tokens
+            running_tokens[req_id] = num_new_tokens
             if new_blocks:
-                scheduler_output.new_block_ids[rid] = ([b.block_id for b in new_blocks],)
+                scheduler_output.new_block_ids[req_id] = ([b.block_id for b in new_blocks],)
             token_budget -= num_new_tokens
         return token_budget
 
     def _holds_landed_load(self, req: Request) -> bool:
         # its CPU load has landed: it holds GPU blocks and only needs the rest of its prompt
-        has_blocks = req.request_id in self.req_blocks
+        has_blocks = req.request_id in self.req_to_blocks
         return has_blocks and req.status != RequestStatus.WAITING_FOR_REMOTE_KVS
 
     def _schedule_waiting(self, scheduler_output: SchedulerOutput, token_budget: int) -> None:
-        """Admit waiting requests in order while the budget and the GPU pool allow: a request
-        that cannot be admitted stops the queue (FIFO; vLLM 0.34 skips past a loading request,
-        this engine waits for it, which keeps the order easy to follow)."""
-        # The admission rule: requests whose CPU load has landed go first. They hold GPU
-        # blocks; queued behind a request that needs more blocks than are free (e.g. a
-        # preempted one, sent to the front), they would wait forever for the very blocks they
-        # hold. vLLM 0.34 drains such requests first too (its kv_holding_waiting queue). The
-        # sort is stable: FIFO within each kind.
+        """Admit waiting requests in queue order while the budget lasts. A request that cannot
+        start now (its load is in flight, or the GPU pool is short for it) keeps its place,
+        and the queue moves on to the next one."""
+        # Requests whose CPU load has landed go first: they hold GPU blocks (vLLM 0.34 drains
+        # them first too, from its kv_holding_waiting queue). Stable: FIFO within each kind.
         self.waiting.sort(key=self._holds_landed_load, reverse=True)
+        # not in vLLM: a request that does not fit is skipped, not a stop (vLLM 0.34 stops at
+        # the first allocation that fails). Stopping can stall for good: a landed load that
+        # needs more blocks than are free, in front of a request holding the very blocks it
+        # needs and needing fewer than are free.
+        skipped: list[Request] = []
         while self.waiting and token_budget > 0:
-            req = self.waiting[0]
-            rid = req.request_id
+            req = self.waiting.pop(0)
+            req_id = req.request_id
             if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                break  # FIFO: wait for its load
-            if rid in self.req_blocks:
+                num_new_tokens = None  # its load is in flight (vLLM skips past it too)
+            elif req_id in self.req_to_blocks:
                 # its load landed: the table exists, allocate the rest and compute it
                 num_new_tokens = min(req.num_tokens - req.num_computed_tokens, token_budget)
-                num_tokens = req.num_computed_tokens + num_new_tokens
-                num_new_blocks = cdiv(num_tokens, self.block_size) - len(self.req_blocks[rid])
-                if num_new_blocks > self.gpu_block_pool.get_num_free_blocks():
-                    break  # no room: it stays first in the queue
-                self._allocate(req, num_tokens)
+                if self._allocate(req, req.num_computed_tokens + num_new_tokens) is None:
+                    num_new_tokens = None  # no room
             else:
+                # None when there is no room (the connector's pin is dropped next lookup)
                 num_new_tokens = self._admit_with_prefix_hit(req, token_budget)
-                if num_new_tokens is None:
-                    break  # no room: stays waiting (the connector's pin is dropped next lookup)
-                if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                    # its load is accepted: not scheduled until the load is reported, and the
-                    # queue waits behind it (FIFO)
-                    break
-            self.waiting.pop(0)
+            # a load accepted just now: not scheduled until the load is reported
+            if num_new_tokens is None or req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                skipped.append(req)
+                continue
             self.running.append(req)
             self._cache_blocks(req, req.num_computed_tokens + num_new_tokens)
             # a new or resumed request is sent with its whole block table
-            block_ids = [b.block_id for b in self.req_blocks[rid]]
-            scheduler_output.new_block_ids[rid] = (block_ids,)
+            block_ids = [b.block_id for b in self.req_to_blocks[req_id]]
+            scheduler_output.new_block_ids[req_id] = (block_ids,)
             if req.status == RequestStatus.PREEMPTED:
-                scheduler_output.resumed_req_ids.add(rid)
+                scheduler_output.resumed_req_ids.add(req_id)
             req.status = RequestStatus.RUNNING
-            scheduler_output.num_scheduled_tokens[rid] = num_new_tokens
+            scheduler_output.num_scheduled_tokens[req_id] = num_new_tokens
             token_budget -= num_new_tokens
+        self.waiting[:0] = skipped
 
     def _admit_with_prefix_hit(self, req: Request, token_budget: int) -> int | None:
         """A request without blocks: look its prefix up (GPU prefix cache, then the connector
         for the tokens after it), allocate, and tell the connector (update_state_after_alloc).
         Returns the tokens to compute this step (0 while a CPU load is pending), or None, with
         nothing changed, when the GPU pool is short."""
-        rid = req.request_id
+        req_id = req.request_id
         num_tokens_to_check = req.num_tokens - 1  # the last token is always recomputed
         (hit_blocks,), num_local_tokens = find_longest_cache_hit(
             req.block_hashes, num_tokens_to_check, [0], self.gpu_block_pool, self.block_size)
@@ -2245,24 +2193,27 @@ class MiniEngine:
                 req, num_local_tokens)
         if num_external_tokens:
             num_new_tokens = 0  # nothing to compute until the load lands
+            # not in vLLM: blocks for the whole prompt now, so that a landed load never waits
+            # for more (two landed loads holding half the pool each would wait for each other)
+            num_tokens = req.num_tokens
         else:
             num_new_tokens = min(req.num_tokens - num_local_tokens, token_budget)
-        num_tokens = num_local_tokens + num_external_tokens + num_new_tokens
+            num_tokens = num_local_tokens + num_new_tokens
         # new blocks, plus hit blocks that touch() will take out of the free queue
         num_evictable_hits = sum(b.ref_cnt == 0 for b in hit_blocks)
         num_blocks_needed = cdiv(num_tokens, self.block_size) - len(hit_blocks)
         if num_blocks_needed + num_evictable_hits > self.gpu_block_pool.get_num_free_blocks():
             return None
         self.gpu_block_pool.touch(hit_blocks)
-        self.req_blocks[rid] = list(hit_blocks)
-        self.num_cached_blocks[rid] = len(hit_blocks)
+        self.req_to_blocks[req_id] = list(hit_blocks)
+        self.num_cached_blocks[req_id] = len(hit_blocks)
         if req.status != RequestStatus.PREEMPTED:  # a resumed request keeps its first hits
-            stats = self.stats[rid]
+            stats = self.stats[req_id]
             stats.gpu_hit_tokens = num_local_tokens
             stats.cpu_hit_tokens = num_external_tokens
         self._allocate(req, num_tokens)
         if self.connector is not None:
-            self.connector.update_state_after_alloc(req, (self.req_blocks[rid],),
+            self.connector.update_state_after_alloc(req, (self.req_to_blocks[req_id],),
                                                     num_external_tokens)
         # as vLLM: counted as computed already, although the loaded KV is not there yet; the
         # request is not scheduled until the load lands, so nothing reads it before
@@ -2301,11 +2252,11 @@ class MiniEngine:
             w.wait_for_save()  # stores read blocks confirmed by earlier steps (and finish flushes)
             _, recv = w.get_finished(set())
             # a load is done once every worker (TP rank) reported it
-            for rid in recv or ():
-                self._recving_counts[rid] = self._recving_counts.get(rid, 0) + 1
-                if self._recving_counts[rid] == len(self.workers):
-                    del self._recving_counts[rid]
-                    finished_recving.add(rid)
+            for req_id in recv or ():
+                self._recving_counts[req_id] = self._recving_counts.get(req_id, 0) + 1
+                if self._recving_counts[req_id] == len(self.workers):
+                    del self._recving_counts[req_id]
+                    finished_recving.add(req_id)
             this_worker_meta = w.build_connector_worker_meta()
             if worker_meta is None:
                 worker_meta = this_worker_meta
@@ -2320,15 +2271,16 @@ class MiniEngine:
             self.connector.update_connector_output(output)
         if self._connector_reset_pending:  # the reports above may have drained what refused it
             self._connector_reset_pending = not self.connector.reset()
-        for rid in finished_recving:
-            req = self.requests.get(rid)
+        for req_id in finished_recving:
+            req = self.requests.get(req_id)
             # an aborted request's load also reports: the connector released it already
             if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 self._update_waiting_for_remote_kv(req)
 
-    def _slots(self, rid: str, start: int, end: int) -> torch.Tensor:
+    def _slots(self, req_id: str, start: int, end: int) -> torch.Tensor:
         """Flat KV slots (block_id * block_size + offset) of the request's tokens [start, end)."""
-        block_ids = torch.tensor([b.block_id for b in self.req_blocks[rid]], dtype=torch.int64)
+        block_ids = [b.block_id for b in self.req_to_blocks[req_id]]
+        block_ids = torch.tensor(block_ids, dtype=torch.int64)
         positions = torch.arange(start, end)
         block_of_position = block_ids[positions // self.block_size]
         slots = block_of_position * self.block_size + positions % self.block_size
@@ -2348,36 +2300,36 @@ class MiniEngine:
 
     def _update_from_output(self, scheduler_output: SchedulerOutput) -> None:
         for req in list(self.running):
-            rid = req.request_id
-            num_new_tokens = scheduler_output.num_scheduled_tokens.get(rid, 0)
+            req_id = req.request_id
+            num_new_tokens = scheduler_output.num_scheduled_tokens.get(req_id, 0)
             if not num_new_tokens:
                 continue
             req.num_computed_tokens += num_new_tokens
-            stats = self.stats[rid]
+            stats = self.stats[req_id]
             stats.computed_tokens += num_new_tokens
             if req.num_computed_tokens < req.num_tokens:
                 continue  # chunked prefill: more to come
             # the whole sequence is computed: sample (from the paged KV, loaded parts included)
-            slots = self._slots(rid, 0, req.num_computed_tokens)
+            slots = self._slots(req_id, 0, req.num_computed_tokens)
             token = self.model.next_token(self.kv_caches, slots)
             if not stats.output_token_ids:
-                stats.ttft_s = time.perf_counter() - self._t_arrival[rid]
+                stats.ttft_s = time.perf_counter() - self._t_arrival[req_id]
             stats.output_token_ids.append(token)
             req.append_output_token_ids(token)
             if len(stats.output_token_ids) >= req.max_tokens:
                 self._finish(req)
 
     def _finish(self, req: Request) -> None:
-        rid = req.request_id
+        req_id = req.request_id
         if self.capture_kv:
-            slots = self._slots(rid, 0, req.num_prompt_tokens)
+            slots = self._slots(req_id, 0, req.num_prompt_tokens)
             per_layer = [cache.view(2, -1, self.model.num_kv_heads, self.model.head_dim)[:, slots]
                          for cache in self.kv_caches.values()]
-            self.stats[rid].kv = torch.stack(per_layer).cpu()
+            self.stats[req_id].kv = torch.stack(per_layer).cpu()
         req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        del self.requests[rid]
+        del self.requests[req_id]
         if self.connector is not None:
-            block_ids = [b.block_id for b in self.req_blocks[rid]]
+            block_ids = [b.block_id for b in self.req_to_blocks[req_id]]
             self.connector.request_finished_all_groups(req, (block_ids,))
         self.running.remove(req)
         self._free(req)
@@ -2389,28 +2341,45 @@ class MiniEngine:
 def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: int = 8192,
               block_size: int = 16, max_num_batched_tokens: int = 1024, device: str = "cpu",
               seed: int = 0, num_cpu_blocks: int | None = None, max_tokens: int = 1,
+              hash_block_size: int | None = None, world_size: int = 1,
               **scheduler_kwargs: Any) -> dict:
     """Request A (a long prompt, prefilled in chunks), then the GPU prefix cache is dropped, then
     request B with the same prompt. Returns what happened to B, and whether its KV is exact.
     The CPU pool is as large as the GPU pool unless `num_cpu_blocks` says otherwise."""
+    if not (isinstance(scheduler_cls, type)
+            and issubclass(scheduler_cls, SimpleCPUOffloadScheduler)):
+        raise TypeError(f"scheduler_cls must be a SimpleCPUOffloadScheduler class, "
+                        f"got {scheduler_cls!r}")
+    _check_int("prompt_tokens", prompt_tokens, 1)
+    _check_int("block_size", block_size, 1)
+    _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+    _check_int("seed", seed, 0)
+    _check_int("max_tokens", max_tokens, 1)
+    _check_type("device", device, (str, torch.device))
+    num_blocks = prompt_tokens // block_size + 64
+    _check_int("num_blocks (GPU pool for this prompt)", num_blocks, 2, MAX_BLOCKS)
+    if num_cpu_blocks is None:
+        num_cpu_blocks = num_blocks
+    # the scheduler, the workers and the engine check the rest, before anything runs
+    connector = scheduler_cls(num_cpu_blocks, block_size, hash_block_size=hash_block_size,
+                              world_size=world_size, **scheduler_kwargs)
+    workers = [SimpleCPUOffloadWorker(num_cpu_blocks) for _ in range(world_size)]
+    model = ToyModel(num_layers=4, num_kv_heads=4, head_dim=64, device=device, rounds=8)
+    engine = MiniEngine(num_blocks, block_size, max_num_batched_tokens, model, connector,
+                        workers, capture_kv=True)
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, 32000, (prompt_tokens,), generator=gen).tolist()
-    num_blocks = prompt_tokens // block_size + 64
-    num_cpu_blocks = num_blocks if num_cpu_blocks is None else num_cpu_blocks
-    model = ToyModel(num_layers=4, num_kv_heads=4, head_dim=64, device=device, rounds=8)
-    connector = scheduler_cls(num_cpu_blocks, block_size, **scheduler_kwargs)
-    engine = MiniEngine(num_blocks, block_size, max_num_batched_tokens, model, connector,
-                        SimpleCPUOffloadWorker(num_cpu_blocks), capture_kv=True)
-    engine.add_request(Request("A", prompt, block_size, max_tokens=max_tokens))
+    engine.add_request(Request("A", prompt, connector.hash_block_size, max_tokens=max_tokens))
     # step by step (what run() does) to record the CPU cache's size after each of A's steps
     stored_per_step = [0]
+    cpu_map = connector.cpu_block_pool.cached_block_hash_to_block
     while engine.has_unfinished_work():
         engine.step()
-        stored_per_step.append(len(connector.cpu_block_pool.cached_block_hash_to_block))
+        stored_per_step.append(len(cpu_map))
     a = engine.stats["A"]
     stored = stored_per_step[-1]
     assert engine.reset_gpu_prefix_cache(), "GPU blocks still in use after run()"
-    engine.add_request(Request("B", prompt, block_size, max_tokens=max_tokens))
+    engine.add_request(Request("B", prompt, connector.hash_block_size, max_tokens=max_tokens))
     b = engine.run()["B"]
     kv_exact = torch.equal(b.kv, model.expected_kv(prompt).cpu())  # b.kv is on CPU
     gpu_all_free = engine.gpu_block_pool.get_num_free_blocks() == num_blocks - 1
@@ -2425,7 +2394,6 @@ def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: in
                 kv_exact=bool(kv_exact),
                 all_free=gpu_all_free and cpu_all_free,
                 stored_per_step=stored_per_step)
-
 
 
 # The demo's columns: vLLM 0.29 as released, each of its bugs alone, the fix without its
@@ -2445,20 +2413,41 @@ def offload_prompt(scheduler: SimpleCPUOffloadScheduler, prompt: list[int], bloc
     """Store one prompt's full blocks to CPU through `scheduler`, in vLLM's call order, with no
     model and no worker: a GPU pool whose blocks get the prompt's hashes (and, with
     `partial_at`, a fine-grained secondary key inside a block), update_state_after_alloc, one
-    step's build_connector_meta, and the worker's report that the copy completed."""
-    gpu = BlockPool(len(prompt) // block_size + 2, True, scheduler.hash_block_size)
+    step's build_connector_meta, the worker's report that the copy completed, and the
+    request's finish. Returns that step's metadata."""
+    _check_type("scheduler", scheduler, SimpleCPUOffloadScheduler)
+    _check_int("block_size", block_size, 1)
+    if block_size != scheduler.block_size or len(scheduler.group_block_sizes) != 1:
+        raise ValueError(f"block_size={block_size}: offload_prompt drives a one-group scheduler "
+                         f"of that block size (this one: {scheduler.group_block_sizes})")
+    request = Request("A", prompt, scheduler.hash_block_size)  # checks the token ids
+    num_full_blocks = len(prompt) // block_size
+    if num_full_blocks == 0:
+        raise ValueError(f"prompt has {len(prompt)} tokens: no full block of {block_size} to store")
+    if partial_at is not None:
+        _check_int("partial_at", partial_at, 1, num_full_blocks * block_size - 1)
+        if partial_at % scheduler.hash_block_size or partial_at % block_size == 0:
+            raise ValueError(f"partial_at={partial_at} must be a hash_block_size multiple inside "
+                             "a block")
+    gpu = BlockPool(num_full_blocks + 2, True, scheduler.hash_block_size)
     scheduler.bind_gpu_block_pool(gpu)
-    req = Request("A", prompt, scheduler.hash_block_size)
-    blocks = gpu.get_new_blocks(len(prompt) // block_size)
-    gpu.cache_full_blocks(req, blocks, 0, len(blocks), block_size, 0)
-    if partial_at:
-        gpu.cache_partial_block(req, blocks[partial_at // block_size], partial_at, 0)
-    scheduler.update_state_after_alloc(req, (blocks,), 0)
-    req.num_computed_tokens = len(prompt)  # the prefill ran: every full block is confirmed
-    new_block_ids = {"A": ([b.block_id for b in blocks],)}
-    meta = scheduler.build_connector_meta(SchedulerOutput({"A": 1}, new_block_ids))
-    done = SimpleCPUOffloadWorkerMetadata({meta.store_event: 1})
-    scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=done))
+    blocks = gpu.get_new_blocks(num_full_blocks)
+    gpu.cache_full_blocks(request, blocks, 0, num_full_blocks, block_size, 0)
+    if partial_at is not None:
+        gpu.cache_partial_block(request, blocks[partial_at // block_size], partial_at, 0)
+    scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, (blocks,), 0)
+    request.num_computed_tokens = len(prompt)  # the prefill ran: every full block is confirmed
+    block_ids = ([b.block_id for b in blocks],)
+    meta = scheduler.build_connector_meta(SchedulerOutput({"A": 1}, {"A": block_ids}))
+    # finished: a final flush (PR #53532) queues what the CPU pool could not take yet
+    scheduler.request_finished_all_groups(request, block_ids)
+    flush = scheduler.build_connector_meta(SchedulerOutput())
+    # the worker's report: both copies completed
+    done = {e: 1 for e in (meta.store_event, flush.store_event) if e >= 0}
+    scheduler.update_connector_output(KVConnectorOutput(
+        kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(done)))
+    gpu.free_blocks(reversed(blocks))
     return meta
 
 
@@ -2474,6 +2463,12 @@ def bench_manager(prompt_tokens: int = 65536, chunk: int = 4096, block_size: int
     """µs per block of the manager's own calls (hashing and GPU allocation not timed), in two
     phases. store: request A stored eagerly chunk by chunk, final flush included. load: B, the
     same prompt, hits on CPU and loads."""
+    _check_int("block_size", block_size, 1)
+    _check_int("chunk", chunk, block_size)
+    _check_int("prompt_tokens", prompt_tokens, 2 * block_size, MAX_BLOCKS // 2 * block_size)
+    if chunk % block_size or prompt_tokens % chunk:
+        raise ValueError(f"chunk ({chunk}) must be a multiple of block_size ({block_size}) and "
+                         f"divide prompt_tokens ({prompt_tokens}): whole blocks per step")
     num_blocks = prompt_tokens // block_size
     blocks_per_step = chunk // block_size
     gpu = BlockPool(2 * num_blocks + 2, True, block_size)
@@ -2548,6 +2543,12 @@ def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_cop
     device<->pinned-host copy_, on CPU torch's own copy_ (which uses every core for a large
     tensor). Interleaved: each rep times the worker, then the plain copy, so a neighbour's load
     on a shared machine hits both alike; ratio = t_plain / t_worker, median and min over reps."""
+    _check_type("device", device, str)
+    for name, value in (("block_kib", block_kib), ("reps", reps), ("num_layers", num_layers)):
+        _check_int(name, value, 1)
+    _check_int("num_blocks", num_blocks, 2, MAX_BLOCKS)
+    # the null block 0 is never copied: at most num_blocks - 1 distinct ids
+    _check_int("n_copy", n_copy, 1, num_blocks - 1)
     rows: list[dict] = []
     generator = torch.Generator().manual_seed(0)
     elems = block_kib * 1024 // 2  # float16 elements per block (per layer: K and V together)
@@ -2557,8 +2558,8 @@ def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_cop
     layouts = {f"per-layer (2,N,..) x{num_layers}": per_layer, "cross-layer [N,...]": cross_layer}
     for layout, caches in layouts.items():
         w = SimpleCPUOffloadWorker(num_blocks)
-        w.register_kv_caches(caches, num_blocks)
-        nbytes = sum(r[:n_copy].numel() * r.element_size() for r in w.gpu_caches.values())
+        w.register_kv_caches(caches, num_blocks, block_dim=1 if caches is per_layer else 0)
+        nbytes = sum(r[:n_copy].numel() * r.element_size() for r in w.gpu_kv_caches.values())
         dev_buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         host_buf = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
         for ids_kind in ("contiguous", "scattered"):
