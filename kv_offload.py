@@ -18,14 +18,18 @@ The two bugs (vLLM 0.29.0 is the last release with them; PR #53532 fixed both), 
 in PreFixCPUOffloadScheduler, which matches vLLM 0.29's manager step for step:
   1. registration: 0.29 stamped each CPU destination with the GPU block's primary hash at
      allocation and, when the copy completed, inserted that key straight into the CPU pool's
-     cached_block_hash_to_block, around BlockPool._insert_block_hash(). Whole-block lookups hit;
-     the GPU block's fine-grained secondary hashes (cached_block_hashes_by_block) were never
-     copied, so a hit that needs one missed. Fix: register through _insert_block_hash(), primary
-     and every secondary, after reset_hash(): on a stamped block the method's first guard
-     returns early and the primary is lost -- the trap the fix's comment warns about
-     (`skip_reset_hash=True` runs the fix without that line).
+     cached_block_hash_to_block dict, bypassing BlockPool._insert_block_hash(). Whole-block
+     lookups hit; the GPU block's fine-grained secondary hashes (cached_block_hashes_by_block)
+     were never copied, so a hit that needs one missed. Fix: register through
+     _insert_block_hash(), primary and every secondary. The PR's first version called
+     reset_hash() first: on a stamped block the method's first guard returns early and the
+     primary is lost -- the trap its comment warned about (`skip_reset_hash=True`). Review inside
+     the PR then dropped the stamp, and the merged fix (0.30+) has neither stamp nor reset_hash();
+     this module keeps the call, a no-op on an unstamped block.
   2. final flush: blocks confirmed in a request's last step(s) were never stored. Fix: queue them
      at finish (_pending_finished_stores) and merge them into the next store event.
+Provenance: `# PR #53532` marks the fix's lines, `# vLLM 0.3x` later upstream changes, and
+`# not in vLLM:` this module's own.
 
 But it leaves out:
   - lazy offload mode (the GPU free-queue cursor), the disk backend, KV-cache events, metrics;
@@ -36,9 +40,13 @@ But it leaves out:
     low-priority streams (runs of consecutive ids coalesced), the same ordering rules;
   - vLLM's config objects: sizes are plain constructor arguments;
   - most of vLLM's scheduler: MiniEngine keeps its request states and call order, but one KV-cache
-    group, one FIFO waiting queue (landed loads first) and no async scheduling.
-And where vLLM asserts, logs or fails later on bad input, this raises ValueError (TypeError for a
-wrong type) before changing any state (the README's "Differences from vLLM" lists every place).
+    group, one waiting queue (landed loads first; a request that cannot start is skipped), an
+    accepted load holds blocks for its whole prompt, and no async scheduling.
+Two contracts (SPEC §0): what a person calls (constructors, Request, MiniEngine, the worker's
+registration, run_story and the bench helpers) checks every argument and raises ValueError
+(TypeError for a wrong type) before changing any state; what the engine calls keeps vLLM 0.34's
+contract (a trusted caller, vLLM's asserts), with a check of ours only against silent KV
+corruption or a leak, in one `_check_<method>` call on the method's first line.
 
 Sections, bottom-up (every name is defined before it is used):
   1. hashing and requests          5. the pre-fix variant
@@ -2147,9 +2155,9 @@ class MiniEngine:
         # the first allocation that fails). Stopping can stall for good: a landed load that
         # needs more blocks than are free, in front of a request holding the very blocks it
         # needs and needing fewer than are free.
-        skipped: list[Request] = []
-        while self.waiting and token_budget > 0:
-            req = self.waiting.pop(0)
+        i = 0  # the first request not skipped yet
+        while i < len(self.waiting) and token_budget > 0:
+            req = self.waiting[i]
             req_id = req.request_id
             if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 num_new_tokens = None  # its load is in flight (vLLM skips past it too)
@@ -2163,8 +2171,9 @@ class MiniEngine:
                 num_new_tokens = self._admit_with_prefix_hit(req, token_budget)
             # a load accepted just now: not scheduled until the load is reported
             if num_new_tokens is None or req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                skipped.append(req)
+                i += 1  # it keeps its place
                 continue
+            del self.waiting[i]
             self.running.append(req)
             self._cache_blocks(req, req.num_computed_tokens + num_new_tokens)
             # a new or resumed request is sent with its whole block table
@@ -2175,7 +2184,6 @@ class MiniEngine:
             req.status = RequestStatus.RUNNING
             scheduler_output.num_scheduled_tokens[req_id] = num_new_tokens
             token_budget -= num_new_tokens
-        self.waiting[:0] = skipped
 
     def _admit_with_prefix_hit(self, req: Request, token_budget: int) -> int | None:
         """A request without blocks: look its prefix up (GPU prefix cache, then the connector
