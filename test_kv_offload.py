@@ -3066,7 +3066,8 @@ def rel_stalled(run) -> bool:
 def rel_fingerprint(run) -> tuple:
     """What a step of an otherwise idle engine can change."""
     eng = run.engine
-    return (tuple((r.request_id, r.num_computed_tokens, len(eng.req_to_blocks.get(r.request_id, ())))
+    return (tuple((r.request_id, r.num_computed_tokens,
+                   len(eng.req_to_blocks.get(r.request_id, ())))
                   for r in eng.waiting),
             eng.gpu_block_pool.get_num_free_blocks(), run.conn.cpu_block_pool.get_num_free_blocks())
 
@@ -3619,7 +3620,8 @@ def rel_snapshot(world) -> dict:
     connector and worker that some calls are given (a failed constructor must not bind them)."""
     eng, conn, worker = world.engine, world.conn, rel_unwrap(world.worker)
     skip_engine = {"model", "connector", "workers", "gpu_block_pool", "kv_caches", "_t_arrival"}
-    worker_bound = all(worker.gpu_kv_caches[f"{n}.{kv}"].data_ptr() == eng.kv_caches[n][i].data_ptr()
+    worker_bound = all(worker.gpu_kv_caches[f"{n}.{kv}"].data_ptr()
+                       == eng.kv_caches[n][i].data_ptr()
                        for n in eng.kv_caches for i, kv in enumerate("kv"))
     return {
         "gpu": pool_state(eng.gpu_block_pool),
@@ -3806,7 +3808,7 @@ BAD_CALLS = [
         dict(block_size=16, hash_block_size=32),                          # hash larger than block
         dict(block_size=32, hash_block_size=16, group_block_sizes=[24]),  # group does not divide 32
         dict(block_size=32, hash_block_size=16, group_block_sizes=[16, 64]),  # group > block
-        dict(block_size=32, hash_block_size=16, group_block_sizes=[8]),  # hash does not divide group
+        dict(block_size=32, hash_block_size=16, group_block_sizes=[8]),  # hash does not divide it
         dict(block_size=8, hash_block_size=2, group_block_sizes=[8, 6]),  # block size not their LCM
         dict(block_size=REL_BS, hash_block_size=3)]],
     ("manager", "SimpleCPUOffloadScheduler(world_size 0)",
@@ -4052,7 +4054,7 @@ def test_rel_rejected_copy_is_never_reported_complete(direction):
     assert done == ({1} if direction == "store" else {"ok"}), f"reported complete: {done}"
 
 
-# ---- 2.7b The two contracts (SPEC §0), and what the engine calls legally never does --------------
+# ---- 2.7b The two contracts (SPEC §0), and legal use that never stalls ------------------------
 
 # What a scheduler and a model runner call: vLLM 0.34's contract, a trusted caller
 ENGINE_PROTOCOL = {
@@ -5535,73 +5537,93 @@ def test_story_reproduces_vllm_scheduler_cpu_hits(prompt_len, budget, max_tokens
         assert r["kv_exact"] and r["same_output"] and r["all_free"], (cls.__name__, r)
 
 
-@pytest.mark.parametrize("prompt_len,budget,max_tokens,cpu_blocks,pre,post", VLLM_CPU_HIT_CASES)
-def test_real_vllm_scheduler_cpu_hits(tmp_path, prompt_len, budget, max_tokens, cpu_blocks,
-                                      pre, post):
-    """vLLM's own engine Scheduler + SimpleCPUOffloadConnector (eager, full attention, block 16):
-    A runs to completion, every store completes, the GPU prefix cache is reset, B (same prompt)
-    arrives; we check how many keys the CPU map holds and what B's CPU lookup returns.
-    0.29 (pre-fix) stores, in step k, only blocks confirmed by steps < k (build_connector_meta runs
-    before num_computed_tokens advances) and has no final flush, but registers what it stores:
-      512 / 128 / 1 token: 4 steps; the 8 blocks completed in the last step are never stored:
-        24 keys, B hits 24*16 = 384 (post-fix: 32 keys, B hits 31 blocks = 496, as the last
-        prompt token is always recomputed);
-      100 / 128 / 1 token: one step, so nothing is ever stored: 0 keys, B hits 0 -- the only way
-        to get 0 pre-fix hits here (post-fix: 6 full blocks, 96);
-      512 / 128 / 2 tokens, CPU pool 32 blocks (31 usable besides the null block): all 32 blocks
-        are stored, the 32nd evicts the LRU one, block 0, so the chain breaks at its head: 31 keys,
-        0 hits in BOTH versions (CPU capacity < prompt, not PR #53532)."""
+def vllm_version() -> tuple[int, int]:
+    """vLLM's (major, minor), or a skip when its engine Scheduler and specs do not import."""
     vllm = pytest.importorskip("vllm")
     try:
-        import torch
-        from vllm import SamplingParams
-        from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
-                                 SchedulerConfig, VllmConfig)
-        from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-        from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-        from vllm.v1.kv_cache_interface import (
-            FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor)
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-        from vllm.v1.request import Request
-        from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata as WorkerMeta
-        from vllm.v1.structured_output import StructuredOutputManager
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes  # noqa: F401
+        from vllm.v1.core.sched.scheduler import Scheduler  # noqa: F401
+        from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - a partial vLLM install: skip, as the module does
         pytest.skip(f"vLLM scheduler not importable: {exc!r}")
-    major_minor = tuple(int(x) for x in vllm.__version__.split(".")[:2])
-    if major_minor < (0, 29):
+    version = tuple(int(x) for x in vllm.__version__.split(".")[:2])
+    if version < (0, 29):
         pytest.skip(f"vLLM {vllm.__version__} predates the SimpleCPUOffloadConnector studied here")
-    (tmp_path / "config.json").write_text(json.dumps(dict(
+    return version
+
+
+def run_vllm_scheduler(kind: str, bs: int, prompt_len: int, budget: int, max_tokens: int,
+                       cpu_blocks: int | None = None, gpu_blocks: int | None = None,
+                       keep_gpu_cache: bool = False) -> dict:
+    """vLLM's own engine Scheduler + SimpleCPUOffloadConnector (eager) on CPU, the model runner
+    and the worker simulated (each step's store and load complete within the step). `kind`:
+    "fa" (full attention), "fa_mamba" (+ a Mamba group, mamba_cache_mode="align", its page equal
+    to the attention page) or "fa_sw" (+ a sliding window of 2 blocks). A runs to completion and
+    its stores drain; the GPU prefix cache is reset (unless keep_gpu_cache); B, the same prompt,
+    arrives. Returns the CPU map's keys after A, and B's local (GPU) hit and first CPU lookup."""
+    import tempfile
+
+    from vllm import SamplingParams
+    from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
+                             SchedulerConfig, VllmConfig)
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import (get_request_block_hasher, init_none_hash,
+                                             resolve_kv_cache_block_sizes)
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+                                            KVCacheTensor, MambaSpec, SlidingWindowSpec)
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata as WorkerMeta
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    max_model_len = max(4096, prompt_len + max_tokens + 16)
+    model_dir = pathlib.Path(tempfile.mkdtemp(prefix="kv_offload_vllm_"))
+    (model_dir / "config.json").write_text(json.dumps(dict(
         architectures=["OPTForCausalLM"], model_type="opt", hidden_size=64, num_attention_heads=2,
-        num_hidden_layers=2, ffn_dim=128, vocab_size=50272, max_position_embeddings=4096,
+        num_hidden_layers=2, ffn_dim=128, vocab_size=50272, max_position_embeddings=max_model_len,
         word_embed_proj_dim=64)))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    bs, nb = 16, 96
-    spec = FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=8, dtype=torch.float16)
-    page = spec.page_size_bytes
+    nb = gpu_blocks or (2 * ko.cdiv(prompt_len, bs) + 16) * (1 if kind == "fa" else 2)
+    fa = FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=8, dtype=torch.float16)
+    page = fa.page_size_bytes
+    groups = [KVCacheGroupSpec(["attn"], fa)]
+    cache_kw = dict(block_size=bs, enable_prefix_caching=True)
+    if kind == "fa_mamba":  # one state tensor whose page equals the attention page
+        groups.append(KVCacheGroupSpec(["mamba"], MambaSpec(
+            block_size=bs, shapes=((page // 2,),), dtypes=(torch.float16,),
+            mamba_cache_mode="align")))
+        cache_kw.update(mamba_cache_mode="align", mamba_block_size=bs)
+    elif kind == "fa_sw":
+        groups.append(KVCacheGroupSpec(["swa"], SlidingWindowSpec(
+            block_size=bs, num_kv_heads=1, head_size=8, dtype=torch.float16,
+            sliding_window=2 * bs)))
+    layers = [g.layer_names[0] for g in groups]
     vc = VllmConfig(
-        model_config=ModelConfig(model=str(tmp_path), dtype="float16", skip_tokenizer_init=True,
-                                 max_model_len=4096),
+        model_config=ModelConfig(model=str(model_dir), dtype="float16", skip_tokenizer_init=True,
+                                 max_model_len=max_model_len),
         scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget,
-                                         max_model_len=4096, enable_chunked_prefill=True,
-                                         is_encoder_decoder=False,
-                                         async_scheduling=False),
-        cache_config=CacheConfig(block_size=bs, enable_prefix_caching=True),
+                                         max_model_len=max_model_len, enable_chunked_prefill=True,
+                                         is_encoder_decoder=False, async_scheduling=False),
+        cache_config=CacheConfig(**cache_kw),
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=KVTransferConfig(
             kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
             kv_connector_extra_config={"cpu_bytes_to_use": page * (cpu_blocks or 2 * nb)}))
-    kcc = KVCacheConfig(num_blocks=nb, kv_cache_groups=[KVCacheGroupSpec(["attn"], spec)],
-                        kv_cache_tensors=[KVCacheTensor(page * nb, ["attn"], page * nb, page)])
+    # hybrid-style shared tensors: each holds one layer of every group
+    kcc = KVCacheConfig(num_blocks=nb, kv_cache_groups=groups,
+                        kv_cache_tensors=[KVCacheTensor(page * nb, layers, page * nb, page)])
     vc.cache_config.num_gpu_blocks = nb
     register_all_kvcache_specs(vc)
     init_none_hash(sha256)
-    s = Scheduler(vllm_config=vc, kv_cache_config=kcc, block_size=bs, hash_block_size=bs,
-                  log_stats=False, structured_output_manager=StructuredOutputManager(vc))
+    sched_bs, hash_bs = resolve_kv_cache_block_sizes(kcc, vc)
+    s = Scheduler(vllm_config=vc, kv_cache_config=kcc, block_size=sched_bs,
+                  hash_block_size=hash_bs, log_stats=False,
+                  structured_output_manager=StructuredOutputManager(vc))
     lookups, lookup = {}, s.connector.get_num_new_matched_tokens
-    s.connector.get_num_new_matched_tokens = (  # record B's first CPU lookup
-        lambda r, n, *a: lookups.setdefault(r.request_id, lookup(r, n, *a)))
+    s.connector.get_num_new_matched_tokens = (  # record each request's first CPU lookup
+        lambda r, n, *a: lookups.setdefault(r.request_id, (n, lookup(r, n, *a)))[1])
 
     def step():  # the worker finishes this step's store and load within the step
         out = s.schedule()
@@ -5618,15 +5640,99 @@ def test_real_vllm_scheduler_cpu_hits(tmp_path, prompt_len, budget, max_tokens, 
         s.update_from_output(out, ModelRunnerOutput(**kw))
 
     prompt = [(i * 31) % 50000 + 3 for i in range(prompt_len)]
+    result = {}
     for rid in ("A", "B"):
         s.add_request(Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                              None, block_hasher=get_request_block_hasher(bs, sha256)))
-        # run to completion, then drain stores
-        for _ in range(prompt_len // budget + max_tokens + 4):
+                              None, block_hasher=get_request_block_hasher(hash_bs, sha256)))
+        for _ in range(4 * ko.cdiv(prompt_len, budget) + max_tokens + 50):
+            step()
+            if rid not in s.requests:
+                break
+        for _ in range(4):  # drain the remaining stores
             step()
         if rid == "A":
-            cpu_pool = s.connector.scheduler_manager.cpu_block_pool
-            registered = len(cpu_pool.cached_block_hash_to_block)
-            assert s.reset_prefix_cache()  # GPU only: the CPU cache stays
-    measured = (registered, lookups["B"][0])
-    assert measured == (pre if major_minor < (0, 30) else post), (vllm.__version__, measured)
+            result["keys"] = len(s.connector.scheduler_manager.cpu_block_pool
+                                 .cached_block_hash_to_block)
+            if not keep_gpu_cache:
+                assert s.reset_prefix_cache()  # GPU only: the CPU cache stays
+    result["B_local"], (result["B_hit"], _) = lookups["B"]
+    return result
+
+
+@pytest.mark.parametrize("prompt_len,budget,max_tokens,cpu_blocks,pre,post", VLLM_CPU_HIT_CASES)
+def test_real_vllm_scheduler_cpu_hits(prompt_len, budget, max_tokens, cpu_blocks, pre, post):
+    """vLLM's own engine Scheduler + SimpleCPUOffloadConnector (eager, full attention, block 16):
+    A runs to completion, every store completes, the GPU prefix cache is reset, B (same prompt)
+    arrives; we check how many keys the CPU map holds and what B's CPU lookup returns.
+    0.29 (pre-fix) stores, in step k, only blocks confirmed by steps < k (build_connector_meta runs
+    before num_computed_tokens advances) and has no final flush, but registers what it stores:
+      512 / 128 / 1 token: 4 steps; the 8 blocks completed in the last step are never stored:
+        24 keys, B hits 24*16 = 384 (post-fix: 32 keys, B hits 31 blocks = 496, as the last
+        prompt token is always recomputed);
+      100 / 128 / 1 token: one step, so nothing is ever stored: 0 keys, B hits 0 -- the only way
+        to get 0 pre-fix hits here (post-fix: 6 full blocks, 96);
+      512 / 128 / 2 tokens, CPU pool 32 blocks (31 usable besides the null block): all 32 blocks
+        are stored, the 32nd evicts the LRU one, block 0, so the chain breaks at its head: 31 keys,
+        0 hits in BOTH versions (CPU capacity < prompt, not PR #53532)."""
+    version = vllm_version()
+    r = run_vllm_scheduler("fa", 16, prompt_len, budget, max_tokens, cpu_blocks=cpu_blocks,
+                           gpu_blocks=96)
+    assert (r["keys"], r["B_hit"]) == (pre if version < (0, 30) else post), (version, r)
+
+
+# Hybrid models (issue 20): measured with 0.29.0, 0.30.0 and 0.34.0; 0.31-0.33 were not
+# measured, so the cases keyed on a change after 0.30 skip there.
+
+def test_real_vllm_hybrid_one_step_prompt():
+    """FA + sliding window (window 32), block 16, prompt 100, budget 128, max_tokens 1: A is
+    computed and finished in ONE step.
+      0.29: a step stores only blocks confirmed by earlier steps, and there is no final flush:
+        nothing is ever stored, 0 keys, B hits 0 -- bug 2, the only 0 that PR #53532 changes.
+      0.30+: the final flush stores 6 full blocks per group, 12 keys; B hits 6 * 16 = 96.
+    The same shape with FA + Mamba "align" is not 0 on 0.29 (7 keys, 96 tokens): the
+    Mamba-aligned split ends the first chunk at 96, so the prompt takes two steps."""
+    version = vllm_version()
+    r = run_vllm_scheduler("fa_sw", 16, 100, 128, 1)
+    assert (r["keys"], r["B_hit"]) == ((0, 0) if version < (0, 30) else (12, 96)), r
+    m = run_vllm_scheduler("fa_mamba", 16, 100, 128, 1)
+    assert (m["keys"], m["B_hit"]) == (7, 96), m
+
+
+def test_real_vllm_mamba_align_one_chunk_prompt():
+    """FA + Mamba "align", block 16, prompt 512 = 32 blocks exactly, one chunk (budget 1024),
+    max_tokens 2 (so bug 2 does not matter). Stores grow, hits stay 0 -- in 0.29 AND 0.30.
+    B may reuse at most 511 tokens, so the Mamba group needs a state at 496 or below.
+      0.29 / 0.30: the scheduler's Mamba-aligned split checkpoints at the prompt's end
+        (last_cache_position = num_tokens - num_tokens % block_size = 512), the only Mamba
+        state is at 512: 33 keys (32 FA + 1 Mamba), and the hybrid lookup reconciles to 0.
+        The GPU prefix cache alone gives B 0 local tokens too: the scheduler, not the connector.
+      0.34: get_mamba_prefill_checkpoint_position stops the chunk at (512 - 1) // 16 * 16 = 496,
+        that state is cached and stored: 34 keys, B hits 31 blocks = 496 tokens."""
+    version = vllm_version()
+    if (0, 31) <= version < (0, 34):
+        pytest.skip("not measured on 0.31-0.33")
+    r = run_vllm_scheduler("fa_mamba", 16, 512, 1024, 2)
+    assert (r["keys"], r["B_hit"]) == ((33, 0) if version < (0, 31) else (34, 496)), r
+    g = run_vllm_scheduler("fa_mamba", 16, 512, 1024, 2, keep_gpu_cache=True)
+    assert g["B_local"] == (0 if version < (0, 31) else 496), g
+
+
+@pytest.mark.parametrize("prompt_len,expected", [
+    # 185,000 tokens: 216 full blocks + 104; chunks of 4 * 856 = 3,424 (the Mamba-aligned split)
+    (185000, {(0, 29): (270, 184896), (0, 30): (270, 184896), (0, 34): (270, 184896)}),
+    # 184,896 = 216 * 856 exactly: the Mamba state at the prompt's end is unusable
+    (184896, {(0, 29): (265, 181472), (0, 30): (270, 181472), (0, 34): (271, 184040)}),
+])
+def test_real_vllm_mamba_align_report_scale(prompt_len, expected):
+    """The report's scale: FA + Mamba "align", block 856, budget 4096, max_tokens 1, a CPU pool
+    larger than the prompt. No version gives 0. 185,000: Mamba states at every chunk end and at
+    216 * 856 = 184,896, so B hits 216 blocks everywhere (216 FA + 54 Mamba keys). 184,896: B
+    may reuse at most 184,895 tokens; 0.29 and 0.30 have their last usable state at the chunk
+    end 53 * 3,424 = 181,472, 0.34 also at (184,896 - 1) // 856 * 856 = 184,040. 0.29 stores 5
+    keys fewer (bug 2: the last step's blocks)."""
+    version = vllm_version()
+    key = {(0, 29): (0, 29), (0, 30): (0, 30)}.get(version, (0, 34) if version >= (0, 34) else None)
+    if key is None:
+        pytest.skip("not measured on 0.31-0.33")
+    r = run_vllm_scheduler("fa_mamba", 856, prompt_len, 4096, 1)
+    assert (r["keys"], r["B_hit"]) == expected[key], r
