@@ -1913,10 +1913,9 @@ class MiniEngine:
                  model: ToyModel, connector: SimpleCPUOffloadScheduler | None = None,
                  worker: SimpleCPUOffloadWorker | list[SimpleCPUOffloadWorker] | None = None,
                  capture_kv: bool = False):
-        # one worker per TP rank
-        workers = worker if isinstance(worker, list) else [worker] if worker is not None else []
-        self._check_init(num_gpu_blocks, block_size, max_num_batched_tokens, model, connector,
-                         workers, capture_kv)
+        # every argument is checked before anything is built; one worker per TP rank
+        workers = self._check_init(num_gpu_blocks, block_size, max_num_batched_tokens, model,
+                                   connector, worker, capture_kv)
         self.hash_block_size = connector.hash_block_size if connector is not None else block_size
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -1934,8 +1933,7 @@ class MiniEngine:
             connector.bind_gpu_block_pool(self.gpu_block_pool)
         for w in workers:
             w.register_kv_caches(self.kv_caches, num_gpu_blocks, block_dim=1)
-        # FIFO; a preempted request goes to the front. Requests waiting for a CPU load
-        # (WAITING_FOR_REMOTE_KVS) stay here too, holding their GPU blocks
+        # FIFO, a preempted request at the front; loading requests wait here with their blocks
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         # every request added and not yet finished or aborted, by id (vLLM's scheduler.requests)
@@ -1954,9 +1952,15 @@ class MiniEngine:
     @staticmethod
     def _check_init(num_gpu_blocks: int, block_size: int, max_num_batched_tokens: int,
                     model: ToyModel, connector: SimpleCPUOffloadScheduler | None,
-                    workers: list[SimpleCPUOffloadWorker], capture_kv: bool) -> None:
+                    worker: Any, capture_kv: bool) -> list[SimpleCPUOffloadWorker]:
         """not in vLLM: every argument, before the engine takes anything (a worker it refuses
-        stays unregistered, a connector unbound)."""
+        stays unregistered, a connector unbound). Returns the workers as a list."""
+        if worker is None:
+            workers = []
+        elif isinstance(worker, list):
+            workers = list(worker)
+        else:
+            workers = [worker]
         _check_int("num_gpu_blocks", num_gpu_blocks, 2, MAX_BLOCKS)
         _check_int("block_size", block_size, 1)
         _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
@@ -1986,6 +1990,7 @@ class MiniEngine:
                                  "another engine")
         if len(set(map(id, workers))) != len(workers):
             raise ValueError("the same worker is listed twice: one worker per rank")
+        return workers
 
     def add_request(self, request: Request) -> None:
         _check_type("request", request, Request)
