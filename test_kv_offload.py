@@ -55,6 +55,12 @@ from hypothesis import strategies as st
 
 import kv_offload as ko
 
+# One torch thread, as the demo and the notebook run: torch's default (one per core) makes the
+# ToyModel's small ops spin its thread pool, 2-60x slower on a busy box, for no result that
+# differs (integer arithmetic). The CPU worker's threaded copy path (`_TORCH_COPY_MIN_BYTES`) has
+# its own test, test_worker_cpu_copies_through_torch_for_large_runs, run with two threads.
+torch.set_num_threads(1)
+
 
 # ---- Shared helpers ------------------------------------------------------------------------------
 # One of each: a block-id helper, a pool-state snapshot (both libraries' pools), and the accessors
@@ -692,10 +698,16 @@ def test_worker_copies_exact_blocks_both_directions(device, layout, ids):
 @pytest.mark.parametrize("layout", ["flash", "blocks_first"])
 @pytest.mark.parametrize("ids", ["contiguous", "scattered"])
 def test_worker_cpu_copies_through_torch_for_large_runs(layout, ids, monkeypatch):
-    """The same oracle when every CPU run takes the large-run path (torch's threaded copy_)."""
-    monkeypatch.setattr(ko, "_TORCH_COPY_MIN_BYTES", 1)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    test_worker_copies_exact_blocks_both_directions("cpu", layout, ids)
+    """The same oracle when every CPU run takes the large-run path (torch's threaded copy_), on
+    two torch threads (the rest of the suite runs on one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setattr(ko, "_TORCH_COPY_MIN_BYTES", 1)
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+        test_worker_copies_exact_blocks_both_directions("cpu", layout, ids)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_worker_splits_flash_layout_and_dedups_shared_storage():
