@@ -2311,9 +2311,28 @@ def _readme_table(text: str, header_start: str) -> dict[str, dict[str, str]]:
     return rows
 
 
-def test_readme_numbers_match_the_code():
+def _memoize_toy_model(monkeypatch) -> None:
+    """ToyModel.compute_kv computed once per distinct input: its output is a function of the
+    model's shape, the token ids and the positions only (integer arithmetic: the same bits every
+    call), so a repeated call gets the tensor the first one computed. The demo's seven 8192-token
+    runs share one prompt: A's chunks, expected_kv and most of B's recomputes are the same calls
+    in every run (the model is 97% of a run's time). Engine, manager and worker run unchanged."""
+    compute, memo = ko.ToyModel.compute_kv, {}
+
+    def compute_kv(self, token_ids, positions):
+        key = (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.rounds,
+               str(self.device), token_ids.dtype, positions.dtype,
+               token_ids.cpu().numpy().tobytes(), positions.cpu().numpy().tobytes())
+        if key not in memo:
+            memo[key] = compute(self, token_ids, positions)
+        return memo[key]
+    monkeypatch.setattr(ko.ToyModel, "compute_kv", compute_kv)
+
+
+def test_readme_numbers_match_the_code(monkeypatch):
     """Every count the README prints comes from the code as it is now: the demo's two tables
     (each non-timing row, each column) and the number of tests in the file map."""
+    _memoize_toy_model(monkeypatch)
     text = README.read_text()
     main_table = _readme_table(text, "```\n                            0.29 (both)")
     small_table = _readme_table(text, "The same, with a CPU pool of 448 blocks")
