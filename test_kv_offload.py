@@ -2119,6 +2119,17 @@ def _pytest_here(*args, env=None) -> str:
     return subprocess.run(argv, env=env, capture_output=True, text=True).stdout
 
 
+@functools.lru_cache(maxsize=None)
+def _collect_cuda_cases() -> str:
+    """`--collect-only -k cuda` under KV_OFFLOAD_REQUIRE_CUDA, one pytest process for two tests:
+    the CUDA cases it lists (test_gpu_check_selects_every_gpu_case) and, in its closing
+    "14/450 tests collected", every test of the file (test_readme_numbers_match_the_code): -k
+    deselects after collecting, and the variable only turns the CUDA cases' skip into a failure
+    when they run, so what is collected is the same as without either."""
+    env = dict(os.environ, KV_OFFLOAD_REQUIRE_CUDA="1")
+    return _pytest_here("--collect-only", "-k", "cuda", env=env)
+
+
 def _story_with_sync_check(device, set_mode=None, plant_sync=False):
     eng, conn, model = _story_engine(device=device)
     w = eng.workers[0]
@@ -2195,7 +2206,7 @@ def test_gpu_check_selects_every_gpu_case():
     parametrized test (worker copies, end to end, two workers, reliability scenarios, the fuzz,
     the sync check) and nothing else; and a selected case fails, not skips, without a GPU."""
     env = dict(os.environ, KV_OFFLOAD_REQUIRE_CUDA="1")
-    out = _pytest_here("--collect-only", "-k", "cuda", env=env)
+    out = _collect_cuda_cases()
     ids = [line for line in out.splitlines() if "::" in line]
     names = {i.split("::")[1].split("[")[0] for i in ids}
     assert {"test_worker_copies_exact_blocks_both_directions", "test_repeated_prompt_end_to_end",
@@ -2345,8 +2356,8 @@ def test_readme_numbers_match_the_code(monkeypatch):
             r = ko.run_story(cls, 8192, num_cpu_blocks=448, **kwargs)
             for row, cells in small_table.items():
                 assert cells[name] == str(r[row]), (name, row, cells[name], r[row])
-    collected = _pytest_here("--collect-only")
-    num_tests = int(re.search(r"(\d+) tests collected", collected).group(1))
+    collected = _collect_cuda_cases()  # "14/450 tests collected": 450, before -k's deselection
+    num_tests = int(re.search(r"(?:\d+/)?(\d+) tests collected", collected).group(1))
     assert f"| {num_tests} tests (CPU;" in text, (
         f"the README's file map should say {num_tests} tests")
 
