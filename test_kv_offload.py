@@ -2244,11 +2244,27 @@ def _nb_tagged(nb, tag: str) -> str:
     return _nb_text(cells[0])
 
 
-@pytest.fixture(scope="module")
-def executed_notebook():
-    """walkthrough.ipynb executed headless, top to bottom (cwd = the repository root)."""
+# The notebook runs in a process of its own (nbclient and its Jupyter kernel), started when this
+# module's first test starts: the kernel computes on a second core while this process runs the
+# tests before this section (on one torch thread). executed_notebook waits for it.
+_NOTEBOOK_RUN = """\
+import os, signal, sys
+import nbclient, nbformat
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stopped early: shut the kernel down too
+notebook, executed = sys.argv[1:]
+nb = nbformat.read(notebook, as_version=4)
+# raises CellExecutionError (naming the cell and the traceback) as soon as a cell fails
+nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+                        resources={"metadata": {"path": os.path.dirname(notebook)}}).execute()
+nbformat.write(nb, executed)
+"""
+_notebook_runs: list = []  # the one run of this session: (process, its folder)
+
+
+def _notebook_prerequisites():
+    """nbformat, once everything executing the notebook needs is there (else a skip)."""
     nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("nbclient")
     pytest.importorskip("matplotlib")
     pytest.importorskip("ipykernel")
     from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
@@ -2258,11 +2274,55 @@ def executed_notebook():
         pytest.skip("no python3 Jupyter kernel installed")
     if not NOTEBOOK.exists():
         pytest.fail(f"{NOTEBOOK} is missing")
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    # raises CellExecutionError (naming the cell and the traceback) as soon as a cell fails
-    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
-                            resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
-    return nb
+    return nbformat
+
+
+def _start_notebook():
+    """The notebook's process (started on the first call): (Popen, folder of its output)."""
+    import tempfile
+    if not _notebook_runs:
+        folder = pathlib.Path(tempfile.mkdtemp(prefix="kv_offload_notebook_"))
+        with open(folder / "log.txt", "w") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _NOTEBOOK_RUN, str(NOTEBOOK), str(folder / "run.ipynb")],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        _notebook_runs.append((proc, folder))
+    return _notebook_runs[0]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _notebook_in_background(request):
+    """Starts the notebook as the module's first test starts, when a selected test needs it;
+    stops it at the module's end if no test waited for it (-x, say)."""
+    import importlib.util
+    import shutil
+    if (any("executed_notebook" in getattr(item, "fixturenames", ())
+            for item in request.session.items) and NOTEBOOK.exists()
+            and all(importlib.util.find_spec(m) for m in ("nbclient", "matplotlib", "ipykernel"))):
+        _start_notebook()  # executed_notebook checks the rest (a kernel) before it waits
+    yield
+    for proc, folder in _notebook_runs:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+    _notebook_runs.clear()
+
+
+@pytest.fixture(scope="module")
+def executed_notebook():
+    """walkthrough.ipynb executed headless, top to bottom (cwd = the repository root)."""
+    nbformat = _notebook_prerequisites()
+    proc, folder = _start_notebook()
+    if proc.wait():
+        log = (folder / "log.txt").read_text()
+        pytest.fail(f"{NOTEBOOK.name} did not execute (exit {proc.returncode}):\n{log[-20000:]}",
+                    pytrace=False)
+    return nbformat.read(folder / "run.ipynb", as_version=4)
 
 
 def test_notebook_executes_without_errors(executed_notebook):
