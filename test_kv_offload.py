@@ -2123,7 +2123,7 @@ def _pytest_here(*args, env=None) -> str:
 def _collect_cuda_cases() -> str:
     """`--collect-only -k cuda` under KV_OFFLOAD_REQUIRE_CUDA, one pytest process for two tests:
     the CUDA cases it lists (test_gpu_check_selects_every_gpu_case) and, in its closing
-    "14/450 tests collected", every test of the file (test_readme_numbers_match_the_code): -k
+    "<selected>/<all> tests collected", the file's count (test_readme_numbers_match_the_code): -k
     deselects after collecting, and the variable only turns the CUDA cases' skip into a failure
     when they run, so what is collected is the same as without either."""
     env = dict(os.environ, KV_OFFLOAD_REQUIRE_CUDA="1")
@@ -2439,7 +2439,7 @@ def test_readme_numbers_match_the_code():
             r = runs[name, 448]
             for row, cells in small_table.items():
                 assert cells[name] == str(r[row]), (name, row, cells[name], r[row])
-    collected = _collect_cuda_cases()  # "14/450 tests collected": 450, before -k's deselection
+    collected = _collect_cuda_cases()  # "14/450 tests collected": 450, counted before -k
     num_tests = int(re.search(r"(?:\d+/)?(\d+) tests collected", collected).group(1))
     assert f"| {num_tests} tests (CPU;" in text, (
         f"the README's file map should say {num_tests} tests")
