@@ -5861,3 +5861,187 @@ def test_real_vllm_mamba_align_report_scale(prompt_len, expected):
         pytest.skip("not measured on 0.31-0.33")
     r = run_vllm_scheduler("fa_mamba", 856, prompt_len, 4096, 1)
     assert (r["keys"], r["B_hit"]) == expected[key], r
+
+
+# ---- 3.9 Speed against vLLM's manager (prints, asserts no time) ----------------------------------
+# kv_offload.bench_manager's trace, call for call, on our manager and on vLLM's, interleaved in one
+# run. Only the managers' own calls are timed, as bench_manager times them (hashing, GPU allocation
+# and caching, and building each side's call arguments are not). Against vLLM 0.29 our side is the
+# pre-fix variant: 0.29 has no finish flush, so both store the prompt less its last chunk.
+
+BENCH_PROMPT_TOKENS, BENCH_CHUNK, BENCH_BLOCK_SIZE = 65536, 4096, 16  # bench_manager's defaults
+BENCH_ROUNDS = int(os.environ.get("KV_OFFLOAD_BENCH_ROUNDS") or 7)
+VLLM_BENCH_MISSING = None if VLLM_MISSING is None or VLLM_029_MISSING is None else VLLM_MISSING
+needs_vllm_034_or_029 = pytest.mark.skipif(VLLM_BENCH_MISSING is not None,
+                                           reason=f"{VLLM_BENCH_MISSING} (nor 0.29)")
+
+
+class BenchSideOurs:
+    """Our call shapes for the trace's inputs."""
+
+    @staticmethod
+    def output(new_ids):  # one step's SchedulerOutput: A running with new_ids, or nothing scheduled
+        cached = [("a", BENCH_CHUNK, (new_ids,))] if new_ids else []
+        return ManagerTrace.outputs(None, [], cached, set())[0]  # (self unused there)
+
+    @staticmethod
+    def blocks(blocks):
+        return (blocks,)
+
+    @staticmethod
+    def store_done(event: int):  # the worker's report of a finished store
+        completed = {event: 1} if event >= 0 else {}
+        return ko.KVConnectorOutput(kv_connector_worker_meta=ko.SimpleCPUOffloadWorkerMetadata(
+            completed))
+
+    @staticmethod
+    def recv_done(req_id: str):
+        return ko.KVConnectorOutput(finished_recving={req_id})
+
+
+class BenchSideVllm:
+    """vLLM's call shapes for the same inputs (ManagerTrace's translation)."""
+
+    @staticmethod
+    def output(new_ids):
+        cached = [("a", BENCH_CHUNK, (new_ids,))] if new_ids else []
+        return ManagerTrace.outputs(None, [], cached, set())[1]
+
+    @staticmethod
+    def blocks(blocks):
+        return VKVCacheBlocks(blocks=(blocks,))
+
+    @staticmethod
+    def store_done(event: int):
+        completed = {event: 1} if event >= 0 else {}
+        return VKVConnectorOutput(kv_connector_worker_meta=VWorkerMeta(completed))
+
+    @staticmethod
+    def recv_done(req_id: str):
+        return VKVConnectorOutput(finished_recving={req_id})
+
+
+def bench_trace(mgr, gpu, req_a, req_b, side) -> tuple[float, float, int, int]:
+    """bench_manager's trace on one manager bound to `gpu`: A's prompt stored eagerly chunk by
+    chunk (the worker reports each store one step later), A finished (its last chunk flushed),
+    then B, the same prompt, looked up, allocated, one step, its load's completion. Returns
+    (store µs/block, hit µs/block, blocks stored, blocks loaded). The garbage collector is off
+    while it runs."""
+    import time
+    bs, chunk, prompt_tokens = BENCH_BLOCK_SIZE, BENCH_CHUNK, BENCH_PROMPT_TOKENS
+    num_blocks, per_step = prompt_tokens // bs, chunk // bs
+    steps = num_blocks // per_step + 1  # one more: A finished, flush its last chunk
+    seconds = {"store": 0.0, "load": 0.0}
+    perf_counter = time.perf_counter
+
+    def timed(phase: str, fn, *args):
+        start = perf_counter()
+        out = fn(*args)
+        seconds[phase] += perf_counter() - start
+        return out
+
+    blocks = gpu.get_new_blocks(num_blocks)
+    ids = [b.block_id for b in blocks]
+    outputs = [side.output(ids[s * per_step:(s + 1) * per_step]) for s in range(steps)]
+    a_blocks, all_ids, no_output = side.blocks(blocks), (list(ids),), side.output(None)
+    gc.collect()
+    gc.disable()
+    try:
+        timed("store", mgr.get_num_new_matched_tokens, req_a, 0)
+        timed("store", mgr.update_state_after_alloc, req_a, a_blocks, 0)
+        event = -1
+        for step in range(steps):
+            first = step * per_step
+            n_new = len(ids[first:first + per_step])
+            if n_new:
+                gpu.cache_full_blocks(req_a, blocks, first, first + n_new, bs, 0)
+            else:
+                timed("store", mgr.request_finished_all_groups, req_a, all_ids)
+            meta = timed("store", mgr.build_connector_meta, outputs[step])
+            timed("store", mgr.update_connector_output, side.store_done(event))
+            event = meta.store_event
+            req_a.num_computed_tokens = min((step + 1) * chunk, prompt_tokens)
+        timed("store", mgr.update_connector_output, side.store_done(event))
+        gpu.free_blocks(reversed(blocks))
+        hit, _ = timed("load", mgr.get_num_new_matched_tokens, req_b, 0)
+        b_blocks = side.blocks(gpu.get_new_blocks(num_blocks))
+        timed("load", mgr.update_state_after_alloc, req_b, b_blocks, hit)
+        meta = timed("load", mgr.build_connector_meta, no_output)
+        timed("load", mgr.update_connector_output, side.recv_done("b"))
+    finally:
+        gc.enable()
+    stored = len(mgr.cpu_block_pool.cached_block_hash_to_block)
+    loaded = len(meta.load_gpu_blocks)
+    assert loaded * bs == hit, (loaded, hit)
+    return (seconds["store"] / max(stored, 1) * 1e6, seconds["load"] / max(loaded, 1) * 1e6,
+            stored, loaded)
+
+
+def bench_ours_manager(cls=ko.SimpleCPUOffloadScheduler) -> tuple[float, float, int, int]:
+    """The trace once on a fresh manager of ours (inputs built before the clock starts)."""
+    bs, num_blocks = BENCH_BLOCK_SIZE, BENCH_PROMPT_TOKENS // BENCH_BLOCK_SIZE
+    gpu = ko.BlockPool(2 * num_blocks + 2, True, bs)
+    mgr = cls(num_blocks + 2, bs)
+    mgr.bind_gpu_block_pool(gpu)
+    req_a = ko.Request("a", list(range(BENCH_PROMPT_TOKENS)), bs)
+    req_b = ko.Request("b", list(range(BENCH_PROMPT_TOKENS)), bs)
+    return bench_trace(mgr, gpu, req_a, req_b, BenchSideOurs)
+
+
+def bench_vllm_manager() -> tuple[float, float, int, int]:
+    """The trace once on a fresh vLLM manager, with vLLM's own Requests and block hasher."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request as VRequest
+    bs, num_blocks = BENCH_BLOCK_SIZE, BENCH_PROMPT_TOKENS // BENCH_BLOCK_SIZE
+    gpu = VBlockPool(2 * num_blocks + 2, True, bs)
+    mgr = make_vllm_scheduler(2 * num_blocks + 2, num_blocks + 2, bs, bs, [bs], 1)
+    assert mgr.num_cpu_blocks == num_blocks + 2, mgr.num_cpu_blocks
+    mgr.bind_gpu_block_pool(gpu)
+    hasher = get_request_block_hasher(bs, v_sha256)
+    req_a, req_b = (VRequest(rid, list(range(BENCH_PROMPT_TOKENS)), SamplingParams(max_tokens=1),
+                             None, block_hasher=hasher) for rid in ("a", "b"))
+    return bench_trace(mgr, gpu, req_a, req_b, BenchSideVllm)
+
+
+@needs_vllm_034_or_029
+def test_manager_speed_against_vllm(pytestconfig):
+    """Prints µs per block of the store and hit phases for both managers (min and median over
+    KV_OFFLOAD_BENCH_ROUNDS rounds, each round both, in alternating order, after one warm-up
+    round) and ours/vLLM; asserts only that both went through the same trace."""
+    import statistics
+    ours_cls = ko.PreFixCPUOffloadScheduler if V_IS_029 else ko.SimpleCPUOffloadScheduler
+    run = {"ours": lambda: bench_ours_manager(ours_cls), "vllm": bench_vllm_manager}
+    samples: dict[str, list] = {"ours": [], "vllm": []}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run["ours"](), run["vllm"]()  # warm-up, not counted
+        for r in range(BENCH_ROUNDS):
+            for name in (("ours", "vllm") if r % 2 == 0 else ("vllm", "ours")):
+                samples[name].append(run[name]())
+    finally:
+        torch.set_num_threads(threads)
+    num_blocks = BENCH_PROMPT_TOKENS // BENCH_BLOCK_SIZE
+    if V_IS_029:  # no finish flush: the last chunk is never stored, the hit covers the rest
+        stored = num_blocks - BENCH_CHUNK // BENCH_BLOCK_SIZE
+        expected = (stored, stored)
+    else:  # every block stored, every block but the last (recomputed) loaded
+        expected = (num_blocks, num_blocks - 1)
+    outcomes = {name: {s[2:] for s in ss} for name, ss in samples.items()}
+    assert outcomes == {"ours": {expected}, "vllm": {expected}}, outcomes
+    lines = [f"manager speed, µs/block, {BENCH_ROUNDS} rounds: ours={ours_cls.__name__} vs vLLM "
+             f"{VLLM_VERSION}; {BENCH_PROMPT_TOKENS} tokens, chunk {BENCH_CHUNK}, block size "
+             f"{BENCH_BLOCK_SIZE}; stored {expected[0]}, loaded {expected[1]}",
+             f"{'phase':8}{'ours min':>10}{'ours med':>10}{'vLLM min':>10}{'vLLM med':>10}"
+             f"{'ratio min':>11}{'ratio med':>11}{'paired med':>12}"]
+    for i, phase in enumerate(("store", "hit")):
+        o = [s[i] for s in samples["ours"]]
+        v = [s[i] for s in samples["vllm"]]
+        paired = statistics.median(a / b for a, b in zip(o, v))
+        lines.append(f"{phase:8}{min(o):10.3f}{statistics.median(o):10.3f}{min(v):10.3f}"
+                     f"{statistics.median(v):10.3f}{min(o) / min(v):11.2f}"
+                     f"{statistics.median(o) / statistics.median(v):11.2f}{paired:12.2f}")
+    lines.append("ratio = ours/vLLM: of the minima, of the medians, and the median of the "
+                 "per-round ratios")
+    rel_print(pytestconfig, "\n".join(lines))
