@@ -351,6 +351,19 @@ class FreeKVCacheBlockQueue:
         nxt.prev_free_block = prev
         self.num_free_blocks += len(blocks)
 
+    def move_before(self, first: KVCacheBlock, last: KVCacheBlock, anchor: KVCacheBlock) -> None:
+        """not in vLLM (prefix-aware eviction): move the linked run first..last, in O(1), to just
+        ahead of `anchor` (a free block outside the run, or a sentinel)."""
+        before = first.prev_free_block
+        after = last.next_free_block
+        before.next_free_block = after
+        after.prev_free_block = before
+        prev = anchor.prev_free_block
+        prev.next_free_block = first
+        first.prev_free_block = prev
+        last.next_free_block = anchor
+        anchor.prev_free_block = last
+
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """Front to back. O(n): for tests and pictures only."""
         ret = []
@@ -825,10 +838,17 @@ class SimpleCPUOffloadScheduler:
     Ref-count contract: every ref this class takes on either pool is dropped exactly once, by a
     completion, by request_finished(), or by reset() -- the reliability tests check this.
     Contract: the engine-facing methods trust their caller, as vLLM's do (SPEC §0).
+    not in vLLM: prefix_aware_eviction=True (opt-in; off = vLLM 0.34). Rule: the CPU pool never
+    evicts a cached block while a cached block extending the same prefix remains (children before
+    parents, LRU among chains), and a store never evicts the prefix it extends. Cost: O(1) per
+    stored, loaded or refreshed block, one parent key per CPU block. Limits: a block freed while
+    its parent is pinned stays behind it; chains still compete by LRU, so prompts in rotation that
+    outgrow the pool still evict each other whole.
     """
 
     def __init__(self, num_cpu_blocks: int, block_size: int, hash_block_size: int | None = None,
-                 group_block_sizes: list[int] | None = None, world_size: int = 1):
+                 group_block_sizes: list[int] | None = None, world_size: int = 1,
+                 prefix_aware_eviction: bool = False):
         # not in vLLM: the arguments a person passes are checked (vLLM derives them from its
         # config objects)
         if hash_block_size is None:
@@ -840,6 +860,7 @@ class SimpleCPUOffloadScheduler:
         _check_int("hash_block_size", hash_block_size, 1)
         _check_int("world_size", world_size, 1)
         _check_type("group_block_sizes", group_block_sizes, (list, tuple))
+        _check_type("prefix_aware_eviction", prefix_aware_eviction, bool)
         if not group_block_sizes:
             raise ValueError("group_block_sizes is empty: one size per KV-cache group")
         for size in group_block_sizes:
@@ -858,6 +879,9 @@ class SimpleCPUOffloadScheduler:
         self.world_size = world_size
         self.cpu_block_pool = BlockPool(num_cpu_blocks, True, hash_block_size)
         self._gpu_block_pool: BlockPool | None = None
+        # not in vLLM: the opt-in rule (class docstring); CPU block id -> its parent's key
+        self.prefix_aware_eviction = prefix_aware_eviction
+        self._cpu_parent_keys: list[bytes | None] = [None] * num_cpu_blocks
         # groups of one block size are looked up together (vLLM's SpecGroup); dict keeps order
         self._group_ids_by_block_size: dict[int, list[int]] = {}
         for g, size in enumerate(self.group_block_sizes):
@@ -1030,7 +1054,10 @@ class SimpleCPUOffloadScheduler:
         # touch + free: ref-0 blocks leave the queue and rejoin it at the back (pinned ones stay
         # out); reversed, so the prefix's tail is evicted before its head, as a request frees
         self.cpu_block_pool.touch(prefix_blocks)
-        self.cpu_block_pool.free_blocks(reversed(prefix_blocks))
+        if self.prefix_aware_eviction:  # not in vLLM: freed in prefix order, leaves end up first
+            self._free_cpu_blocks(prefix_blocks)
+        else:
+            self.cpu_block_pool.free_blocks(reversed(prefix_blocks))
 
     # --- one step: build the worker's metadata -----------------------------------
 
@@ -1110,7 +1137,7 @@ class SimpleCPUOffloadScheduler:
             gpu_block_ids, advanced_per_group = self._select_eager_blocks_to_store(
                 state, state.block_ids)
             if gpu_block_ids:
-                cpu_block_ids = self._allocate_cpu_blocks(gpu_block_ids)
+                cpu_block_ids = self._allocate_cpu_blocks(gpu_block_ids, state.request)
                 req_ids.append(req_id)
                 merged_gpu_block_ids.extend(gpu_block_ids)
                 merged_cpu_block_ids.extend(cpu_block_ids)
@@ -1137,6 +1164,8 @@ class SimpleCPUOffloadScheduler:
         # confirmed = computed by a forward pass that has finished
         confirmed_tokens = request.num_computed_tokens - request.num_output_placeholders
         num_free = self.cpu_block_pool.get_num_free_blocks()
+        if self.prefix_aware_eviction:  # not in vLLM: a store never evicts its own prefix
+            num_free = self._num_free_for_store(state, block_ids_by_group, num_free)
         for g, group_gpu_ids in enumerate(block_ids_by_group):
             if len(gpu_block_ids) >= num_free:
                 break
@@ -1177,11 +1206,87 @@ class SimpleCPUOffloadScheduler:
             return _StoreAdmission.ALREADY_CACHED
         return _StoreAdmission.READY
 
-    def _allocate_cpu_blocks(self, gpu_block_ids: list[int]) -> list[int]:
+    def _allocate_cpu_blocks(self, gpu_block_ids: list[int], request: Request) -> list[int]:
         """CPU destinations for a selection (may evict LRU CPU blocks). vLLM calls
         get_new_blocks() inline; a hook here, for the pre-fix variant's stamping."""
         cpu_blocks = self.cpu_block_pool.get_new_blocks(len(gpu_block_ids))
-        return [b.block_id for b in cpu_blocks]
+        cpu_block_ids = [b.block_id for b in cpu_blocks]
+        if self.prefix_aware_eviction:  # not in vLLM: each destination's parent key
+            self._record_cpu_parent_keys(gpu_block_ids, cpu_block_ids, request)
+        return cpu_block_ids
+
+    def _record_cpu_parent_keys(self, gpu_block_ids: list[int], cpu_block_ids: list[int],
+                                request: Request) -> None:
+        """not in vLLM: the key of the block before each stored one (its parent in the prefix
+        chain), by cache_full_blocks' formula: the fine hash at the parent's end + group id."""
+        assert self._gpu_block_pool is not None
+        one_group = len(self.group_block_sizes) == 1
+        prev_key = None  # the previous source: in a run of one group, the parent
+        prev_num_tokens = None
+        for gpu_block_id, cpu_block_id in zip(gpu_block_ids, cpu_block_ids):
+            gpu_block = self._gpu_block_pool.blocks[gpu_block_id]
+            key = gpu_block.block_hash
+            num_tokens = gpu_block.block_hash_num_tokens or 0
+            size = self.block_size if one_group else self.group_block_sizes[get_group_id(key)]
+            parent_key = None  # a chain's first block
+            if one_group and prev_num_tokens == num_tokens - size:
+                parent_key = prev_key  # no hashing: the run's previous block
+            elif num_tokens > size:
+                parent_key = request.block_hashes[(num_tokens - size) // self.hash_block_size
+                                                  - 1] + key[-4:]
+            self._cpu_parent_keys[cpu_block_id] = parent_key
+            prev_key = key
+            prev_num_tokens = num_tokens
+
+    def _num_free_for_store(self, state: StoreRequestState,
+                            block_ids_by_group: tuple[list[int], ...], num_free: int) -> int:
+        """not in vLLM: CPU blocks a store may take: the free queue's front up to the first
+        block of the request's own stored prefix (evicting it would strand the new copies).
+        Walks no further than the selection could take."""
+        request = state.request
+        cursors = zip(block_ids_by_group, state.num_stored_blocks)
+        num_wanted = sum(len(ids) - num_stored for ids, num_stored in cursors)
+        block = self.cpu_block_pool.free_block_queue.fake_free_list_head.next_free_block
+        for i in range(min(num_free, num_wanted)):
+            key = block.block_hash
+            num_tokens = block.block_hash_num_tokens
+            if key is not None and num_tokens is not None:
+                g = get_group_id(key)
+                stored_tokens = state.num_stored_blocks[g] * self.group_block_sizes[g]
+                fine_idx = num_tokens // self.hash_block_size - 1
+                if num_tokens <= stored_tokens and request.block_hashes[fine_idx] == key[:-4]:
+                    return i
+            block = block.next_free_block
+        return num_free
+
+    def _free_cpu_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        """not in vLLM: every CPU free. Off: vLLM's free_blocks. On (`blocks` in prefix order):
+        freed in reverse, so each chain's new blocks land leaf first, as a run; the run then
+        moves, in O(1), just ahead of its first block's parent if that is free, to the front if
+        the parent is gone (nothing can reach the run), and stays at the back for a chain's
+        first block or a pinned parent."""
+        if not self.prefix_aware_eviction:
+            self.cpu_block_pool.free_blocks(blocks)
+            return
+        self.cpu_block_pool.free_blocks(reversed(blocks))
+        queue = self.cpu_block_pool.free_block_queue
+        parent_keys = self._cpu_parent_keys
+        for block in blocks:  # prefix order: a parent is placed before its children
+            parent_key = parent_keys[block.block_id]
+            if block.ref_cnt or block.block_hash is None or parent_key is None:
+                continue  # held; unhashed (at the front already); a chain's first block
+            if block.next_free_block.block_hash == parent_key:
+                continue  # inside a run: its parent follows it
+            first = block  # the run ahead of it: its descendants, leaf first
+            while (first.prev_free_block.block_hash is not None
+                   and parent_keys[first.prev_free_block.block_id] == first.block_hash):
+                first = first.prev_free_block
+            parent = self.cpu_block_pool.cached_block_hash_to_block.get_one_block(parent_key)
+            head = queue.fake_free_list_head.next_free_block
+            if parent is None and head is not first:
+                queue.move_before(first, block, head)
+            elif parent is not None and parent.ref_cnt == 0:
+                queue.move_before(first, block, parent)
 
     # --- completions ------------------------------------------------------------
 
@@ -1262,7 +1367,7 @@ class SimpleCPUOffloadScheduler:
         a completed store registers its CPU blocks before calling this. `abandoned` marks a
         store whose copy must not be cached (a hook for the pre-fix variant's stamps)."""
         cpu_blocks = [self.cpu_block_pool.blocks[b] for b in transfer.cpu_block_ids]
-        self.cpu_block_pool.free_blocks(cpu_blocks)
+        self._free_cpu_blocks(cpu_blocks)  # not in vLLM: vLLM calls cpu_block_pool.free_blocks
         assert self._gpu_block_pool is not None
         self._gpu_block_pool.free_blocks(
             [self._gpu_block_pool.blocks[b] for b in transfer.gpu_block_ids])
@@ -1329,7 +1434,7 @@ class SimpleCPUOffloadScheduler:
         gpu_ids, _ = self._select_eager_blocks_to_store(state, block_ids)
         if not gpu_ids:
             return
-        cpu_ids = self._allocate_cpu_blocks(gpu_ids)
+        cpu_ids = self._allocate_cpu_blocks(gpu_ids, request)
         self._pending_finished_stores.append(TransferMeta(gpu_ids, cpu_ids))
         self._in_flight_store_gpu_blocks.update(gpu_ids)
         # pinned until the copy completes, as a per-step store
@@ -1338,7 +1443,7 @@ class SimpleCPUOffloadScheduler:
     def _free_pending_cpu_hit(self, pending: PendingCPUHit) -> None:
         blocks_to_free = [b for grp in pending.hit_blocks for b in grp if not b.is_null]
         if blocks_to_free:
-            self.cpu_block_pool.free_blocks(blocks_to_free)
+            self._free_cpu_blocks(blocks_to_free)  # not in vLLM: the same hook
 
     def _cleanup_load_request(self, req_id: str) -> None:
         state = self._reqs_to_load.pop(req_id, None)
@@ -1442,8 +1547,8 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         self.flush_bug = flush_bug
         self.skip_reset_hash = skip_reset_hash
 
-    def _allocate_cpu_blocks(self, gpu_block_ids: list[int]) -> list[int]:
-        cpu_ids = super()._allocate_cpu_blocks(gpu_block_ids)
+    def _allocate_cpu_blocks(self, gpu_block_ids: list[int], request: Request) -> list[int]:
+        cpu_ids = super()._allocate_cpu_blocks(gpu_block_ids, request)
         if self.registration_bug or self.skip_reset_hash:
             # vLLM 0.29, _prepare_eager_store_specs: `cpu_blk._block_hash = bhash` right after
             # get_new_blocks(), around the pool (0.34 made the field plain: block_hash). The
@@ -1495,6 +1600,8 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         confirmed_tokens = req.num_computed_tokens - req.num_output_placeholders
         aligned_tokens = confirmed_tokens // self.block_size * self.block_size
         num_free = self.cpu_block_pool.get_num_free_blocks()
+        if self.prefix_aware_eviction:  # not in vLLM (see the fixed class)
+            num_free = self._num_free_for_store(state, block_ids_by_group, num_free)
         assert self._gpu_block_pool is not None
         gpu_blocks = self._gpu_block_pool.blocks
         out: list[int] = []
@@ -1854,15 +1961,17 @@ class ToyModel:
         """[num_layers, 2, n, num_kv_heads, head_dim] for n tokens at the given positions."""
         # one integer per (token, feature), from the token id and its position only
         x = token_ids[:, None] * 7919 + positions[:, None] * 104_729 + self._feature[None, :] * 31
-        x = x % self._MOD
-        out = []
+        x.remainder_(self._MOD)
+        shifted = torch.empty_like(x)  # in place throughout: no new tensor per round
+        kv = torch.empty((self.num_layers, *x.shape), dtype=self.dtype, device=x.device)
         for layer in range(self.num_layers):
             for _ in range(self.rounds):
-                x = (x * self._MUL + 12_345 + layer) % self._MOD
-                x = x ^ (x >> 11)
+                x.mul_(self._MUL).add_(12_345 + layer).remainder_(self._MOD)
+                torch.bitwise_right_shift(x, 11, out=shifted)
+                x.bitwise_xor_(shifted)
             # k/256 with |k| <= 512: exact in float16
-            out.append(((x % 1024) - 512).to(torch.float32).div_(256).to(self.dtype))
-        kv = torch.stack(out)  # [L, n, 2*H*D]
+            kv[layer] = ((x % 1024) - 512).to(torch.float32).div_(256)
+        # [L, n, 2*H*D] -> [L, n, 2, H, D]
         kv = kv.view(self.num_layers, -1, 2, self.num_kv_heads, self.head_dim)
         return kv.permute(0, 2, 1, 3, 4)
 
@@ -2415,6 +2524,48 @@ def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: in
                 stored_per_step=stored_per_step)
 
 
+def run_rotation(num_prompts: int = 3, prompt_blocks: int = 64, num_cpu_blocks: int = 160,
+                 rounds: int = 4, prefix_aware_eviction: bool = False, block_size: int = 16,
+                 max_num_batched_tokens: int = 1024, seed: int = 0) -> dict:
+    """not in vLLM: the rotation case of prefix_aware_eviction. `num_prompts` distinct prompts
+    of `prompt_blocks` blocks, requested one after another, round-robin, for `rounds` rounds;
+    the GPU prefix cache is dropped before each request (as in run_story), so every reuse must
+    come from the CPU pool. Returns the tokens loaded from CPU per round, the ideal (the pool's
+    capacity spread over the prompts, each capped at its hit limit), and the checks."""
+    for name, value, minimum in [("num_prompts", num_prompts, 1), ("rounds", rounds, 1),
+                                 ("prompt_blocks", prompt_blocks, 1), ("block_size", block_size, 1),
+                                 ("num_cpu_blocks", num_cpu_blocks, 2), ("seed", seed, 0),
+                                 ("max_num_batched_tokens", max_num_batched_tokens, 1)]:
+        _check_int(name, value, minimum)
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 32000, (prompt_blocks * block_size,), generator=gen).tolist()
+               for _ in range(num_prompts)]
+    num_blocks = prompt_blocks + 64
+    model = ToyModel(num_layers=1, num_kv_heads=1, head_dim=8)  # small: the manager is measured
+    connector = SimpleCPUOffloadScheduler(num_cpu_blocks, block_size,
+                                          prefix_aware_eviction=prefix_aware_eviction)
+    engine = MiniEngine(num_blocks, block_size, max_num_batched_tokens, model, connector,
+                        SimpleCPUOffloadWorker(num_cpu_blocks), capture_kv=True)
+    loaded_per_round = []
+    kv_exact = True
+    for r in range(rounds):
+        loaded_per_round.append(0)
+        for k, prompt in enumerate(prompts):
+            assert engine.reset_gpu_prefix_cache(), "GPU blocks still in use after run()"
+            engine.add_request(Request(f"round{r}-prompt{k}", prompt, block_size, max_tokens=1))
+            stats = engine.run()[f"round{r}-prompt{k}"]
+            loaded_per_round[-1] += stats.cpu_hit_tokens
+            kv_exact = kv_exact and torch.equal(stats.kv, model.expected_kv(prompt).cpu())
+    # each prompt can load all its blocks but the last token's; the pool holds num_cpu_blocks - 1
+    max_hit_blocks = (prompt_blocks * block_size - 1) // block_size
+    ideal_blocks = min(num_cpu_blocks - 1, num_prompts * max_hit_blocks)
+    gpu_all_free = engine.gpu_block_pool.get_num_free_blocks() == num_blocks - 1
+    cpu_all_free = connector.cpu_block_pool.get_num_free_blocks() == num_cpu_blocks - 1
+    return dict(cpu_hit_tokens_per_round=loaded_per_round,
+                ideal_tokens_per_round=ideal_blocks * block_size,
+                kv_exact=kv_exact, all_free=gpu_all_free and cpu_all_free)
+
+
 # The demo's columns: vLLM 0.29 as released, each of its bugs alone, the fix without its
 # reset_hash() line (the trap), and the fix. Name -> (manager class, keyword arguments).
 STORY_VARIANTS: dict[str, tuple[type, dict[str, bool]]] = {
@@ -2477,11 +2628,11 @@ def _print_table(rows: dict[str, dict], fmt: dict[str, str]) -> None:
         print(f"{k:24}" + "".join(f"{fmt.get(k, '{}').format(r[k]):>15}" for r in rows.values()))
 
 
-def bench_manager(prompt_tokens: int = 65536, chunk: int = 4096, block_size: int = 16
-                  ) -> dict[str, float]:
+def bench_manager(prompt_tokens: int = 65536, chunk: int = 4096, block_size: int = 16,
+                  prefix_aware_eviction: bool = False) -> dict[str, float]:
     """µs per block of the manager's own calls (hashing and GPU allocation not timed), in two
     phases. store: request A stored eagerly chunk by chunk, final flush included. load: B, the
-    same prompt, hits on CPU and loads."""
+    same prompt, hits on CPU and loads. `prefix_aware_eviction` is passed to the manager."""
     _check_int("block_size", block_size, 1)
     _check_int("chunk", chunk, block_size)
     _check_int("prompt_tokens", prompt_tokens, 2 * block_size, MAX_BLOCKS // 2 * block_size)
@@ -2491,7 +2642,8 @@ def bench_manager(prompt_tokens: int = 65536, chunk: int = 4096, block_size: int
     num_blocks = prompt_tokens // block_size
     blocks_per_step = chunk // block_size
     gpu = BlockPool(2 * num_blocks + 2, True, block_size)
-    mgr = SimpleCPUOffloadScheduler(num_blocks + 2, block_size)
+    mgr = SimpleCPUOffloadScheduler(num_blocks + 2, block_size,
+                                    prefix_aware_eviction=prefix_aware_eviction)
     mgr.bind_gpu_block_pool(gpu)
     req_a = Request("a", list(range(prompt_tokens)), block_size)
     req_b = Request("b", list(range(prompt_tokens)), block_size)
@@ -2660,33 +2812,53 @@ def gpu_check(fuzz_examples: int = 200) -> int:
     return rc
 
 
+# The demo's second table: a CPU pool smaller than the prompt (the capacity cliff), and the
+# opt-in rule that turns it into a ramp (not in vLLM).
+SMALL_POOL_VARIANTS: dict[str, tuple[type, dict[str, bool]]] = {
+    "0.29 (both)": STORY_VARIANTS["0.29 (both)"],
+    "fixed": STORY_VARIANTS["fixed"],
+    "prefix-aware": (SimpleCPUOffloadScheduler, {"prefix_aware_eviction": True}),
+}
+# The demo's third table: three 64-block prompts in rotation through these CPU pool sizes
+ROTATION_POOL_SIZES = (129, 160, 192)
+
+
 def _run_demo(prompt_tokens: int) -> None:
-    """`python kv_offload.py`: the story in every variant, then the capacity cliff."""
+    """`python kv_offload.py`: the story in every variant, the capacity cliff, the rotation."""
+    _check_int("prompt_tokens", prompt_tokens, 16)
     # one thread: torch's default (one per core) slows the toy model 10-50x on a busy box
     torch.set_num_threads(1)
     print(f"Request A: {prompt_tokens}-token prompt, chunked prefill (1024 tokens/step), "
           "1 output token.\nGPU prefix cache dropped. Request B: the same prompt.\n"
-          "Columns: vLLM 0.29 (both bugs), each bug alone, the fix without reset_hash(), "
-          "the fix.\n")
+          "Columns: vLLM 0.29 (both bugs), each bug alone, the fix without reset_hash() (on "
+          "CPU blocks stamped as in 0.29), the fix.\n")
     time_formats = {"ttft_a_s": "{:.3f}", "ttft_b_s": "{:.3f}"}
-    rows = {}
     start = time.perf_counter()
-    for name, (cls, kwargs) in STORY_VARIANTS.items():
-        print(f"  running {name!r} ...", end="", flush=True)
-        rows[name] = run_story(cls, prompt_tokens, **kwargs)
-        print(f" done ({time.perf_counter() - start:.1f} s elapsed)")
-    print()
-    _print_table(rows, time_formats)
-    # what made every lookup miss in the issue's report: not the registration, but a CPU
-    # pool smaller than the prompt (LRU evicts block 0 first), in every version
+
+    def run_all(variants: dict, **kwargs) -> dict:  # one run per column, with progress
+        rows = {}
+        for name, (cls, variant_kwargs) in variants.items():
+            print(f"  running {name!r} ...", end="", flush=True)
+            rows[name] = run_story(cls, prompt_tokens, **variant_kwargs, **kwargs)
+            print(f" done ({time.perf_counter() - start:.1f} s elapsed)")
+        return rows
+
+    _print_table(run_all(STORY_VARIANTS), time_formats)
+    # a CPU pool smaller than the prompt: LRU evicts block 0 first, in every vLLM version
     num_cpu_blocks = prompt_tokens // 16 * 7 // 8
     print(f"\nThe same, with a CPU pool of {num_cpu_blocks} blocks for the prompt's "
-          f"{prompt_tokens // 16} (block 0 is evicted first):")
-    small = {}
-    for name in ("0.29 (both)", "fixed"):
-        cls, kwargs = STORY_VARIANTS[name]
-        small[name] = run_story(cls, prompt_tokens, num_cpu_blocks=num_cpu_blocks, **kwargs)
-    _print_table(small, time_formats)
+          f"{prompt_tokens // 16} (block 0 is evicted first; prefix-aware eviction, not in "
+          "vLLM, evicts leaves first):")
+    _print_table(run_all(SMALL_POOL_VARIANTS, num_cpu_blocks=num_cpu_blocks), time_formats)
+    print("\nThree 64-block prompts requested round-robin, 4 rounds, the GPU prefix cache dropped "
+          "before each request:\ntokens loaded from CPU per round, LRU (vLLM) vs prefix-aware "
+          "(not in vLLM), and the ideal (the pool's capacity)")
+    for num_blocks in ROTATION_POOL_SIZES:
+        lru = run_rotation(num_cpu_blocks=num_blocks)
+        aware = run_rotation(num_cpu_blocks=num_blocks, prefix_aware_eviction=True)
+        print(f"  CPU pool {num_blocks}: ideal {lru['ideal_tokens_per_round']}; LRU "
+              f"{lru['cpu_hit_tokens_per_round']}; prefix-aware "
+              f"{aware['cpu_hit_tokens_per_round']}", flush=True)
     print(f"\ndone in {time.perf_counter() - start:.1f} s. Notebook: walkthrough.ipynb, "
           "steps 4-7 tell why each column looks the way it does.")
 
@@ -2716,14 +2888,24 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     print("manager bookkeeping, µs per block (65,536-token prompt stored in 4096-token chunks, "
           "final flush included,\nthen looked up and loaded by an identical request; manager "
-          "calls only, one torch thread) ...", flush=True)
-    m = bench_manager()
-    print(f"  {m['store_us_per_block']:.2f} µs per stored block, "
-          f"{m['load_us_per_block']:.2f} µs per CPU-hit block")
+          "calls only, one torch thread; 7 rounds,\nprefix_aware_eviction off and on "
+          "interleaved). vLLM is not run here: test_manager_speed_against_vllm compares.",
+          flush=True)
+    runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    for _ in range(7):
+        for on in (False, True):
+            runs[on].append(bench_manager(prefix_aware_eviction=on))
+    for key, what in (("store_us_per_block", "store"), ("load_us_per_block", "CPU hit")):
+        off = sorted(r[key] for r in runs[False])
+        on = sorted(r[key] for r in runs[True])
+        print(f"  {what:8} min / median: {off[0]:.2f} / {off[3]:.2f} µs; prefix-aware "
+              f"(not in vLLM) {on[0]:.2f} / {on[3]:.2f} µs, {on[0] / off[0]:.2f}x / "
+              f"{on[3] / off[3]:.2f}x")
     torch.set_num_threads(threads)
     print(f"\ncopies, {torch.get_num_threads()} torch threads. plain = one copy_ of the same bytes "
           "(CPU: torch's; CUDA: to or from pinned memory).\nratio = plain time / worker time, "
-          "median (min) of 5 interleaved reps: 1.0 = as fast as the plain copy", flush=True)
+          "median (min) of 5 interleaved reps: 1.0 = as fast as the plain copy (this takes "
+          "about 10 s) ...", flush=True)
     _print_copy_rows(devices)
     print("\nTTFT of the repeated prompt (request B), vLLM 0.29 vs fixed ...", flush=True)
     for d in devices:
