@@ -597,15 +597,14 @@ class BlockPool:
         self.free_block_queue.append_n(blocks_to_evict_last)
 
     def _check_free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
-        """not in vLLM: a double free, or a block of another pool, would put one block into a
-        free queue twice (or into the wrong one); it would then be handed out twice and two
-        requests would write one block's KV, silently. Raises before any ref count changes.
-        (vLLM 0.34 hands a foreign block to its own pool instead; nothing here frees one.)"""
-        blocks = list(ordered_blocks)
+        """not in vLLM: a double free would put one block into the free queue twice; it would
+        then be handed out twice and two requests would write one block's KV, silently. Raises
+        before any ref count changes. (A block of another pool: vLLM 0.34 hands it to its own
+        pool; nothing here frees one, and such a block is not checked.)"""
+        blocks = ordered_blocks if type(ordered_blocks) is list else list(ordered_blocks)
         for block in blocks:
-            if block.pool is not self or (block.ref_cnt < 1 and not block.is_null):
-                raise ValueError(f"free_blocks: {block!r} is not a block of this pool, or is "
-                                 "free already (a double free)")
+            if block.ref_cnt < 1 and not block.is_null:
+                raise ValueError(f"free_blocks: {block!r} is free already (a double free)")
         # a block listed k times drops k references (rare: counted only when one repeats)
         if len(set(blocks)) != len(blocks):
             for block, num_drops in Counter(blocks).items():
@@ -1331,36 +1330,37 @@ class SimpleCPUOffloadScheduler:
 
     def _process_store_completion(self, gpu_block_ids: list[int],
                                   cpu_block_ids: list[int]) -> None:
-        """Register the copied CPU blocks in the CPU prefix cache, then drop both pins."""
-        assert self._gpu_block_pool is not None
+        """Register the copied CPU blocks in the CPU prefix cache, then drop both pins. The
+        registration is PR #53532's fix: the keys come from the GPU source block, still pinned
+        (its hashes cannot have been evicted), the primary and every fine-grained secondary key,
+        each through the pool's own _insert_block_hash()."""
+        assert len(cpu_block_ids) == len(gpu_block_ids)
         cpu_blocks = [self.cpu_block_pool.blocks[b] for b in cpu_block_ids]
+        assert self._gpu_block_pool is not None
+        # bound once: the store path's per-block loop
+        gpu_blocks = self._gpu_block_pool.blocks
+        gpu_secondary_hashes = self._gpu_block_pool.cached_block_hashes_by_block
+        insert_block_hash = self.cpu_block_pool._insert_block_hash
         for gpu_block_id, cpu_block in zip(gpu_block_ids, cpu_blocks):
-            self._register_stored_block(cpu_block, self._gpu_block_pool.blocks[gpu_block_id])
-        # ref 0 with a hash: they join the back of the free queues as cached (LRU) blocks
-        self._release_transfer_refs(TransferMeta(gpu_block_ids, cpu_block_ids))
-
-    def _register_stored_block(self, cpu_block: KVCacheBlock, gpu_block: KVCacheBlock) -> None:
-        """The registration fix (PR #53532). The keys come from the GPU source block, still
-        pinned, so its hashes cannot have been evicted: the primary and every fine-grained
-        secondary key, each through the pool's own _insert_block_hash()."""
-        primary_hash = gpu_block.block_hash
-        assert primary_hash is not None, (
-            f"GPU block {gpu_block.block_id} lost its hash while pinned for a store: "
-            "this indicates a bug in the KV connector")
-        # not in vLLM (PR #53532's first version had it): reset_hash() first. While CPU blocks
-        # were stamped at allocation, _insert_block_hash() returned at its first guard (the
-        # block already carries this key) and the primary never reached the map. Review inside
-        # the PR dropped the stamp, and the merged fix has neither the stamp nor this line; on
-        # an unstamped block it is a no-op, kept so that a stamp can never silently come back.
-        cpu_block.reset_hash()
-        self.cpu_block_pool._insert_block_hash(primary_hash, cpu_block,  # PR #53532
-                                               gpu_block.block_hash_num_tokens)
-        # every fine-grained secondary key too: what 0.29 never copied (PR #53532)
-        secondary_hashes = self._gpu_block_pool.cached_block_hashes_by_block.get(
-            gpu_block.block_id, ())
-        for block_hash in secondary_hashes:
-            # as vLLM: a secondary key's token count is not known here
-            self.cpu_block_pool._insert_block_hash(block_hash, cpu_block, None)
+            gpu_block = gpu_blocks[gpu_block_id]
+            primary_hash = gpu_block.block_hash
+            assert primary_hash is not None
+            # not in vLLM (PR #53532's first version had it): reset_hash() first. While CPU
+            # blocks were stamped at allocation, _insert_block_hash() returned at its first
+            # guard (the block already carries this key) and the primary never reached the
+            # map. Review inside the PR dropped the stamp, and the merged fix has neither the
+            # stamp nor this line; on an unstamped block it is a no-op, kept so that a stamp
+            # can never silently come back.
+            cpu_block.reset_hash()
+            insert_block_hash(primary_hash, cpu_block,  # PR #53532
+                              num_tokens=gpu_block.block_hash_num_tokens)
+            # every fine-grained secondary key too: what 0.29 never copied (PR #53532)
+            secondary_hashes = gpu_secondary_hashes.get(gpu_block_id, ())
+            for block_hash in secondary_hashes:
+                insert_block_hash(block_hash, cpu_block, num_tokens=None)
+        # Free CPU and GPU blocks' ref counts to turn them into prefix cache
+        self._free_cpu_blocks(cpu_blocks)  # not in vLLM: vLLM calls cpu_block_pool.free_blocks
+        self._gpu_block_pool.free_blocks([gpu_blocks[b] for b in gpu_block_ids])
 
     def _release_transfer_refs(self, transfer: TransferMeta, abandoned: bool = False) -> None:
         """Drop a transfer's pins on both pools (CPU first, as vLLM). Caches nothing by itself:
@@ -1559,25 +1559,30 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
                 self.cpu_block_pool.blocks[cpu_id].block_hash = gpu_blocks[gpu_id].block_hash
         return cpu_ids
 
-    def _register_stored_block(self, cpu_block: KVCacheBlock, gpu_block: KVCacheBlock) -> None:
-        if self.registration_bug:
-            # vLLM 0.29, _process_store_completion:
-            #   `self.cpu_block_pool.cached_block_hash_to_block.insert(bhash, cpu_block)`
-            # the stamped primary key goes straight into the map; the GPU block's secondary
-            # keys (cached_block_hashes_by_block) are never looked at
-            self.cpu_block_pool.cached_block_hash_to_block.insert(cpu_block.block_hash, cpu_block)
-            return
-        if not self.skip_reset_hash:
-            super()._register_stored_block(cpu_block, gpu_block)
-            return
-        # the trap: the fix's calls without its reset_hash(). The block already carries the
-        # primary (stamped), so guard 1 returns and the map never gets it; each secondary is
-        # then recorded under that stamped primary, findable only by its fine-grained key.
-        self.cpu_block_pool._insert_block_hash(gpu_block.block_hash, cpu_block,
-                                               gpu_block.block_hash_num_tokens)
+    def _process_store_completion(self, gpu_block_ids: list[int],
+                                  cpu_block_ids: list[int]) -> None:
+        if not self.registration_bug and not self.skip_reset_hash:
+            return super()._process_store_completion(gpu_block_ids, cpu_block_ids)
+        cpu_blocks = [self.cpu_block_pool.blocks[b] for b in cpu_block_ids]
         assert self._gpu_block_pool is not None
-        for key in self._gpu_block_pool.cached_block_hashes_by_block.get(gpu_block.block_id, ()):
-            self.cpu_block_pool._insert_block_hash(key, cpu_block, None)
+        for gpu_block_id, cpu_block in zip(gpu_block_ids, cpu_blocks):
+            if self.registration_bug:
+                # vLLM 0.29: `cached_block_hash_to_block.insert(bhash, cpu_block)`, the stamped
+                # primary key straight into the map; the GPU block's secondary keys
+                # (cached_block_hashes_by_block) are never looked at
+                self.cpu_block_pool.cached_block_hash_to_block.insert(cpu_block.block_hash,
+                                                                      cpu_block)
+                continue
+            # the trap: the fix's calls without its reset_hash(). The block already carries
+            # the primary (stamped), so guard 1 returns and the map never gets it; each
+            # secondary is then recorded under that stamped primary, findable only by its
+            # fine-grained key.
+            gpu_block = self._gpu_block_pool.blocks[gpu_block_id]
+            self.cpu_block_pool._insert_block_hash(gpu_block.block_hash, cpu_block,
+                                                   gpu_block.block_hash_num_tokens)
+            for key in self._gpu_block_pool.cached_block_hashes_by_block.get(gpu_block_id, ()):
+                self.cpu_block_pool._insert_block_hash(key, cpu_block, None)
+        self._release_transfer_refs(TransferMeta(gpu_block_ids, cpu_block_ids))
 
     def _release_transfer_refs(self, transfer: TransferMeta, abandoned: bool = False) -> None:
         if abandoned and (self.registration_bug or self.skip_reset_hash):
