@@ -1217,25 +1217,31 @@ class SimpleCPUOffloadScheduler:
     def _record_cpu_parent_keys(self, gpu_block_ids: list[int], cpu_block_ids: list[int],
                                 request: Request) -> None:
         """not in vLLM: the key of the block before each stored one (its parent in the prefix
-        chain), by cache_full_blocks' formula: the fine hash at the parent's end + group id."""
+        chain). In a run of one group it is the previous source's key; else cache_full_blocks'
+        formula: the fine hash at the parent's end + the group id."""
         assert self._gpu_block_pool is not None
+        gpu_blocks = self._gpu_block_pool.blocks
+        parent_keys = self._cpu_parent_keys
         one_group = len(self.group_block_sizes) == 1
-        prev_key = None  # the previous source: in a run of one group, the parent
-        prev_num_tokens = None
+        prev_block = None  # the previous source: in a run of one group, the parent
         for gpu_block_id, cpu_block_id in zip(gpu_block_ids, cpu_block_ids):
-            gpu_block = self._gpu_block_pool.blocks[gpu_block_id]
-            key = gpu_block.block_hash
+            gpu_block = gpu_blocks[gpu_block_id]
             num_tokens = gpu_block.block_hash_num_tokens or 0
-            size = self.block_size if one_group else self.group_block_sizes[get_group_id(key)]
-            parent_key = None  # a chain's first block
-            if one_group and prev_num_tokens == num_tokens - size:
-                parent_key = prev_key  # no hashing: the run's previous block
-            elif num_tokens > size:
-                parent_key = request.block_hashes[(num_tokens - size) // self.hash_block_size
-                                                  - 1] + key[-4:]
-            self._cpu_parent_keys[cpu_block_id] = parent_key
-            prev_key = key
-            prev_num_tokens = num_tokens
+            if one_group:
+                size = self.block_size
+            else:
+                size = self.group_block_sizes[get_group_id(gpu_block.block_hash)]
+            parent_num_tokens = num_tokens - size
+            if one_group and prev_block is not None and (
+                    prev_block.block_hash_num_tokens == parent_num_tokens):
+                parent_keys[cpu_block_id] = prev_block.block_hash  # no hashing
+            elif parent_num_tokens > 0:
+                parent_fine_idx = parent_num_tokens // self.hash_block_size - 1
+                group_suffix = gpu_block.block_hash[-4:]
+                parent_keys[cpu_block_id] = request.block_hashes[parent_fine_idx] + group_suffix
+            else:
+                parent_keys[cpu_block_id] = None  # a chain's first block
+            prev_block = gpu_block
 
     def _num_free_for_store(self, state: StoreRequestState,
                             block_ids_by_group: tuple[list[int], ...], num_free: int) -> int:
