@@ -48,6 +48,9 @@ But it leaves out:
   - most of vLLM's scheduler: MiniEngine keeps its request states and call order, but one KV-cache
     group, one waiting queue (landed loads first; a request that cannot start is skipped), an
     accepted load holds blocks for its whole prompt, and no async scheduling.
+Beyond vLLM, opt-in (off by default, so vLLM's behaviour stays exact): prefix_aware_eviction on
+SimpleCPUOffloadScheduler evicts a CPU chain's leaves before its root (the README's "Beyond vLLM").
+
 Two contracts (SPEC §0): what a person calls (constructors, Request, MiniEngine, the worker's
 registration, run_story and the bench helpers) checks every argument and raises ValueError
 (TypeError for a wrong type) before changing any state; what the engine calls keeps vLLM 0.34's
