@@ -900,7 +900,7 @@ def _one_of_two_workers_reports(plant_bug: bool) -> str | None:
         for _ in range(5):
             eng.step()
             eng.workers[0].copy_engine.run()
-            rel_check_cached_kv(eng, [req])
+            check_cached_kv(eng, [req])
     except AssertionError as e:
         return str(e)
     # reached: worker 0 reported every store, worker 1 none, and nothing is cached yet
@@ -908,7 +908,7 @@ def _one_of_two_workers_reports(plant_bug: bool) -> str | None:
     assert not len(conn.cpu_block_pool.cached_block_hash_to_block)
     lagging.max_ops_per_call = 2
     eng.run()
-    rel_check_cached_kv(eng, [req])
+    check_cached_kv(eng, [req])
     assert len(conn.cpu_block_pool.cached_block_hash_to_block) == 4  # 64 // 16 full blocks
     return None
 
@@ -2314,11 +2314,11 @@ def test_gpu_check_selects_every_gpu_case():
     ids = [line for line in out.splitlines() if "::" in line]
     names = {i.split("::")[1].split("[")[0] for i in ids}
     assert {"test_worker_copies_exact_blocks_both_directions", "test_repeated_prompt_end_to_end",
-            "test_two_workers_world_size_2", "test_rel_fuzz_random_schedules",
+            "test_two_workers_world_size_2", "test_fuzz_random_schedules",
             "test_worker_step_has_no_hidden_sync",
-            "test_rel_abort_while_its_load_is_in_flight",
-            "test_rel_reset_while_a_store_and_a_load_are_in_flight",
-            "test_rel_world_size_2_one_worker_lags"} <= names
+            "test_abort_while_its_load_is_in_flight",
+            "test_reset_while_a_store_and_a_load_are_in_flight",
+            "test_world_size_2_one_worker_lags"} <= names
     assert all("cuda" in i.split("[")[1] for i in ids), ids
     if not torch.cuda.is_available():
         one = _pytest_here("-k", "cuda and worker_copies and flash and contiguous", env=env)
@@ -2595,23 +2595,23 @@ def test_notebook_is_committed_with_outputs():
 #   RB-7 a request larger than the GPU pool was accepted and run() spun forever
 #   RB-8 the worker reported a rejected copy as complete once a later copy finished
 # Issue 13 (an adversarial pass of 63 bad calls): every case is a row of the bad-input catalogue
-# (BAD_CALLS), plus test_rel_report_of_an_unissued_store_event_is_refused, the stale finish in
-# test_rel_reused_request_id_is_stored, and
-# test_rel_refused_reset_is_retried_and_serves_no_stale_hit.
+# (BAD_CALLS), plus test_report_of_an_unissued_store_event_is_refused, the stale finish in
+# test_reused_request_id_is_stored, and
+# test_refused_reset_is_retried_and_serves_no_stale_hit.
 
-REL_BS = 4  # tokens per block in every schedule: prompts of tens of tokens span a handful of blocks
+FUZZ_BS = 4  # tokens per block in every schedule: prompts of tens of tokens span a few blocks
 
 
 # ---- 2.1 Invariants (check_invariants is the entry point other tests call) -----------------------
 
-def rel_unwrap(obj):
+def unwrap_proxy(obj):
     """The real connector / worker behind fault-injection proxies (or obj itself)."""
-    while isinstance(obj, RelProxy):
+    while isinstance(obj, FaultProxy):
         obj = obj._rel_inner
     return obj
 
 
-def rel_check_pool(pool: ko.BlockPool, name: str) -> None:
+def check_pool(pool: ko.BlockPool, name: str) -> None:
     """Structure of one pool: the free list is a well-linked list of exactly the ref-0 blocks,
     and the hash map and the blocks' own hashes describe each other exactly."""
     q = pool.free_block_queue
@@ -2678,7 +2678,7 @@ def rel_check_pool(pool: ko.BlockPool, name: str) -> None:
 _REL_KV_CACHE: dict[tuple, torch.Tensor] = {}
 
 
-def rel_expected_block(model: ko.ToyModel, tokens: tuple[int, ...], start: int) -> torch.Tensor:
+def expected_block(model: ko.ToyModel, tokens: tuple[int, ...], start: int) -> torch.Tensor:
     """[num_layers, 2, len(tokens), H, D]: the KV of `tokens` at positions start, start+1, ..."""
     key = (model.num_layers, model.num_kv_heads, model.head_dim, model.dtype, model.rounds, tokens,
            start)
@@ -2691,7 +2691,7 @@ def rel_expected_block(model: ko.ToyModel, tokens: tuple[int, ...], start: int) 
     return _REL_KV_CACHE[key]
 
 
-def rel_expected_outputs(model: ko.ToyModel, prompt: list[int], n: int) -> list[int]:
+def expected_outputs(model: ko.ToyModel, prompt: list[int], n: int) -> list[int]:
     """Greedy outputs recomputed from expected_kv (ToyModel.next_token sums the last layer's KV of
     every token so far; exact in float64), independent of paging, chunking, loads and stores."""
     toks, out = list(prompt), []
@@ -2702,7 +2702,7 @@ def rel_expected_outputs(model: ko.ToyModel, prompt: list[int], n: int) -> list[
     return out
 
 
-def rel_check_cached_kv(engine: ko.MiniEngine, requests) -> None:
+def check_cached_kv(engine: ko.MiniEngine, requests) -> None:
     """Every cached block -- GPU, and CPU on every worker -- holds the KV of the prefix its keys
     name, bit for bit. A stale or misdirected copy (a reset while copies run, a store completed
     early, a block reused while pinned) shows up here the step it happens."""
@@ -2717,7 +2717,7 @@ def rel_check_cached_kv(engine: ko.MiniEngine, requests) -> None:
         assert key in prefixes, f"{where}: cached under a key no request produced"
         toks, end = prefixes[key]
         start = (end - 1) // bs * bs  # the block holding the key's last token
-        want = rel_expected_block(model, tuple(toks[start:end]), start)
+        want = expected_block(model, tuple(toks[start:end]), start)
         assert torch.equal(block_kv[:, :, :end - start].cpu(), want), (
             f"{where}: KV differs from expected_kv of the prefix its key names ({end} tokens)")
 
@@ -2730,10 +2730,10 @@ def rel_check_cached_kv(engine: ko.MiniEngine, requests) -> None:
     for b in gpu.blocks:
         for key in keys(gpu, b):
             check(torch.stack([c[:, b.block_id] for c in layers]), key, f"GPU block {b.block_id}")
-    conn = rel_unwrap(engine.connector)
+    conn = unwrap_proxy(engine.connector)
     if conn is None:
         return
-    for w_i, w in enumerate(rel_unwrap(w) for w in engine.workers):
+    for w_i, w in enumerate(unwrap_proxy(w) for w in engine.workers):
         for b in conn.cpu_block_pool.blocks:
             for key in keys(conn.cpu_block_pool, b):
                 kv = torch.stack([torch.stack([w.cpu_kv_caches[f"{n}.k"][b.block_id],
@@ -2746,7 +2746,7 @@ def check_invariants(engine: ko.MiniEngine, requests=None, *,
                      allow_stale_store_counts: bool = False) -> None:
     """Everything that must hold between two engine steps, for any schedule.
 
-    - Both pools are well formed (rel_check_pool): free queue == the ref-0 blocks, map <-> hashes.
+    - Both pools are well formed (check_pool): free queue == the ref-0 blocks, map <-> hashes.
     - Every reference on every block is accounted for. GPU: each request table that holds it,
       each store (sent, queued flush, or abandoned by reset) and each load (live or abandoned)
       that copies it. CPU: stores, loads, and lookup pins (`_pending_cpu_hits`). Nothing else may
@@ -2761,7 +2761,7 @@ def check_invariants(engine: ko.MiniEngine, requests=None, *,
     finished store event leaves a partial count behind until reset().
     """
     gpu = engine.gpu_block_pool
-    rel_check_pool(gpu, "GPU")
+    check_pool(gpu, "GPU")
     running = [r.request_id for r in engine.running]
     waiting = [r.request_id for r in engine.waiting]
     assert len(set(running + waiting)) == len(running) + len(waiting), "a request is queued twice"
@@ -2779,10 +2779,10 @@ def check_invariants(engine: ko.MiniEngine, requests=None, *,
         assert blocks_computed <= len(engine.req_to_blocks[r.request_id])
     want_gpu = Counter(b.block_id for blocks in engine.req_to_blocks.values() for b in blocks
                        if not b.is_null)
-    conn = rel_unwrap(engine.connector)
+    conn = unwrap_proxy(engine.connector)
     if conn is not None:
         cpu = conn.cpu_block_pool
-        rel_check_pool(cpu, "CPU")
+        check_pool(cpu, "CPU")
         assert conn._gpu_block_pool is gpu, "connector bound to another GPU pool"
         live = list(conn._store_event_to_blocks.values())
         queued = list(conn._pending_finished_stores)
@@ -2867,12 +2867,12 @@ def check_invariants(engine: ko.MiniEngine, requests=None, *,
     assert got == want_gpu, (
         f"GPU refs not accounted for: pool has {dict(got)}, holders {dict(want_gpu)}")
     if requests is not None:
-        rel_check_cached_kv(engine, requests)
+        check_cached_kv(engine, requests)
 
 
-def rel_check_idle(engine: ko.MiniEngine, *, allow_stale_store_counts: bool = False) -> None:
+def check_idle(engine: ko.MiniEngine, *, allow_stale_store_counts: bool = False) -> None:
     """The end of a run: every pool free but its null block, nothing pending anywhere."""
-    conn = rel_unwrap(engine.connector)
+    conn = unwrap_proxy(engine.connector)
     gpu = engine.gpu_block_pool
     assert gpu.get_num_free_blocks() == gpu.num_gpu_blocks - 1, (
         "GPU blocks still in use after the run")
@@ -2900,7 +2900,7 @@ def rel_check_idle(engine: ko.MiniEngine, *, allow_stale_store_counts: bool = Fa
         leftovers["_store_event_pending_counts"] = conn._store_event_pending_counts
     left = {k: v for k, v in leftovers.items() if v}
     assert not left, f"connector state left after the run: {left}"
-    for w in (rel_unwrap(w) for w in engine.workers):
+    for w in (unwrap_proxy(w) for w in engine.workers):
         left_work = (w._pending_load_event_indices or w._pending_store_event_indices
                      or w._load_events or w._store_events or w._completed_store_events)
         assert not left_work, "worker has copies or reports left"
@@ -2909,7 +2909,7 @@ def rel_check_idle(engine: ko.MiniEngine, *, allow_stale_store_counts: bool = Fa
 # ---- 2.2 Fault injection in the worker -> manager channel (proxies) ------------------------------
 
 @dataclass(frozen=True)
-class RelFaults:
+class Faults:
     load_delay: int = 0   # a worker holds each load report 0..load_delay steps
     # a worker holds each store report 0..store_delay steps (per worker: partial counts)
     store_delay: int = 0
@@ -2921,19 +2921,19 @@ class RelFaults:
     seed: int = 0
 
 
-class RelProxy:
+class FaultProxy:
     """Everything not overridden passes through to the wrapped object."""
 
-    def __init__(self, inner, faults: RelFaults, rng: random.Random, log: RelLog):
+    def __init__(self, inner, faults: Faults, rng: random.Random, log: RunLog):
         self._rel_inner, self._rel_faults, self._rel_rng, self._rel_log = inner, faults, rng, log
         self._rel_step = 0
-        self.rel_hold = False  # scripted tests: hold every report until released
+        self.hold_reports = False  # scripted tests: hold every report until released
 
     def __getattr__(self, name):
         return getattr(self._rel_inner, name)
 
     def _rel_delay(self, max_delay: int) -> int:
-        if self.rel_hold:
+        if self.hold_reports:
             return 10 ** 9
         return max_delay if self._rel_faults.exact else self._rel_rng.randint(0, max_delay)
 
@@ -2953,11 +2953,11 @@ class RelProxy:
         """`queue` with every item due by the next step at the latest (a release)."""
         return [(min(t, self._rel_step + 1), item) for t, item in queue]
 
-    def rel_release(self) -> None:
-        self.rel_hold = False
+    def release_reports(self) -> None:
+        self.hold_reports = False
 
 
-class RelFaultyWorker(RelProxy):
+class FaultyWorker(FaultProxy):
     """Delays each load report (get_finished) and store report (build_connector_worker_meta) of
     one worker. Load reports are delayed here, not in the connector, so that the engine and the
     connector see a load finish at the same step, as in vLLM. With world_size 2 each worker lags
@@ -2988,7 +2988,7 @@ class RelFaultyWorker(RelProxy):
         return None, due or None
 
     def _rel_safe_recv_dup(self, rid: str) -> bool:
-        conn, eng = rel_unwrap(self._rel_engine.connector), self._rel_engine
+        conn, eng = unwrap_proxy(self._rel_engine.connector), self._rel_engine
         return not (rid in loading_requests(eng) or rid in live_loads(conn)
                     or rid in abandoned_loads(conn)
                     or any(r == rid for _, r in self._rel_recv))
@@ -3005,16 +3005,16 @@ class RelFaultyWorker(RelProxy):
                 self._rel_log.worker_reports[e] += n
         return ko.SimpleCPUOffloadWorkerMetadata(due) if due else None
 
-    def rel_release(self) -> None:
-        super().rel_release()
+    def release_reports(self) -> None:
+        super().release_reports()
         self._rel_recv = self._rel_due_next_step(self._rel_recv)
         self._rel_stores = self._rel_due_next_step(self._rel_stores)
 
-    def rel_holding(self) -> bool:
+    def reports_held(self) -> bool:
         return bool(self._rel_recv or self._rel_stores)
 
 
-class RelFaultyConnector(RelProxy):
+class FaultyConnector(FaultProxy):
     """Sits between the engine and the connector: load reports (finished_recving) go through at
     once -- the engine acts on them this step, so must the connector -- while the store part of
     each output is held, reordered with the load part, duplicated, and replayed after resets."""
@@ -3088,25 +3088,25 @@ class RelFaultyConnector(RelProxy):
                 f"store event {e} completed after {log.worker_reports[e]} "
                 f"of {inner.world_size} worker reports")
 
-    def rel_replay(self) -> None:
+    def replay_plan(self) -> None:
         """Deliver every report seen so far once more: stale duplicates, which must be ignored."""
         for m in list(self._rel_delivered):
             if self._rel_safe_dup(m):
                 self._rel_deliver(m)
                 self._rel_log.duplicate_reports += 1
 
-    def rel_release(self) -> None:
-        super().rel_release()
+    def release_reports(self) -> None:
+        super().release_reports()
         self._rel_held = self._rel_due_next_step(self._rel_held)
 
-    def rel_holding(self) -> bool:
+    def reports_held(self) -> bool:
         return bool(self._rel_held)
 
 
 # ---- 2.3 Random schedules: a plan, its driver, the strategies, the fuzz --------------------------
 
 @dataclass(frozen=True)
-class RelPlan:
+class Plan:
     """One schedule. `ops`, in order:
       ("add", base, prefix_len, suffix, max_tokens)
                                            a request: bases[base][:prefix_len] + suffix
@@ -3123,23 +3123,23 @@ class RelPlan:
     num_gpu_blocks: int = 16
     num_cpu_blocks: int = 8
     budget: int = 8
-    hash_block_size: int = REL_BS
+    hash_block_size: int = FUZZ_BS
     world_size: int = 1
-    # SimpleCPUOffloadScheduler(prefix_aware_eviction=...): on in half the schedules (rel_plans)
+    # SimpleCPUOffloadScheduler(prefix_aware_eviction=...): on in some schedules (schedule_plans)
     prefix_aware_eviction: bool = False
-    faults: RelFaults = RelFaults()
+    faults: Faults = Faults()
     # "cuda" or "deferred" (DeferredCopyEngine): the worker's copies are asynchronous on top
     # of the injected faults, and complete out of step with the engine
     device: str = "cpu"
 
 
 @dataclass
-class RelLog:
+class RunLog:
     """What a run went through, so scenario tests can assert they reached their interleaving."""
     steps: int = 0
     preemptions: int = 0
     preempted_while_storing: int = 0
-    # a preempted request came back through a CPU load (RelFaultyConnector)
+    # a preempted request came back through a CPU load (FaultyConnector)
     resumed_with_load: int = 0
     cpu_hit_tokens: int = 0
     aborts: int = 0
@@ -3163,36 +3163,36 @@ class RelLog:
     worker_reports: Counter = field(default_factory=Counter)
 
 
-def rel_prompt(bases, base: int, prefix_len: int, suffix) -> list[int]:
+def plan_prompt(bases, base: int, prefix_len: int, suffix) -> list[int]:
     return list(bases[base % len(bases)][:prefix_len]) + list(suffix) or [0]
 
 
-def rel_max_need(plan_ops, bases, bs: int = REL_BS) -> int:
+def max_blocks_needed(plan_ops, bases, bs: int = FUZZ_BS) -> int:
     """GPU blocks the largest request needs on its own (prompt + outputs)."""
-    needs = [ko.cdiv(len(rel_prompt(bases, *op[1:4])) + op[4], bs)
+    needs = [ko.cdiv(len(plan_prompt(bases, *op[1:4])) + op[4], bs)
              for op in plan_ops if op[0] == "add"]
     return max(needs or [1])
 
 
 # ToyModel(1, 1, 4): tiny, fast, still exact
-REL_MODEL = dict(num_layers=1, num_kv_heads=1, head_dim=4)
+FUZZ_MODEL = dict(num_layers=1, num_kv_heads=1, head_dim=4)
 
 
-def rel_build(plan: RelPlan):
+def build_plan_run(plan: Plan):
     """Engine, connector, workers and proxies for a plan."""
-    log = RelLog()
+    log = RunLog()
     rng = random.Random(plan.faults.seed)
-    model = ko.ToyModel(**REL_MODEL, device="cpu" if plan.device == "deferred" else plan.device)
-    conn = ko.SimpleCPUOffloadScheduler(plan.num_cpu_blocks, REL_BS,
+    model = ko.ToyModel(**FUZZ_MODEL, device="cpu" if plan.device == "deferred" else plan.device)
+    conn = ko.SimpleCPUOffloadScheduler(plan.num_cpu_blocks, FUZZ_BS,
                                         hash_block_size=plan.hash_block_size,
                                         world_size=plan.world_size,
                                         prefix_aware_eviction=plan.prefix_aware_eviction)
-    proxy = RelFaultyConnector(conn, plan.faults, rng, log)
-    workers = [RelFaultyWorker(make_worker(plan.num_cpu_blocks, plan.device,
+    proxy = FaultyConnector(conn, plan.faults, rng, log)
+    workers = [FaultyWorker(make_worker(plan.num_cpu_blocks, plan.device,
                                            seed=plan.faults.seed + i),
                                plan.faults, rng, log, plan.world_size)
                for i in range(plan.world_size)]
-    engine = ko.MiniEngine(plan.num_gpu_blocks, REL_BS, plan.budget, model, proxy,
+    engine = ko.MiniEngine(plan.num_gpu_blocks, FUZZ_BS, plan.budget, model, proxy,
                            workers if plan.world_size > 1 else workers[0], capture_kv=True)
     for p in (proxy, *workers):
         p._rel_engine = engine
@@ -3200,7 +3200,7 @@ def rel_build(plan: RelPlan):
                            log=log, requests={}, aborted=set())
 
 
-def rel_step(run, n: int = 1) -> None:
+def step_run(run, n: int = 1) -> None:
     eng, log = run.engine, run.log
     for _ in range(n):
         resumed_before = set(preempted_waiting_ids(eng))
@@ -3217,7 +3217,7 @@ def rel_step(run, n: int = 1) -> None:
         check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
 
 
-def rel_abort(run, k: int = 0, rid: str | None = None) -> None:
+def plan_abort(run, k: int = 0, rid: str | None = None) -> None:
     """Abort a live request (`rid`, or live request k with loading ones first, then those with a
     store in flight, so that small k -- what hypothesis shrinks towards -- hits the dangerous
     windows)."""
@@ -3243,34 +3243,34 @@ def rel_abort(run, k: int = 0, rid: str | None = None) -> None:
     check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
 
 
-def rel_run_plan(plan: RelPlan, max_steps: int = 3000, *, before_reset=None):
+def run_plan(plan: Plan, max_steps: int = 3000, *, before_reset=None):
     """Run a plan with every check: invariants after each step and op, then at the end an idle
     engine, exact KV and outputs for every request, and a reset that now succeeds.
     `before_reset(run)` may look at the idle engine before the caches are dropped."""
-    run = rel_build(plan)
-    rel_apply_ops(run, plan, max_steps)
-    rel_finish(run, max_steps, before_reset)
+    run = build_plan_run(plan)
+    apply_plan_ops(run, plan, max_steps)
+    plan_finish(run, max_steps, before_reset)
     return run
 
 
-def rel_apply_ops(run, plan: RelPlan, max_steps: int = 3000) -> None:
-    """Apply the plan's ops in order (see RelPlan), checking the invariants after each."""
+def apply_plan_ops(run, plan: Plan, max_steps: int = 3000) -> None:
+    """Apply the plan's ops in order (see Plan), checking the invariants after each."""
     eng, log = run.engine, run.log
     for op in plan.ops:
         kind = op[0]
         if kind == "add":
             _, base, prefix_len, suffix, max_tokens = op
             rid = f"r{len(run.requests)}"
-            req = ko.Request(rid, rel_prompt(plan.bases, base, prefix_len, suffix),
+            req = ko.Request(rid, plan_prompt(plan.bases, base, prefix_len, suffix),
                              plan.hash_block_size, max_tokens)
             eng.add_request(req)
             run.requests[rid] = req
         elif kind == "step":
-            rel_step(run, op[1])
+            step_run(run, op[1])
         elif kind == "drain":
-            rel_drain(run, max_steps)
+            drain_run(run, max_steps)
         elif kind == "abort":
-            rel_abort(run, *((0, op[1]) if isinstance(op[1], str) else (op[1],)))
+            plan_abort(run, *((0, op[1]) if isinstance(op[1], str) else (op[1],)))
         elif kind in ("reset", "reset_connector"):
             log.resets += 1
             log.resets_with_pins += bool(pending_cpu_hits(run.conn))
@@ -3279,29 +3279,29 @@ def rel_apply_ops(run, plan: RelPlan, max_steps: int = 3000) -> None:
             log.resets_refused += not reset()
             check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
             if plan.faults.dup:
-                run.proxy.rel_replay()  # stale reports from before the reset
+                run.proxy.replay_plan()  # stale reports from before the reset
                 check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
         elif kind == "reset_gpu":
             log.gpu_resets += eng.reset_gpu_prefix_cache()
             check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
         elif kind in ("hold", "release"):  # scripted tests: ("hold", "conn" | worker index)
             target = run.proxy if op[1] == "conn" else run.workers[op[1]]
-            target.rel_release() if kind == "release" else setattr(target, "rel_hold", True)
+            target.release_reports() if kind == "release" else setattr(target, "hold_reports", True)
         else:
             raise ValueError(f"unknown op {op!r}")
 
 
-def rel_stalled(run) -> bool:
+def is_stalled(run) -> bool:
     """Nothing runs, loads, copies or waits for a report, yet requests wait: the next step can
     only admit the head of the queue, and if it does not, nothing will ever change again."""
     eng, conn = run.engine, run.conn
     busy = (eng.running or loading_requests(eng) or conn.has_pending_push_work()
             or live_loads(conn) or abandoned_loads(conn)
-            or run.proxy.rel_holding() or any(w.rel_holding() for w in run.workers))
+            or run.proxy.reports_held() or any(w.reports_held() for w in run.workers))
     return bool(eng.waiting) and not busy
 
 
-def rel_fingerprint(run) -> tuple:
+def idle_fingerprint(run) -> tuple:
     """What a step of an otherwise idle engine can change."""
     eng = run.engine
     return (tuple((r.request_id, r.num_computed_tokens,
@@ -3310,7 +3310,7 @@ def rel_fingerprint(run) -> tuple:
             eng.gpu_block_pool.get_num_free_blocks(), run.conn.cpu_block_pool.get_num_free_blocks())
 
 
-def rel_drain(run, max_steps: int = 3000) -> None:
+def drain_run(run, max_steps: int = 3000) -> None:
     """Step until the engine is idle; fail at once on a stall (nothing can change any more)."""
     eng, log = run.engine, run.log
     start = log.steps
@@ -3319,9 +3319,9 @@ def rel_drain(run, max_steps: int = 3000) -> None:
             f"no progress after {max_steps} steps: waiting={[r.request_id for r in eng.waiting]} "
             f"running={[r.request_id for r in eng.running]} loading={loading_requests(eng)} "
             f"free GPU blocks={eng.gpu_block_pool.get_num_free_blocks()}")
-        before = rel_fingerprint(run) if rel_stalled(run) else None
-        rel_step(run)
-        if before is not None and rel_stalled(run) and rel_fingerprint(run) == before:
+        before = idle_fingerprint(run) if is_stalled(run) else None
+        step_run(run)
+        if before is not None and is_stalled(run) and idle_fingerprint(run) == before:
             holders = [r.request_id for r in eng.waiting if r.request_id in eng.req_to_blocks]
             raise AssertionError(
                 f"stalled: nothing runs; head {eng.waiting[0].request_id!r} needs more GPU blocks "
@@ -3329,21 +3329,21 @@ def rel_drain(run, max_steps: int = 3000) -> None:
                 f"waiting requests holding blocks: {holders} (RB-1?)")
 
 
-def rel_finish(run, max_steps: int = 3000, before_reset=None) -> None:
+def plan_finish(run, max_steps: int = 3000, before_reset=None) -> None:
     eng, log = run.engine, run.log
     for p in (run.proxy, *run.workers):
-        p.rel_release()
-    rel_drain(run, max_steps)
-    assert not run.proxy.rel_holding() and not any(w.rel_holding() for w in run.workers), (
+        p.release_reports()
+    drain_run(run, max_steps)
+    assert not run.proxy.reports_held() and not any(w.reports_held() for w in run.workers), (
         "a report was still held when the engine went idle: the engine stopped waiting for it")
-    run.proxy.rel_replay()  # late duplicates of every report: all must be ignored
+    run.proxy.replay_plan()  # late duplicates of every report: all must be ignored
     check_invariants(eng, run.requests.values(), allow_stale_store_counts=True)
-    rel_check_idle(eng, allow_stale_store_counts=True)
+    check_idle(eng, allow_stale_store_counts=True)
     # every request: KV bit for bit, and the outputs a plain recomputation gives
     model = run.model
     for rid, req in run.requests.items():
         stats = eng.stats[rid]
-        want = rel_expected_outputs(model, req.prompt_token_ids, req.max_tokens)
+        want = expected_outputs(model, req.prompt_token_ids, req.max_tokens)
         log.cpu_hit_tokens += stats.cpu_hit_tokens
         if rid in run.aborted:
             assert stats.kv is None, f"{rid} was aborted but has captured KV"
@@ -3362,33 +3362,33 @@ def rel_finish(run, max_steps: int = 3000, before_reset=None) -> None:
     assert len(run.conn.cpu_block_pool.cached_block_hash_to_block) == 0
     assert eng.reset_gpu_prefix_cache() is True, "GPU prefix cache reset refused on an idle engine"
     check_invariants(eng, run.requests.values())
-    rel_check_idle(eng)
+    check_idle(eng)
 
 
 # a small vocabulary: unrelated prompts collide on short prefixes too
-REL_TOKENS = st.integers(0, 40)
-# for a prompt that must share no prefix with REL_TOKENS ones
-REL_OTHER_TOKENS = st.integers(41, 80)
+FUZZ_TOKENS = st.integers(0, 40)
+# for a prompt that must share no prefix with FUZZ_TOKENS ones
+FUZZ_OTHER_TOKENS = st.integers(41, 80)
 
 
-def rel_faults(draw) -> RelFaults:
+def draw_faults(draw) -> Faults:
     # report delays up to 8 steps (issue 19: a stall needed 4)
-    return RelFaults(load_delay=draw(st.integers(0, 8)), store_delay=draw(st.integers(0, 8)),
+    return Faults(load_delay=draw(st.integers(0, 8)), store_delay=draw(st.integers(0, 8)),
                      conn_delay=draw(st.integers(0, 2)), dup=draw(st.booleans()),
                      split=draw(st.booleans()),
                      seed=draw(st.integers(0, 2 ** 16)))
 
 
 @st.composite
-def rel_generic_plans(draw, max_ops: int = 16) -> RelPlan:
+def generic_plans(draw, max_ops: int = 16) -> Plan:
     """Tiny random schedules: 1-2 prompt bases; requests take a prefix of random length of one
     (often all of it, so that later arrivals can hit what earlier ones stored) plus a short
     suffix; GPU pools from 'the largest request barely fits' up; CPU pools of 1-11 usable blocks."""
-    bases = tuple(tuple(draw(st.lists(REL_TOKENS, min_size=2 * REL_BS, max_size=7 * REL_BS)))
+    bases = tuple(tuple(draw(st.lists(FUZZ_TOKENS, min_size=2 * FUZZ_BS, max_size=7 * FUZZ_BS)))
                   for _ in range(draw(st.integers(1, 2))))
-    prefix_len = st.one_of(st.just(7 * REL_BS), st.integers(0, 7 * REL_BS))
+    prefix_len = st.one_of(st.just(7 * FUZZ_BS), st.integers(0, 7 * FUZZ_BS))
     add = st.tuples(st.just("add"), st.integers(0, 1), prefix_len,
-                    st.lists(REL_TOKENS, max_size=5).map(tuple),
+                    st.lists(FUZZ_TOKENS, max_size=5).map(tuple),
                     st.integers(1, 4))
     step = st.tuples(st.just("step"), st.integers(1, 6))
     short = st.tuples(st.just("step"), st.integers(1, 2))
@@ -3396,14 +3396,14 @@ def rel_generic_plans(draw, max_ops: int = 16) -> RelPlan:
     reset, reset_gpu, drain = st.just(("reset",)), st.just(("reset_gpu",)), st.just(("drain",))
 
     def again_of(b):  # a request that repeats all of base b: a CPU hit once the GPU copy is gone
-        return st.tuples(st.just("add"), st.just(b), st.just(7 * REL_BS),
-                         st.lists(REL_TOKENS, max_size=3).map(tuple),
+        return st.tuples(st.just("add"), st.just(b), st.just(7 * FUZZ_BS),
+                         st.lists(FUZZ_TOKENS, max_size=3).map(tuple),
                          st.integers(1, 3))
 
     again = st.integers(0, 1).flatmap(again_of)
     # short prompts, long decodes: several of them grow together until one is preempted
-    dec = st.tuples(st.just("add"), st.integers(0, 1), st.integers(1, 3 * REL_BS),
-                    st.lists(REL_TOKENS, max_size=2).map(tuple), st.integers(5, 10))
+    dec = st.tuples(st.just("add"), st.integers(0, 1), st.integers(1, 3 * FUZZ_BS),
+                    st.lists(FUZZ_TOKENS, max_size=2).map(tuple), st.integers(5, 10))
     # chunks of ops that tend to reach the dangerous windows
     chunk = st.one_of(
         st.tuples(add), st.tuples(add), st.tuples(step), st.tuples(abort), st.tuples(reset),
@@ -3418,24 +3418,24 @@ def rel_generic_plans(draw, max_ops: int = 16) -> RelPlan:
     )
     chunks = draw(st.lists(chunk, min_size=1, max_size=max_ops // 3))
     ops = (draw(st.one_of(add, again)), *[o for c in chunks for o in c])
-    need = rel_max_need(ops, bases)
+    need = max_blocks_needed(ops, bases)
     # GPU pool: from 'the largest request barely fits' up (that is how RB-1 was found: a preempted
     # request queued ahead of one whose load landed and that held its blocks)
-    return RelPlan(ops=ops, bases=bases,
-                   num_gpu_blocks=1 + need + draw(st.integers(0, need + 2)),
-                   num_cpu_blocks=draw(st.integers(2, 12)),
-                   budget=draw(st.sampled_from([2, 3, 4, 5, 7, 8, 12, 16])),
-                   **rel_last_draws(draw))
+    return Plan(ops=ops, bases=bases,
+                num_gpu_blocks=1 + need + draw(st.integers(0, need + 2)),
+                num_cpu_blocks=draw(st.integers(2, 12)),
+                budget=draw(st.sampled_from([2, 3, 4, 5, 7, 8, 12, 16])),
+                **last_draws(draw))
 
 
-def rel_last_draws(draw) -> dict:
+def last_draws(draw) -> dict:
     """What every plan strategy draws last: the hash block size, the world size, the faults."""
-    return dict(hash_block_size=draw(st.sampled_from([REL_BS, REL_BS // 2])),
+    return dict(hash_block_size=draw(st.sampled_from([FUZZ_BS, FUZZ_BS // 2])),
                 world_size=draw(st.sampled_from([1, 2])),
-                faults=rel_faults(draw))
+                faults=draw_faults(draw))
 
 
-def rel_window_tail(draw, fits: list[tuple]) -> tuple:
+def window_tail(draw, fits: list[tuple]) -> tuple:
     """A few ops after a window, drawn from ones that fit the window's tight pools."""
     ops = st.sampled_from([("step", 1), ("step", 3), ("drain",), ("reset",), ("reset_gpu",),
                            ("abort", 0), *fits])
@@ -3443,87 +3443,88 @@ def rel_window_tail(draw, fits: list[tuple]) -> tuple:
 
 
 @st.composite
-def rel_pin_window_plans(draw, window_op: tuple) -> RelPlan:
-    """Reaches 'a lookup pin is held' by construction (blocks of REL_BS tokens). X, of `hit` full
+def pin_window_plans(draw, window_op: tuple) -> Plan:
+    """Reaches 'a lookup pin is held' by construction (blocks of FUZZ_BS tokens). X, of `hit` full
     blocks and r more tokens, is stored; the GPU cache is dropped; filler F (f tokens, a few
     outputs) prefills in one step. X again then hits `hit` blocks on CPU while F, decoding,
     holds cdiv(f + 1) blocks of a GPU pool of cdiv(f + 1) + hit - 1: X again waits for room,
     holding its lookup pin, and `window_op` runs: ("reset",), or ("abort", "r2") (X again)."""
-    bs = REL_BS
+    bs = FUZZ_BS
     hit, r, f = draw(st.integers(2, 5)), draw(st.integers(1, bs)), draw(st.integers(bs, 3 * bs))
-    x_tokens = tuple(draw(st.lists(REL_TOKENS, min_size=hit * bs + r, max_size=hit * bs + r)))
+    x_tokens = tuple(draw(st.lists(FUZZ_TOKENS, min_size=hit * bs + r, max_size=hit * bs + r)))
     # no hash in common with X
-    f_tokens = tuple(draw(st.lists(REL_OTHER_TOKENS, min_size=f, max_size=f)))
+    f_tokens = tuple(draw(st.lists(FUZZ_OTHER_TOKENS, min_size=f, max_size=f)))
     x = ("add", 0, len(x_tokens), (), 1)
     filler = ("add", 1, f, (), draw(st.integers(2, (hit - 1) * bs + 1)))  # fits the pool on its own
     usable = ko.cdiv(f + 1, bs) + hit - 1  # X's hit needs `hit` blocks: one more than are free
     ops = (x, ("drain",), ("reset_gpu",), filler, ("step", 1), x, ("step", 1), window_op,
-           *rel_window_tail(draw, [x, filler]))
-    return RelPlan(ops=ops, bases=(x_tokens, f_tokens), num_gpu_blocks=1 + usable,
-                   num_cpu_blocks=1 + usable + hit + draw(st.integers(0, 3)),
-                   # F prefills in one step, then X is looked up
-                   budget=draw(st.integers(f + 1, 16)),
-                   **rel_last_draws(draw))
+           *window_tail(draw, [x, filler]))
+    return Plan(ops=ops, bases=(x_tokens, f_tokens), num_gpu_blocks=1 + usable,
+                num_cpu_blocks=1 + usable + hit + draw(st.integers(0, 3)),
+                # F prefills in one step, then X is looked up
+                budget=draw(st.integers(f + 1, 16)),
+                **last_draws(draw))
 
 
 @st.composite
-def rel_resume_window_plans(draw) -> RelPlan:
+def resume_window_plans(draw) -> Plan:
     """Reaches 'a preempted request resumes through a CPU load' by construction. P (p tokens)
     and R (r tokens, stored one step after its prefill) decode together in a GPU pool of exactly
     P's final size, U blocks, so R (admitted last) is preempted after a few steps. P then grows
     into every usable block, which evicts all of R's GPU copies; when P finishes, R's lookup
     misses on GPU and hits its stored blocks on CPU (the CPU pool holds P's and R's blocks)."""
-    bs = REL_BS
+    bs = FUZZ_BS
     usable, p, r = draw(st.integers(5, 8)), draw(st.integers(1, bs)), draw(st.integers(bs, 2 * bs))
     p_max_tokens = bs * usable - p + 1 - draw(st.integers(0, bs - 1))  # P's last block is the U-th
     r_max_tokens = bs * usable - r + 1 - draw(st.integers(0, 2))       # R outlives the preemption
-    r_tokens = tuple(draw(st.lists(REL_TOKENS, min_size=r, max_size=r)))
+    r_tokens = tuple(draw(st.lists(FUZZ_TOKENS, min_size=r, max_size=r)))
     # no hash in common with R
-    p_tokens = tuple(draw(st.lists(REL_OTHER_TOKENS, min_size=p, max_size=p)))
+    p_tokens = tuple(draw(st.lists(FUZZ_OTHER_TOKENS, min_size=p, max_size=p)))
     prefill_p, prefill_r = ("add", 1, p, (), p_max_tokens), ("add", 0, r, (), r_max_tokens)
-    ops = (prefill_p, prefill_r, ("drain",), *rel_window_tail(draw, [prefill_r]))
-    return RelPlan(ops=ops, bases=(r_tokens, p_tokens), num_gpu_blocks=1 + usable,
-                   num_cpu_blocks=1 + 2 * usable + draw(st.integers(0, 2)),
-                   budget=draw(st.integers(p + r, 16)),  # both prefill in the first step
-                   **rel_last_draws(draw))
+    ops = (prefill_p, prefill_r, ("drain",), *window_tail(draw, [prefill_r]))
+    return Plan(ops=ops, bases=(r_tokens, p_tokens), num_gpu_blocks=1 + usable,
+                num_cpu_blocks=1 + 2 * usable + draw(st.integers(0, 2)),
+                budget=draw(st.integers(p + r, 16)),  # both prefill in the first step
+                **last_draws(draw))
 
 
 @st.composite
-def rel_two_holders_plans(draw) -> RelPlan:
+def two_holders_plans(draw) -> Plan:
     """Two waiting requests that hold GPU blocks at once: X and Y (each `hit` full blocks and r
     more tokens) are stored, the GPU cache is dropped, and both come again in one step; each
     takes its CPU hit into blocks of a GPU pool barely larger than both prompts, and their
     loads land (reports delayed 0-8 steps) while a short filler F competes for the same pool."""
-    bs = REL_BS
+    bs = FUZZ_BS
     hit, r = draw(st.integers(1, 3)), draw(st.integers(1, bs))
-    x_tokens = tuple(draw(st.lists(REL_TOKENS, min_size=hit * bs + r, max_size=hit * bs + r)))
-    y_tokens = tuple(draw(st.lists(REL_OTHER_TOKENS, min_size=hit * bs + r, max_size=hit * bs + r)))
+    x_tokens = tuple(draw(st.lists(FUZZ_TOKENS, min_size=hit * bs + r, max_size=hit * bs + r)))
+    y_len = hit * bs + r
+    y_tokens = tuple(draw(st.lists(FUZZ_OTHER_TOKENS, min_size=y_len, max_size=y_len)))
     x, y = ("add", 0, len(x_tokens), (), draw(st.integers(1, 3))), ("add", 1, len(y_tokens), (), 1)
     filler = ("add", 0, draw(st.integers(1, bs)), (), draw(st.integers(1, 6)))
     ops = (x, y, ("drain",), ("reset_gpu",), x, y, filler, ("step", 1),
-           *rel_window_tail(draw, [x, y, filler]))
+           *window_tail(draw, [x, y, filler]))
     need = 2 * ko.cdiv(hit * bs + r + 3, bs)
-    return RelPlan(ops=ops, bases=(x_tokens, y_tokens),
-                   num_gpu_blocks=1 + need + draw(st.integers(0, 2)),
-                   num_cpu_blocks=1 + 2 * (hit + 1) + draw(st.integers(0, 3)),
-                   budget=draw(st.sampled_from([2, 4, 8, 16])), **rel_last_draws(draw))
+    return Plan(ops=ops, bases=(x_tokens, y_tokens),
+                num_gpu_blocks=1 + need + draw(st.integers(0, 2)),
+                num_cpu_blocks=1 + 2 * (hit + 1) + draw(st.integers(0, 3)),
+                budget=draw(st.sampled_from([2, 4, 8, 16])), **last_draws(draw))
 
 
 # Random schedules reach the rare windows (a lookup pin held at a reset or at an abort, a resume
 # through a CPU load) in under 2% of plans; these strategies build them on purpose. Weights: of
 # 20 plans, 12 generic and 2 per window (each template reaches its window almost always).
-REL_PLAN_KINDS = (("generic",) * 12 + ("pin, reset",) * 2 + ("pin, abort",) * 2 + ("resume",) * 2
+FUZZ_PLAN_KINDS = (("generic",) * 12 + ("pin, reset",) * 2 + ("pin, abort",) * 2 + ("resume",) * 2
                   + ("two holders",) * 2)
 
 
 @st.composite
-def rel_plans(draw) -> RelPlan:
-    """A generic schedule, or one built around a rare window (REL_PLAN_KINDS)."""
-    kind = draw(st.sampled_from(REL_PLAN_KINDS))
-    strategies = {"generic": rel_generic_plans(), "resume": rel_resume_window_plans(),
-                  "pin, reset": rel_pin_window_plans(("reset",)),
-                  "pin, abort": rel_pin_window_plans(("abort", "r2")),
-                  "two holders": rel_two_holders_plans()}
+def schedule_plans(draw) -> Plan:
+    """A generic schedule, or one built around a rare window (FUZZ_PLAN_KINDS)."""
+    kind = draw(st.sampled_from(FUZZ_PLAN_KINDS))
+    strategies = {"generic": generic_plans(), "resume": resume_window_plans(),
+                  "pin, reset": pin_window_plans(("reset",)),
+                  "pin, abort": pin_window_plans(("abort", "r2")),
+                  "two holders": two_holders_plans()}
     plan = draw(strategies[kind])
     # the eviction rule follows the drawn faults seed's parity rather than a draw of its own:
     # one more draw would shift the derandomized schedules that the window rates are tuned on
@@ -3534,147 +3535,147 @@ def rel_plans(draw) -> RelPlan:
 # KV_OFFLOAD_FUZZ_EXAMPLES; random exploration from a seed, drawn unless KV_OFFLOAD_FUZZ_SEED
 # gives it, and printed: the same two variables replay the run schedule for schedule
 # (hypothesis also prints a failing plan and a blob for @reproduce_failure).
-REL_FUZZ_EXAMPLES = int(os.environ.get("KV_OFFLOAD_FUZZ_EXAMPLES") or 0)
-REL_FUZZ_SEED = None
-if REL_FUZZ_EXAMPLES:
-    REL_FUZZ_SEED = int(os.environ.get("KV_OFFLOAD_FUZZ_SEED")
+FUZZ_EXAMPLES = int(os.environ.get("KV_OFFLOAD_FUZZ_EXAMPLES") or 0)
+FUZZ_SEED = None
+if FUZZ_EXAMPLES:
+    FUZZ_SEED = int(os.environ.get("KV_OFFLOAD_FUZZ_SEED")
                         or random.SystemRandom().randrange(2 ** 32))
-rel_fuzz_settings = settings(
-    max_examples=REL_FUZZ_EXAMPLES or 300, derandomize=not REL_FUZZ_EXAMPLES, database=None,
+fuzz_settings = settings(
+    max_examples=FUZZ_EXAMPLES or 300, derandomize=not FUZZ_EXAMPLES, database=None,
     deadline=None,
     print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-def rel_fuzz_seeded(test):
-    return test if REL_FUZZ_SEED is None else seed(REL_FUZZ_SEED)(test)
+def fuzz_seeded(test):
+    return test if FUZZ_SEED is None else seed(FUZZ_SEED)(test)
 
 
-def rel_print(config, line: str) -> None:
+def print_now(config, line: str) -> None:
     """A line on the terminal past pytest's output capture (capsys.disabled() lifts it so too)."""
     with config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
         print(f"\n{line}", flush=True)
 
 
-# What a run went through (RelLog), reported per device; the rare windows must each be reached
-# in >= 5% of the quick profile's schedules (rel_pin_window_plans, rel_resume_window_plans)
-REL_REACHED = ("preemptions", "preempted_while_storing", "resumed_with_load", "cpu_hit_tokens",
+# What a run went through (RunLog), reported per device; the rare windows must each be reached
+# in >= 5% of the quick profile's schedules (pin_window_plans, resume_window_plans)
+FUZZ_REACHED = ("preemptions", "preempted_while_storing", "resumed_with_load", "cpu_hit_tokens",
                "cpu_evictions",
                "aborts_while_loading", "aborts_while_storing", "aborts_with_pin", "steps_with_pins",
                "resets_refused", "resets_with_pins", "resets_with_queued_flush", "stale_reports",
                "partial_counts",
                "duplicate_reports", "ignored_reports")
-REL_RARE_WINDOWS = ("resumed_with_load", "resets_with_pins", "aborts_with_pin")
+FUZZ_RARE_WINDOWS = ("resumed_with_load", "resets_with_pins", "aborts_with_pin")
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_rel_fuzz_random_schedules(device, pytestconfig):
+def test_fuzz_random_schedules(device, pytestconfig):
     """On "deferred" and "cuda" every copy is asynchronous: loads land and stores complete steps
     later, per worker (world size 1 and 2), on top of the injected report faults."""
-    if REL_FUZZ_SEED is not None and not getattr(pytestconfig, "_rel_seed_shown", False):
+    if FUZZ_SEED is not None and not getattr(pytestconfig, "_rel_seed_shown", False):
         pytestconfig._rel_seed_shown = True  # once per session: every device uses the seed
-        rel_print(pytestconfig,
-                  f"fuzz long profile: {REL_FUZZ_EXAMPLES} schedules per device, seed "
-                  f"{REL_FUZZ_SEED}; replay: KV_OFFLOAD_FUZZ_EXAMPLES={REL_FUZZ_EXAMPLES} "
-                  f"KV_OFFLOAD_FUZZ_SEED={REL_FUZZ_SEED} python -m pytest -k fuzz")
-    logs: list[RelLog] = []
+        print_now(pytestconfig,
+                  f"fuzz long profile: {FUZZ_EXAMPLES} schedules per device, seed "
+                  f"{FUZZ_SEED}; replay: KV_OFFLOAD_FUZZ_EXAMPLES={FUZZ_EXAMPLES} "
+                  f"KV_OFFLOAD_FUZZ_SEED={FUZZ_SEED} python -m pytest -k fuzz")
+    logs: list[RunLog] = []
 
-    @rel_fuzz_settings
-    @rel_fuzz_seeded
-    @given(plan=rel_plans())
+    @fuzz_settings
+    @fuzz_seeded
+    @given(plan=schedule_plans())
     def run_schedule(plan):
-        if REL_FUZZ_SEED is not None:
-            note(f"long-profile seed {REL_FUZZ_SEED}")
-        log = rel_run_plan(dataclasses.replace(plan, device=device)).log
+        if FUZZ_SEED is not None:
+            note(f"long-profile seed {FUZZ_SEED}")
+        log = run_plan(dataclasses.replace(plan, device=device)).log
         logs.append(log)
         event(f"steps: {min(log.steps // 25 * 25, 200)}+")
-        for name in REL_REACHED:
+        for name in FUZZ_REACHED:
             if getattr(log, name):
                 event(f"reached: {name}")
 
     run_schedule()
-    reached = {name: sum(bool(getattr(log, name)) for log in logs) for name in REL_REACHED}
-    if REL_FUZZ_SEED is not None:
+    reached = {name: sum(bool(getattr(log, name)) for log in logs) for name in FUZZ_REACHED}
+    if FUZZ_SEED is not None:
         rates = ", ".join(f"{name} {100 * n / len(logs):.1f}%" for name, n in reached.items())
-        rel_print(pytestconfig, f"fuzz {device}: {len(logs)} schedules passed; reached: {rates}")
+        print_now(pytestconfig, f"fuzz {device}: {len(logs)} schedules passed; reached: {rates}")
         return
-    rare = {name: reached[name] for name in REL_RARE_WINDOWS if reached[name] < 0.05 * len(logs)}
+    rare = {name: reached[name] for name in FUZZ_RARE_WINDOWS if reached[name] < 0.05 * len(logs)}
     assert not rare, f"rare windows reached in < 5% of {len(logs)} schedules: {rare}"
 
 
 # ---- 2.4 Scripted interleavings (each reached on every run, not by chance) -----------------------
 
-REL_DEVICES = DEVICES
+FUZZ_DEVICES = DEVICES
 # 20 tokens: 5 blocks, 4 of them a CPU hit (cap: num_tokens - 1)
-REL_BASE_A = tuple(range(1, 21))
-REL_BASE_B = tuple(range(100, 116))     # 16 tokens, shares nothing with A
-REL_FULL_A, REL_FULL_B = ("add", 0, 20, (), 1), ("add", 1, 16, (), 1)
+FUZZ_BASE_A = tuple(range(1, 21))
+FUZZ_BASE_B = tuple(range(100, 116))     # 16 tokens, shares nothing with A
+FUZZ_FULL_A, FUZZ_FULL_B = ("add", 0, 20, (), 1), ("add", 1, 16, (), 1)
 
 
-def rel_probe(run, tokens) -> int:
+def probe_lookup(run, tokens) -> int:
     """The CPU hit (tokens) a new request with this prompt would get; its pin is dropped again."""
-    probe = ko.Request("probe", list(tokens), REL_BS)
+    probe = ko.Request("probe", list(tokens), FUZZ_BS)
     hit = run.conn.get_num_new_matched_tokens(probe, 0)[0]
     run.conn.request_finished(probe, [])
     return hit
 
 
-def rel_plan(*ops, **kw) -> RelPlan:
-    kw.setdefault("bases", (REL_BASE_A, REL_BASE_B))
+def plan_of(*ops, **kw) -> Plan:
+    kw.setdefault("bases", (FUZZ_BASE_A, FUZZ_BASE_B))
     kw.setdefault("num_gpu_blocks", 16)
     kw.setdefault("num_cpu_blocks", 8)
     kw.setdefault("budget", 8)
-    return RelPlan(ops=ops, **kw)
+    return Plan(ops=ops, **kw)
 
 
-@pytest.mark.parametrize("device", REL_DEVICES)
-def test_rel_abort_while_its_load_is_in_flight(device):
+@pytest.mark.parametrize("device", FUZZ_DEVICES)
+def test_abort_while_its_load_is_in_flight(device):
     """A is stored; the GPU cache is dropped; B (A's prompt) hits 16 tokens on CPU and is aborted
     while its load report is still on the way. The load's pins (both pools) must stay until the
     report, then go; nothing else may leak."""
-    plan = rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), REL_FULL_A, ("step", 1),
-                    ("abort", "r1"), faults=RelFaults(load_delay=3, exact=True), device=device)
-    run = rel_run_plan(plan)
+    plan = plan_of(FUZZ_FULL_A, ("drain",), ("reset_gpu",), FUZZ_FULL_A, ("step", 1),
+                   ("abort", "r1"), faults=Faults(load_delay=3, exact=True), device=device)
+    run = run_plan(plan)
     assert run.log.aborts_while_loading == 1 and run.engine.stats["r1"].cpu_hit_tokens == 16
 
 
-def test_rel_abort_while_its_store_is_in_flight():
+def test_abort_while_its_store_is_in_flight():
     """A's first blocks are being stored (reports held) when A is aborted after 16 of its 20 tokens:
     the copies keep their pins and complete, the abort flushes the other confirmed blocks, and a
     later lookup of A's prompt finds all 16 confirmed tokens (4 blocks) on CPU."""
     def stored(run):
-        assert rel_probe(run, REL_BASE_A) == 16
-    plan = rel_plan(("add", 0, 20, (), 4), ("hold", 0), ("step", 2), ("abort", "r0"), budget=8)
-    run = rel_run_plan(plan, before_reset=stored)
+        assert probe_lookup(run, FUZZ_BASE_A) == 16
+    plan = plan_of(("add", 0, 20, (), 4), ("hold", 0), ("step", 2), ("abort", "r0"), budget=8)
+    run = run_plan(plan, before_reset=stored)
     assert run.log.aborts_while_storing == 1
 
 
-def test_rel_reset_while_a_finish_flush_is_queued():
+def test_reset_while_a_finish_flush_is_queued():
     """A finishes in one step (20 tokens, budget 20): its flush is queued for the next
     build_connector_meta(); a reset now must release the flush's pins at once (no worker saw it)."""
-    plan = rel_plan(REL_FULL_A, ("step", 1), ("reset",), budget=20)
-    run = rel_run_plan(plan)
+    plan = plan_of(FUZZ_FULL_A, ("step", 1), ("reset",), budget=20)
+    run = run_plan(plan)
     assert run.log.resets_with_queued_flush == 1 and run.log.resets_refused == 0
 
 
-@pytest.mark.parametrize("device", REL_DEVICES)
-def test_rel_reset_while_a_store_and_a_load_are_in_flight(device):
+@pytest.mark.parametrize("device", FUZZ_DEVICES)
+def test_reset_while_a_store_and_a_load_are_in_flight(device):
     """reset() with a sent store and a sent load: both are abandoned (reset returns False), their
     late reports release the pins and cache nothing; a later reset succeeds."""
-    plan = rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), REL_FULL_B, ("step", 1), REL_FULL_A,
-                    ("step", 1), ("reset",),
-                    budget=12, device=device,
-                    faults=RelFaults(load_delay=2, store_delay=2, exact=True, split=True))
-    run = rel_run_plan(plan)
+    plan = plan_of(FUZZ_FULL_A, ("drain",), ("reset_gpu",), FUZZ_FULL_B, ("step", 1), FUZZ_FULL_A,
+                   ("step", 1), ("reset",),
+                   budget=12, device=device,
+                   faults=Faults(load_delay=2, store_delay=2, exact=True, split=True))
+    run = run_plan(plan)
     assert run.log.resets_refused == 1
     assert run.log.stale_reports >= 1
     assert run.engine.stats["r2"].cpu_hit_tokens == 16
 
 
-REL_BASE_C = tuple(range(200, 212))     # 12 tokens, shares nothing with A or B
+FUZZ_BASE_C = tuple(range(200, 212))     # 12 tokens, shares nothing with A or B
 
 
 @pytest.mark.parametrize("reset", ["reset", "reset_connector"])
-def test_rel_refused_reset_is_retried_and_serves_no_stale_hit(reset):
+def test_refused_reset_is_retried_and_serves_no_stale_hit(reset):
     """A (20 tokens) and B (16) are stored; the GPU cache is dropped; C's store is in flight
     (worker 0 holds its report) when the CPU cache is reset: refused, C's store abandoned. Then
     A again, before the report. vLLM 0.34's manager keeps serving its entries after a refused
@@ -3685,13 +3686,13 @@ def test_rel_refused_reset_is_retried_and_serves_no_stale_hit(reset):
     b_hits = []
 
     def probe_b(run):
-        b_hits.append(rel_probe(run, REL_BASE_B))
+        b_hits.append(probe_lookup(run, FUZZ_BASE_B))
 
-    plan = rel_plan(REL_FULL_A, REL_FULL_B, ("drain",), ("reset_gpu",), ("hold", 0),
-                    ("add", 2, 12, (), 1), ("step", 2), (reset,), REL_FULL_A, ("step", 2),
-                    ("release", 0),
-                    bases=(REL_BASE_A, REL_BASE_B, REL_BASE_C), num_cpu_blocks=16)
-    run = rel_run_plan(plan, before_reset=probe_b)
+    plan = plan_of(FUZZ_FULL_A, FUZZ_FULL_B, ("drain",), ("reset_gpu",), ("hold", 0),
+                   ("add", 2, 12, (), 1), ("step", 2), (reset,), FUZZ_FULL_A, ("step", 2),
+                   ("release", 0),
+                   bases=(FUZZ_BASE_A, FUZZ_BASE_B, FUZZ_BASE_C), num_cpu_blocks=16)
+    run = run_plan(plan, before_reset=probe_b)
     stale_hit, b_hit = (0, 0) if reset == "reset" else (16, 12)
     assert run.log.resets_refused == 1
     assert run.engine.stats["r3"].cpu_hit_tokens == stale_hit and b_hits == [b_hit]
@@ -3701,54 +3702,54 @@ def test_rel_refused_reset_is_retried_and_serves_no_stale_hit(reset):
     (("reset",), "resets_with_pins"),
     (("abort", "r2"), "aborts_with_pin"),
 ], ids=["reset", "abort"])
-def test_rel_reset_or_abort_while_a_lookup_pin_is_held(last_op, reached):
+def test_reset_or_abort_while_a_lookup_pin_is_held(last_op, reached):
     """A stored; GPU cache dropped; B (16 tokens, then decodes) holds 5 of 7 usable GPU blocks;
     A again: a CPU hit of 16 tokens needs 4 blocks, 2 are free -> it waits, holding its lookup
     pin, when the reset (or the abort of A) comes."""
-    plan = rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), ("add", 1, 16, (), 8), ("step", 2),
-                    REL_FULL_A, ("step", 1), last_op,
-                    num_gpu_blocks=8, num_cpu_blocks=12)
-    run = rel_run_plan(plan)
+    plan = plan_of(FUZZ_FULL_A, ("drain",), ("reset_gpu",), ("add", 1, 16, (), 8), ("step", 2),
+                   FUZZ_FULL_A, ("step", 1), last_op,
+                   num_gpu_blocks=8, num_cpu_blocks=12)
+    run = run_plan(plan)
     assert getattr(run.log, reached) == 1
 
 
-def test_rel_preemption_while_stores_are_in_flight():
+def test_preemption_while_stores_are_in_flight():
     """Three long decodes outgrow 7 GPU blocks: a request is preempted while its stores are still
     unreported; its blocks stay pinned by the stores (not reused by the others) until they
     complete."""
-    plan = rel_plan(("add", 0, 12, (), 10), ("add", 1, 12, (), 10), ("add", 0, 8, (7,), 10),
-                    ("step", 6),
-                    faults=RelFaults(store_delay=2, load_delay=1, seed=1),
-                    num_gpu_blocks=8, budget=4)
-    run = rel_run_plan(plan)
+    plan = plan_of(("add", 0, 12, (), 10), ("add", 1, 12, (), 10), ("add", 0, 8, (7,), 10),
+                   ("step", 6),
+                   faults=Faults(store_delay=2, load_delay=1, seed=1),
+                   num_gpu_blocks=8, budget=4)
+    run = run_plan(plan)
     assert run.log.preempted_while_storing >= 1
 
 
-@pytest.mark.parametrize("device", REL_DEVICES)
-def test_rel_world_size_2_one_worker_lags(device):
+@pytest.mark.parametrize("device", FUZZ_DEVICES)
+def test_world_size_2_one_worker_lags(device):
     """Worker 1 holds its store reports: every store event waits at a count of 1 of 2 until it
     catches up, across a reset too."""
-    plan = rel_plan(("hold", 1), REL_FULL_A, ("step", 4), ("reset",), ("step", 1), ("release", 1),
-                    REL_FULL_A, world_size=2, device=device)
-    run = rel_run_plan(plan)
+    plan = plan_of(("hold", 1), FUZZ_FULL_A, ("step", 4), ("reset",), ("step", 1), ("release", 1),
+                   FUZZ_FULL_A, world_size=2, device=device)
+    run = run_plan(plan)
     assert run.log.partial_counts >= 1
     assert run.log.resets_refused == 1
     assert run.log.stale_reports >= 1
 
 
-def test_rel_duplicate_and_stale_reports_are_ignored():
-    plan = rel_plan(REL_FULL_A, ("step", 2), ("reset",), REL_FULL_B, ("drain",), ("reset_gpu",),
-                    REL_FULL_A, faults=RelFaults(dup=True, store_delay=1, load_delay=1, seed=3))
-    run = rel_run_plan(plan)
+def test_duplicate_and_stale_reports_are_ignored():
+    plan = plan_of(FUZZ_FULL_A, ("step", 2), ("reset",), FUZZ_FULL_B, ("drain",), ("reset_gpu",),
+                   FUZZ_FULL_A, faults=Faults(dup=True, store_delay=1, load_delay=1, seed=3))
+    run = run_plan(plan)
     assert run.log.duplicate_reports >= 1 and run.log.ignored_reports >= 1
 
 
-def test_rel_one_block_cpu_pool():
+def test_one_block_cpu_pool():
     """A CPU pool of one usable block: every store evicts the previous one; still exact."""
-    plan = rel_plan(REL_FULL_A, REL_FULL_B, ("drain",), ("reset_gpu",), REL_FULL_A,
-                    ("add", 0, 4, (9,), 2),
-                    num_cpu_blocks=2, faults=RelFaults(store_delay=1, seed=2))
-    run = rel_run_plan(plan)
+    plan = plan_of(FUZZ_FULL_A, FUZZ_FULL_B, ("drain",), ("reset_gpu",), FUZZ_FULL_A,
+                   ("add", 0, 4, (9,), 2),
+                   num_cpu_blocks=2, faults=Faults(store_delay=1, seed=2))
+    run = run_plan(plan)
     assert run.log.cpu_evictions >= 1
 
 
@@ -3759,7 +3760,7 @@ def test_rel_one_block_cpu_pool():
 # CPU caches (a load) and then waits, holding 6 blocks, for room to compute the rest; r2 needs a
 # 4th block, none is free, r2 preempts itself and is queued *ahead* of r3. Now r2 needs 4 blocks,
 # 3 are free, and r3 never gets its turn. The fix: requests that hold blocks are admitted first.
-REL_RB1_PLAN = RelPlan(
+FUZZ_RB1_PLAN = Plan(
     ops=(("add", 0, 28, (0, 0, 0, 0, 0), 1), ("abort", 0), ("add", 0, 28, (), 1),
          ("add", 1, 28, (0,), 3), ("step", 1), ("add", 0, 28, (), 1)),
     bases=((0, 31, 13, 32, 0, 0, 0, 33, 25, 35, 40, 31, 29, 23, 30, 22, 0, 32, 38, 27, 0, 12, 29,
@@ -3768,45 +3769,45 @@ REL_RB1_PLAN = RelPlan(
     num_gpu_blocks=10, num_cpu_blocks=12, budget=2)
 
 
-def test_rel_regression_rb1_preempted_head_blocks_loaded_request():
+def test_regression_rb1_preempted_head_blocks_loaded_request():
     """RB-1's plan: r3 repeats r1's prompt and hits on CPU while r2 decodes. Found as a stall:
     r3 held part of its prompt's blocks after its load, r2 grew, was preempted and queued ahead
     of r3. Since issue 19 an accepted load holds blocks for the whole prompt (7 of the 9), so r3
     waits for room before it loads and r2 is not preempted; the run finishes, r3 finding 16
     tokens on the GPU and 8 on CPU (6 of its 7 blocks: the last token is always recomputed).
     (test_engine_admission_never_stalls keeps a preempted request ahead of a landed load.)"""
-    run = rel_run_plan(REL_RB1_PLAN, max_steps=300)
+    run = run_plan(FUZZ_RB1_PLAN, max_steps=300)
     stats = run.engine.stats["r3"]
     assert run.log.preemptions == 0 and (stats.gpu_hit_tokens, stats.cpu_hit_tokens) == (16, 8)
 
 
-def test_rel_regression_a_landed_load_is_progress():
+def test_regression_a_landed_load_is_progress():
     """Found by the generator in the stall detector itself: r3 is the only request, looks up,
     loads 4 tokens and has its load reported all within one step; the waiting queue looks the
     same before and after, but the step made progress (r3 now holds its blocks), so it is not a
     stall. (4 GPU blocks, budget 2: r3 then computes 2 tokens a step.)"""
-    plan = RelPlan(ops=(("add", 0, 28, (), 1), ("add", 0, 28, (), 1), ("drain",), ("reset_gpu",),
+    plan = Plan(ops=(("add", 0, 28, (), 1), ("add", 0, 28, (), 1), ("drain",), ("reset_gpu",),
                         ("add", 0, 28, (), 1), ("step", 1), ("abort", 0), ("reset_gpu",),
                         ("add", 0, 28, (), 1)),
                    bases=((0,) * 8,), num_gpu_blocks=4, num_cpu_blocks=2, budget=2)
-    run = rel_run_plan(plan)
+    run = run_plan(plan)
     assert run.engine.stats["r3"].cpu_hit_tokens == 4
 
 
-def test_rel_rb1_minimal_engine_run_finishes():
+def test_rb1_minimal_engine_run_finishes():
     """RB-1 (fixed) without the test harness: 9 usable GPU blocks, budget 2. 'a' (28 tokens) is
     stored as it runs; 'b' (11 tokens, 3 outputs) follows; 'c' repeats a's prompt and, once its
     GPU hit plus a CPU load land, waits holding 6 blocks. 'b' grows into a 4th block, finds none
     free, preempts itself and is queued ahead of 'c': it needs 4 blocks, 3 are free, and 'c'
     never ran. Every request fits the pool on its own, so run() must finish."""
-    e = ko.MiniEngine(10, REL_BS, 2, ko.ToyModel(**REL_MODEL),
-                      ko.SimpleCPUOffloadScheduler(12, REL_BS),
+    e = ko.MiniEngine(10, FUZZ_BS, 2, ko.ToyModel(**FUZZ_MODEL),
+                      ko.SimpleCPUOffloadScheduler(12, FUZZ_BS),
                       ko.SimpleCPUOffloadWorker(12))
     prompt = list(range(1, 29))
-    e.add_request(ko.Request("a", prompt, REL_BS))
-    e.add_request(ko.Request("b", [0] * 11, REL_BS, max_tokens=3))
+    e.add_request(ko.Request("a", prompt, FUZZ_BS))
+    e.add_request(ko.Request("b", [0] * 11, FUZZ_BS, max_tokens=3))
     e.step()
-    e.add_request(ko.Request("c", prompt, REL_BS))
+    e.add_request(ko.Request("c", prompt, FUZZ_BS))
     try:
         stats = e.run(max_steps=500)
     except RuntimeError:
@@ -3823,7 +3824,7 @@ def test_rel_rb1_minimal_engine_run_finishes():
 # leave a full snapshot of every object unchanged, and leave a world that still finishes its
 # work and serves exact KV from CPU afterwards.
 
-def rel_plain(x):
+def plain_state(x):
     """A comparable, plain copy of (nested) state: tensors as bytes, blocks and requests by their
     defining fields, dicts in insertion order, sets sorted."""
     if isinstance(x, torch.Tensor):
@@ -3835,19 +3836,20 @@ def rel_plain(x):
     if isinstance(x, ko.Request):
         return ("request", x.request_id, x.num_computed_tokens, tuple(x.all_token_ids),
                 len(x.block_hashes))
-    if isinstance(x, (ko.BlockPool, RelProxy, ko.SimpleCPUOffloadScheduler,
+    if isinstance(x, (ko.BlockPool, FaultProxy, ko.SimpleCPUOffloadScheduler,
                       ko.SimpleCPUOffloadWorker, ko.MiniEngine, ko.ToyModel)):
         return (type(x).__name__, id(x))  # snapshotted on their own
     if isinstance(x, DeferredCopyEngine):  # queued copies and the random state that runs them
         return ("copy engine", x.rng.getstate(), tuple((len(s.ops), s.num_done) for s in x.streams))
     if is_dataclass(x) and not isinstance(x, type):
-        return (type(x).__name__, tuple((f.name, rel_plain(getattr(x, f.name))) for f in fields(x)))
+        return (type(x).__name__,
+                tuple((f.name, plain_state(getattr(x, f.name))) for f in fields(x)))
     if isinstance(x, dict):
-        return ("dict", tuple((rel_plain(k), rel_plain(v)) for k, v in x.items()))
+        return ("dict", tuple((plain_state(k), plain_state(v)) for k, v in x.items()))
     if isinstance(x, (list, tuple)):
-        return (type(x).__name__, tuple(rel_plain(v) for v in x))
+        return (type(x).__name__, tuple(plain_state(v) for v in x))
     if isinstance(x, (set, frozenset)):
-        return ("set", tuple(sorted((rel_plain(v) for v in x), key=repr)))
+        return ("set", tuple(sorted((plain_state(v) for v in x), key=repr)))
     if x is None or isinstance(x, (bool, int, float, str, bytes)):
         return x
     if isinstance(x, (torch.device, torch.dtype)):
@@ -3855,11 +3857,11 @@ def rel_plain(x):
     return ("opaque", type(x).__name__)  # streams, events
 
 
-def rel_snapshot(world) -> dict:
+def world_snapshot(world) -> dict:
     """Everything a bad call could change: both pools, the KV caches and CPU mirrors, every
     attribute of the connector, the worker and the engine, the requests, and the spare
     connector and worker that some calls are given (a failed constructor must not bind them)."""
-    eng, conn, worker = world.engine, world.conn, rel_unwrap(world.worker)
+    eng, conn, worker = world.engine, world.conn, unwrap_proxy(world.worker)
     skip_engine = {"model", "connector", "workers", "gpu_block_pool", "kv_caches", "_t_arrival"}
     worker_bound = all(worker.gpu_kv_caches[f"{n}.{kv}"].data_ptr()
                        == eng.kv_caches[n][i].data_ptr()
@@ -3867,20 +3869,20 @@ def rel_snapshot(world) -> dict:
     return {
         "gpu": pool_state(eng.gpu_block_pool),
         "cpu": pool_state(conn.cpu_block_pool),
-        "kv": rel_plain(eng.kv_caches),
-        "connector": rel_plain({k: v for k, v in vars(conn).items()
+        "kv": plain_state(eng.kv_caches),
+        "connector": plain_state({k: v for k, v in vars(conn).items()
                                 if k not in ("cpu_block_pool", "_gpu_block_pool")}),
         "connector binding": conn._gpu_block_pool is eng.gpu_block_pool,
-        "worker": rel_plain({k: v for k, v in vars(worker).items() if k != "gpu_caches"}),
+        "worker": plain_state({k: v for k, v in vars(worker).items() if k != "gpu_caches"}),
         "worker binding": worker_bound,
-        "engine": rel_plain({k: v for k, v in vars(eng).items() if k not in skip_engine}),
-        "requests": rel_plain(world.requests),
-        "spares": (rel_plain(vars(world.spare_conn)), pool_state(world.spare_conn.cpu_block_pool),
-                   rel_plain(vars(world.spare_worker))),
+        "engine": plain_state({k: v for k, v in vars(eng).items() if k not in skip_engine}),
+        "requests": plain_state(world.requests),
+        "spares": (plain_state(vars(world.spare_conn)), pool_state(world.spare_conn.cpu_block_pool),
+                   plain_state(vars(world.spare_worker))),
     }
 
 
-def rel_world(device: str = "cpu"):
+def bad_call_world(device: str = "cpu"):
     """A small engine mid-flight, the state every bad call must leave alone (18 GPU blocks of 4
     tokens, 8 CPU blocks, budget 8): 'a' (13 tokens) finished and its 3 full blocks are on CPU
     (and cached free on GPU); 'b' runs, with a store event sent whose report the worker holds;
@@ -3888,22 +3890,23 @@ def rel_world(device: str = "cpu"):
     calls: 'c' holds a CPU lookup pin of 12 tokens and 4 new GPU blocks, 'd' took its hit into 4
     new GPU blocks (a load registered, not sent yet). Spares: a connector of world_size 2 and a
     worker, never bound."""
-    model = ko.ToyModel(**REL_MODEL)
-    conn = ko.SimpleCPUOffloadScheduler(8, REL_BS)
-    worker = RelFaultyWorker(make_worker(8, device), RelFaults(), random.Random(0), RelLog(), 1)
-    eng = ko.MiniEngine(18, REL_BS, 8, model, conn, worker, capture_kv=True)
+    model = ko.ToyModel(**FUZZ_MODEL)
+    conn = ko.SimpleCPUOffloadScheduler(8, FUZZ_BS)
+    worker = FaultyWorker(make_worker(8, device), Faults(), random.Random(0), RunLog(), 1)
+    eng = ko.MiniEngine(18, FUZZ_BS, 8, model, conn, worker, capture_kv=True)
     worker._rel_engine = eng
-    a = ko.Request("a", list(range(1, 14)), REL_BS, max_tokens=2)
+    a = ko.Request("a", list(range(1, 14)), FUZZ_BS, max_tokens=2)
     eng.add_request(a)
     while eng.has_unfinished_work():
         eng.step()
-    worker.rel_hold = True
-    b = ko.Request("b", list(range(20, 31)), REL_BS, max_tokens=4)
+    worker.hold_reports = True
+    b = ko.Request("b", list(range(20, 31)), FUZZ_BS, max_tokens=4)
     eng.add_request(b)
     eng.step()
     eng.step()
     assert conn._store_event_to_blocks, "world: b's store should be in flight"
-    c, d = ko.Request("c", list(range(1, 14)), REL_BS), ko.Request("d", list(range(1, 14)), REL_BS)
+    c = ko.Request("c", list(range(1, 14)), FUZZ_BS)
+    d = ko.Request("d", list(range(1, 14)), FUZZ_BS)
     for r in (c, d):
         assert conn.get_num_new_matched_tokens(r, 0) == (12, True)
     c_blocks, d_blocks = eng.gpu_block_pool.get_new_blocks(4), eng.gpu_block_pool.get_new_blocks(4)
@@ -3913,11 +3916,11 @@ def rel_world(device: str = "cpu"):
                            a=a, b=b, c=c, c_blocks=c_blocks, d=d, d_blocks=d_blocks,
                            requests={"a": a, "b": b, "c": c, "d": d},
                            live_event=next(iter(conn._store_event_to_blocks)),
-                           spare_conn=ko.SimpleCPUOffloadScheduler(8, REL_BS, world_size=2),
+                           spare_conn=ko.SimpleCPUOffloadScheduler(8, FUZZ_BS, world_size=2),
                            spare_worker=ko.SimpleCPUOffloadWorker(8))
 
 
-def rel_world_finish(w) -> None:
+def bad_call_world_finish(w) -> None:
     """The world after a rejected call still works: c takes the hit its pin holds (refused if the
     pin were gone) and, like d, is aborted before its load is sent; b's held report is released
     and the engine runs to idle; then, the GPU cache dropped, a's prompt is served from CPU with
@@ -3926,16 +3929,16 @@ def rel_world_finish(w) -> None:
     for req, blocks in ((w.c, w.c_blocks), (w.d, w.d_blocks)):
         w.conn.request_finished(req, [])
         w.gpu.free_blocks(reversed(blocks))
-    w.worker.rel_release()
+    w.worker.release_reports()
     w.engine.run()
     assert w.engine.reset_gpu_prefix_cache()
-    again = ko.Request("a again", list(w.a.prompt_token_ids), REL_BS)
+    again = ko.Request("a again", list(w.a.prompt_token_ids), FUZZ_BS)
     w.engine.add_request(again)
     stats = w.engine.run()["a again"]
     assert stats.cpu_hit_tokens == 12
     assert torch.equal(stats.kv, w.model.expected_kv(again.prompt_token_ids))
     check_invariants(w.engine, [*w.requests.values(), again], allow_stale_store_counts=True)
-    rel_check_idle(w.engine, allow_stale_store_counts=True)
+    check_idle(w.engine, allow_stale_store_counts=True)
 
 
 def _free_cached_gpu_block(w):  # a ref-0 block that is still cached (a's prompt)
@@ -3960,7 +3963,7 @@ def _bind_and(meta, copy: str):
     (start_load_kv / wait_for_save); nothing may be recorded, or the rejected event is later
     reported complete (RB-8)."""
     def call(w):
-        worker = rel_unwrap(w.worker)
+        worker = unwrap_proxy(w.worker)
         worker.bind_connector_metadata(meta)
         getattr(worker, copy)()
     return call
@@ -3982,18 +3985,18 @@ def _register(caches, num_gpu_blocks, block_dim=0):
 
 def _request_of_another_engine(w):
     """A request added to a second, spare engine (it may run only there)."""
-    other = ko.MiniEngine(14, REL_BS, 8, w.model)
-    req = ko.Request("z", [5, 6, 7], REL_BS)
+    other = ko.MiniEngine(14, FUZZ_BS, 8, w.model)
+    req = ko.Request("z", [5, 6, 7], FUZZ_BS)
     other.add_request(req)
     return req
 
 
-def _engine(num_gpu_blocks=14, block_size=REL_BS, budget=8, *, conn="live", worker="spare"):
+def _engine(num_gpu_blocks=14, block_size=FUZZ_BS, budget=8, *, conn="live", worker="spare"):
     """MiniEngine(...) built from the world's parts: the live ones or the spares."""
     def call(w):
         connector = {"live": w.conn, "spare": w.spare_conn,
-                     "fresh": ko.SimpleCPUOffloadScheduler(8, REL_BS)}[conn]
-        workers = {"live": rel_unwrap(w.worker), "spare": w.spare_worker,
+                     "fresh": ko.SimpleCPUOffloadScheduler(8, FUZZ_BS)}[conn]
+        workers = {"live": unwrap_proxy(w.worker), "spare": w.spare_worker,
                    "two spares": [w.spare_worker, ko.SimpleCPUOffloadWorker(8)],
                    "6 CPU blocks": ko.SimpleCPUOffloadWorker(6)}[worker]
         return ko.MiniEngine(num_gpu_blocks, block_size, budget, w.model, connector, workers)
@@ -4021,23 +4024,23 @@ BAD_CALLS = [
     ("pool", "free_blocks(in use, twice): double free",
      lambda w: w.gpu.free_blocks([_in_use_gpu_block(w)] * 3), _V,
      r"block \d+ is freed 3 times with \d refs \(a double free\)"),
-    ("pool", "BlockPool(0 blocks)", lambda w: ko.BlockPool(0, True, REL_BS),
+    ("pool", "BlockPool(0 blocks)", lambda w: ko.BlockPool(0, True, FUZZ_BS),
      _V, r"num_gpu_blocks must be an int in \[1, 4194304\], got 0"),
-    ("pool", "BlockPool(10**9 blocks)", lambda w: ko.BlockPool(10 ** 9, True, REL_BS),
+    ("pool", "BlockPool(10**9 blocks)", lambda w: ko.BlockPool(10 ** 9, True, FUZZ_BS),
      _V, r"num_gpu_blocks must be an int in \[1, 4194304\], got 1000000000"),
-    ("pool", "BlockPool(14.0 blocks)", lambda w: ko.BlockPool(14.0, True, REL_BS),
+    ("pool", "BlockPool(14.0 blocks)", lambda w: ko.BlockPool(14.0, True, FUZZ_BS),
      _T, r"num_gpu_blocks must be an int, got 14\.0"),
-    ("pool", "BlockPool(True blocks)", lambda w: ko.BlockPool(True, True, REL_BS),
+    ("pool", "BlockPool(True blocks)", lambda w: ko.BlockPool(True, True, FUZZ_BS),
      _T, r"num_gpu_blocks must be an int, got True"),
     ("pool", "BlockPool(hash_block_size NaN)", lambda w: ko.BlockPool(14, True, NAN),
      _T, r"hash_block_size must be an int, got nan"),
-    ("pool", "BlockPool(enable_caching 'no')", lambda w: ko.BlockPool(14, "no", REL_BS),
+    ("pool", "BlockPool(enable_caching 'no')", lambda w: ko.BlockPool(14, "no", FUZZ_BS),
      _T, r"enable_caching must be bool, got 'no'"),
     # --- manager: the one engine-facing check, then what a person calls
     ("manager", "update_state_after_alloc(more than the hit)", _alloc_c(16),
      _V, r"num_external_tokens=16 exceeds the CPU hit of 12"),
     ("manager", "bind_gpu_block_pool(another pool while b's store is in flight)",
-     lambda w: w.conn.bind_gpu_block_pool(ko.BlockPool(14, True, REL_BS)), _V,
+     lambda w: w.conn.bind_gpu_block_pool(ko.BlockPool(14, True, FUZZ_BS)), _V,
      r"bind_gpu_block_pool: this connector serves another GPU pool"),
     ("manager", "bind_gpu_block_pool(None)", lambda w: w.conn.bind_gpu_block_pool(None),
      _T, r"gpu_block_pool must be BlockPool, got None"),
@@ -4050,27 +4053,27 @@ BAD_CALLS = [
         dict(block_size=32, hash_block_size=16, group_block_sizes=[16, 64]),  # group > block
         dict(block_size=32, hash_block_size=16, group_block_sizes=[8]),  # hash does not divide it
         dict(block_size=8, hash_block_size=2, group_block_sizes=[8, 6]),  # block size not their LCM
-        dict(block_size=REL_BS, hash_block_size=3)]],
+        dict(block_size=FUZZ_BS, hash_block_size=3)]],
     ("manager", "SimpleCPUOffloadScheduler(world_size 0)",
-     lambda w: ko.SimpleCPUOffloadScheduler(8, REL_BS, world_size=0),
+     lambda w: ko.SimpleCPUOffloadScheduler(8, FUZZ_BS, world_size=0),
      _V, r"world_size must be an int in \[1, inf\], got 0"),
     ("manager", "SimpleCPUOffloadScheduler(world_size 2.5)",
-     lambda w: ko.SimpleCPUOffloadScheduler(8, REL_BS, world_size=2.5),
+     lambda w: ko.SimpleCPUOffloadScheduler(8, FUZZ_BS, world_size=2.5),
      _T, r"world_size must be an int, got 2\.5"),
     ("manager", "SimpleCPUOffloadScheduler(block_size 4.0)",
      lambda w: ko.SimpleCPUOffloadScheduler(8, 4.0),
      _T, r"block_size must be an int, got 4\.0"),
     ("manager", "SimpleCPUOffloadScheduler(1 CPU block)",
-     lambda w: ko.SimpleCPUOffloadScheduler(1, REL_BS),
+     lambda w: ko.SimpleCPUOffloadScheduler(1, FUZZ_BS),
      _V, r"num_cpu_blocks must be an int in \[2, 4194304\], got 1"),
     ("manager", "SimpleCPUOffloadScheduler(group_block_sizes [])",
-     lambda w: ko.SimpleCPUOffloadScheduler(8, REL_BS, group_block_sizes=[]),
+     lambda w: ko.SimpleCPUOffloadScheduler(8, FUZZ_BS, group_block_sizes=[]),
      _V, r"group_block_sizes is empty"),
     ("manager", "PreFixCPUOffloadScheduler(registration_bug 1)",
-     lambda w: ko.PreFixCPUOffloadScheduler(8, REL_BS, registration_bug=1),
+     lambda w: ko.PreFixCPUOffloadScheduler(8, FUZZ_BS, registration_bug=1),
      _T, r"registration_bug must be bool, got 1"),
     ("manager", "PreFixCPUOffloadScheduler(registration_bug and skip_reset_hash)",
-     lambda w: ko.PreFixCPUOffloadScheduler(8, REL_BS, skip_reset_hash=True),
+     lambda w: ko.PreFixCPUOffloadScheduler(8, FUZZ_BS, skip_reset_hash=True),
      _V, r"skip_reset_hash=True needs registration_bug=False"),
     # --- copy worker: the engine-facing check of a step's metadata (bind, then the copy)
     _copy_row("unequal id counts", [1, 2], [1], _V, r"store: 2 source ids but 1 destination ids"),
@@ -4083,7 +4086,7 @@ BAD_CALLS = [
     # --- copy worker: registration and construction
     # its zeroed mirrors were served (review defect)
     ("worker", "register_kv_caches(a second time)",
-     lambda w: rel_unwrap(w.worker).register_kv_caches(w.engine.kv_caches, 18, 1), _V,
+     lambda w: unwrap_proxy(w.worker).register_kv_caches(w.engine.kv_caches, 18, 1), _V,
      r"already registered"),
     ("worker", "register_kv_caches(wrong block count)",
      _register(lambda: {"x": torch.zeros(5, 4)}, 14),
@@ -4127,14 +4130,14 @@ BAD_CALLS = [
     ("engine", "abort_request(finished request)", lambda w: w.engine.abort_request("a"),
      _V, r"unknown or finished request id 'a'"),
     ("engine", "add_request(reused id)",
-     lambda w: w.engine.add_request(ko.Request("a", [5, 6, 7], REL_BS)),
+     lambda w: w.engine.add_request(ko.Request("a", [5, 6, 7], FUZZ_BS)),
      _V, r"request id 'a' is already in use"),
     ("engine", "add_request(hash_block_size mismatch)",
      lambda w: w.engine.add_request(ko.Request("z", [5, 6, 7], 2)),
      _V, r"request hash_block_size 2 != engine's 4"),
     # accepted; run() spun to 'no progress'
     ("engine", "add_request(longer than the GPU pool) (RB-7)",
-     lambda w: w.engine.add_request(ko.Request("big", list(range(80)), REL_BS)),
+     lambda w: w.engine.add_request(ko.Request("big", list(range(80)), FUZZ_BS)),
      _V, r"'big' needs more GPU blocks than the pool has"),
     ("engine", "add_request(None)", lambda w: w.engine.add_request(None),
      _T, r"request must be Request, got None"),
@@ -4147,7 +4150,7 @@ BAD_CALLS = [
     ("engine", "MiniEngine(block size mismatch)", _engine(block_size=8),
      _V, r"connector block sizes \[4\] do not match"),
     ("engine", "MiniEngine(a worker, no connector)",
-     lambda w: ko.MiniEngine(14, REL_BS, 8, w.model, None, w.spare_worker),
+     lambda w: ko.MiniEngine(14, FUZZ_BS, 8, w.model, None, w.spare_worker),
      _V, r"a worker needs a connector"),
     ("engine", "MiniEngine(worker and connector CPU sizes disagree)",
      _engine(conn="fresh", worker="6 CPU blocks"),
@@ -4164,15 +4167,15 @@ BAD_CALLS = [
     ("engine", "MiniEngine(a new worker on the live connector)",
      _engine(), _V, r"this connector serves another GPU pool"),
     ("engine", "MiniEngine(one worker listed twice)",
-     lambda w: ko.MiniEngine(14, REL_BS, 8, w.model, ko.SimpleCPUOffloadScheduler(
-         8, REL_BS, world_size=2), [w.spare_worker, w.spare_worker]),
+     lambda w: ko.MiniEngine(14, FUZZ_BS, 8, w.model, ko.SimpleCPUOffloadScheduler(
+         8, FUZZ_BS, world_size=2), [w.spare_worker, w.spare_worker]),
      _V, r"the same worker is listed twice"),
     ("engine", "add_request(a request live in this engine)", lambda w: w.engine.add_request(w.b),
      _V, r"request id 'b' is already in use"),
     ("engine", "add_request(a request that ran in another engine)",
      lambda w: w.engine.add_request(_request_of_another_engine(w)),
      _V, r"was added to another engine"),
-    ("engine", "Request(None, ...)", lambda w: ko.Request(None, [1], REL_BS),
+    ("engine", "Request(None, ...)", lambda w: ko.Request(None, [1], FUZZ_BS),
      _T, r"request_id must be str, got None"),
     ("engine", "ToyModel(dtype 'float16')", lambda w: ko.ToyModel(1, 1, 4, dtype="float16"),
      _T, r"dtype must be dtype, got 'float16'"),
@@ -4183,7 +4186,7 @@ BAD_CALLS = [
     ("engine", "run_story(prompt_tokens -5)", lambda w: ko.run_story(prompt_tokens=-5),
      _V, r"prompt_tokens must be an int in \[1, inf\], got -5"),
     ("engine", "offload_prompt(a prompt shorter than a block)",
-     lambda w: ko.offload_prompt(ko.SimpleCPUOffloadScheduler(8, REL_BS), [1, 2], REL_BS),
+     lambda w: ko.offload_prompt(ko.SimpleCPUOffloadScheduler(8, FUZZ_BS), [1, 2], FUZZ_BS),
      _V, r"prompt has 2 tokens: no full block of 4 to store"),
     ("engine", "bench_manager(16, 16, 16)", lambda w: ko.bench_manager(16, 16, 16),
      _V, r"prompt_tokens must be an int in \[32, \d+\], got 16"),
@@ -4200,23 +4203,23 @@ BAD_CALLS = [
      _V, r"num_layers must be an int in \[1, inf\], got 0"),
     ("engine", "ToyModel(head_dim 2.5)", lambda w: ko.ToyModel(1, 1, 2.5),
      _T, r"head_dim must be an int, got 2\.5"),
-    ("engine", "Request(empty prompt)", lambda w: ko.Request("e", [], REL_BS),
+    ("engine", "Request(empty prompt)", lambda w: ko.Request("e", [], FUZZ_BS),
      _V, r"request 'e': prompt_token_ids is empty"),
-    ("engine", "Request(max_tokens 0)", lambda w: ko.Request("e", [1], REL_BS, max_tokens=0),
+    ("engine", "Request(max_tokens 0)", lambda w: ko.Request("e", [1], FUZZ_BS, max_tokens=0),
      _V, r"max_tokens must be an int in \[1, inf\], got 0"),
-    ("engine", "Request(max_tokens inf)", lambda w: ko.Request("e", [1], REL_BS, max_tokens=INF),
+    ("engine", "Request(max_tokens inf)", lambda w: ko.Request("e", [1], FUZZ_BS, max_tokens=INF),
      _T, r"max_tokens must be an int, got inf"),
-    ("engine", "Request(max_tokens NaN)", lambda w: ko.Request("e", [1], REL_BS, max_tokens=NAN),
+    ("engine", "Request(max_tokens NaN)", lambda w: ko.Request("e", [1], FUZZ_BS, max_tokens=NAN),
      _T, r"max_tokens must be an int, got nan"),
     ("engine", "Request(hash_block_size 4.0)", lambda w: ko.Request("e", [1], 4.0),
      _T, r"hash_block_size must be an int, got 4\.0"),
-    ("engine", "Request(token id 1.5)", lambda w: ko.Request("e", [1, 1.5], REL_BS),
+    ("engine", "Request(token id 1.5)", lambda w: ko.Request("e", [1, 1.5], FUZZ_BS),
      _T, r"token id 1\.5 at index 1 is not an int"),
-    ("engine", "Request(token id NaN)", lambda w: ko.Request("e", [NAN], REL_BS),
+    ("engine", "Request(token id NaN)", lambda w: ko.Request("e", [NAN], FUZZ_BS),
      _T, r"token id nan at index 0 is not an int"),
-    ("engine", "Request(token id '7')", lambda w: ko.Request("e", ["7"], REL_BS),
+    ("engine", "Request(token id '7')", lambda w: ko.Request("e", ["7"], FUZZ_BS),
      _T, r"token id '7' at index 0 is not an int"),
-    ("engine", "Request(token id -1)", lambda w: ko.Request("e", [-1], REL_BS),
+    ("engine", "Request(token id -1)", lambda w: ko.Request("e", [-1], FUZZ_BS),
      _V, r"token id -1 at index 0 is outside \[0, 2\*\*63\)"),
     ("engine", "request.append_output_token_ids(1.5) on a running request",
      lambda w: w.b.append_output_token_ids([3, 1.5]), _T,
@@ -4230,14 +4233,14 @@ BAD_CALLS = [
     for layer, name, call, exc, match in BAD_CALLS
     for device in (("cpu", "deferred") if layer == "worker" else ("cpu",))])
 def test_bad_call_raises_and_changes_nothing(device, call, exc, match):
-    world = rel_world(device)
-    before = rel_snapshot(world)
+    world = bad_call_world(device)
+    before = world_snapshot(world)
     with pytest.raises(exc, match=match):
         call(world)
-    after = rel_snapshot(world)
+    after = world_snapshot(world)
     changed = [k for k in before if before[k] != after[k]]
     assert not changed, f"the failed call changed: {changed}"
-    rel_world_finish(world)
+    bad_call_world_finish(world)
 
 
 def test_bad_call_catalogue_covers_every_layer():
@@ -4248,16 +4251,16 @@ def test_bad_call_catalogue_covers_every_layer():
 
 # ---- 2.7 Module bugs found here, now fixed (see the RB-n legend in Part 2) -----------------------
 
-def rel_harness(world_size=1) -> Harness:
-    """The manager harness of Part 1 with blocks of REL_BS tokens, 19 GPU and 9 CPU blocks."""
-    return Harness(num_cpu_blocks=10, num_gpu_blocks=20, block_size=REL_BS, world_size=world_size)
+def fault_harness(world_size=1) -> Harness:
+    """The manager harness of Part 1 with blocks of FUZZ_BS tokens, 19 GPU and 9 CPU blocks."""
+    return Harness(num_cpu_blocks=10, num_gpu_blocks=20, block_size=FUZZ_BS, world_size=world_size)
 
 
-def test_rel_repeated_report_of_a_finished_store_is_kept_until_reset():  # RB-3: vLLM parity
+def test_repeated_report_of_a_finished_store_is_kept_until_reset():  # RB-3: vLLM parity
     """world_size 2: a late repeat of an already completed store event is counted and kept, as
     vLLM 0.34 keeps it (update_connector_output sums counts per event id, and event ids are never
     reused, so it can never complete anything); reset() drops it. Nothing is cached twice."""
-    h = rel_harness(world_size=2)
+    h = fault_harness(world_size=2)
     req = h.request(tokens=list(range(8)) + [99], rid="a")
     _, (table,) = h.schedule((req, 9), confirmed=False, lookup=True)
     event = h.step({"a": 1}).store_event
@@ -4271,7 +4274,7 @@ def test_rel_repeated_report_of_a_finished_store_is_kept_until_reset():  # RB-3:
 
 
 @pytest.mark.parametrize("direction", ["store", "load"])  # RB-8 (fixed), now SPEC §0's check
-def test_rel_rejected_copy_is_never_reported_complete(direction):
+def test_rejected_copy_is_never_reported_complete(direction):
     """The worker's one engine-facing check: blocks under event -1 would be copied and never
     reported (their pins leak). It raises before anything is recorded: the next good event is
     the only one reported complete."""
@@ -4387,7 +4390,7 @@ def test_engine_admission_never_stalls():  # issue 19
     assert stats["x"].cpu_hit_tokens == 6
     assert torch.equal(stats["x"].kv, model.expected_kv(x))
     assert [len(stats[r].output_token_ids) for r in ("r1", "p", "x")] == [5, 3, 1]
-    rel_check_idle(eng)
+    check_idle(eng)
 
 
 def test_worker_block_dim_is_given_not_guessed():  # issue 19
@@ -4413,13 +4416,13 @@ def test_worker_block_dim_is_given_not_guessed():  # issue 19
 
 # ---- 2.8 The checker checks: each planted corruption is caught -----------------------------------
 
-def rel_midflight():
+def midflight():
     """A run stopped mid-flight: A stored; the GPU cache dropped; B prefilling with a store whose
     report worker 0 holds; A again with a 16-token load whose report is held too."""
-    plan = rel_plan(REL_FULL_A, ("drain",), ("reset_gpu",), ("add", 1, 16, (), 4), ("step", 1),
-                    ("hold", 0), REL_FULL_A, ("step", 2), budget=12)
-    run = rel_build(plan)
-    rel_apply_ops(run, plan)
+    plan = plan_of(FUZZ_FULL_A, ("drain",), ("reset_gpu",), ("add", 1, 16, (), 4), ("step", 1),
+                   ("hold", 0), FUZZ_FULL_A, ("step", 2), budget=12)
+    run = build_plan_run(plan)
+    apply_plan_ops(run, plan)
     assert run.log.gpu_resets == 1, "the GPU prefix cache reset was refused"
     assert loading_requests(run.engine) and run.conn._store_event_to_blocks, (
         "mid-flight: a load and a store in flight")
@@ -4462,7 +4465,7 @@ def _plant_in_flight_gap(run):
 def _plant_corrupt_cpu_kv(run):
     cpu = run.conn.cpu_block_pool
     b = next(b for b in cpu.blocks if b.block_hash is not None)
-    rel_unwrap(run.workers[0]).cpu_kv_caches["layers.0.v"][b.block_id].add_(1)
+    unwrap_proxy(run.workers[0]).cpu_kv_caches["layers.0.v"][b.block_id].add_(1)
 
 
 def _plant_corrupt_gpu_kv(run):
@@ -4486,8 +4489,8 @@ def _plant_lost_load(run):
     (_plant_corrupt_gpu_kv, "KV differs from expected_kv"),
     (_plant_lost_load, "waits for a load the connector does not have|refs not accounted"),
 ])
-def test_rel_check_invariants_catches(plant, message):
-    run = rel_midflight()
+def test_check_invariants_catches(plant, message):
+    run = midflight()
     check_invariants(run.engine, run.requests.values())  # clean
     plant(run)
     with pytest.raises(AssertionError, match=message):
@@ -4496,21 +4499,21 @@ def test_rel_check_invariants_catches(plant, message):
 
 @pytest.mark.parametrize("part", ["gpu", "cpu", "kv", "connector", "worker", "engine",
                                   "requests", "spares"])
-def test_rel_snapshot_sees_every_part(part):
-    world = rel_world()
-    before = rel_snapshot(world)
+def test_snapshot_sees_every_part(part):
+    world = bad_call_world()
+    before = world_snapshot(world)
     change = {
         "gpu": lambda: world.gpu.free_block_queue.append_n([world.gpu.free_block_queue.popleft()]),
         "cpu": lambda: world.cpu.touch([world.cpu.blocks[1]]),
         "kv": lambda: world.engine.kv_caches["layers.0"][1, 3].add_(1),
         "connector": lambda: world.conn._in_flight_store_gpu_blocks.add(13),
-        "worker": lambda: rel_unwrap(world.worker).cpu_kv_caches["layers.0.k"][7].add_(1),
+        "worker": lambda: unwrap_proxy(world.worker).cpu_kv_caches["layers.0.k"][7].add_(1),
         "engine": lambda: world.engine.waiting.append(world.c),
         "requests": lambda: world.c.append_output_token_ids(5),
         "spares": lambda: world.spare_conn.bind_gpu_block_pool(world.gpu),
     }[part]
     change()
-    assert before[part] != rel_snapshot(world)[part]
+    assert before[part] != world_snapshot(world)[part]
 
 
 # ==================================================================================================
@@ -6159,4 +6162,4 @@ def test_manager_speed_against_vllm(pytestconfig):
                      f"{statistics.median(o) / statistics.median(v):11.2f}{paired:12.2f}")
     lines.append("ratio = ours/vLLM: of the minima, of the medians, and the median of the "
                  "per-round ratios")
-    rel_print(pytestconfig, "\n".join(lines))
+    print_now(pytestconfig, "\n".join(lines))
