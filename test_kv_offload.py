@@ -20,15 +20,37 @@ Contents (the file reads top to bottom in this order; each part and section has 
     1.7 Manager: store -> lookup -> load  1.15 End to end: the GPU check (--gpu-check)
     1.8 Manager: CPU pool                 1.16 The notebook and the README
   Part 2 — reliability
-    2.1 Invariants                        2.5 Failures the generator found
-    2.2 Fault injection                   2.6 The bad-input catalogue
-    2.3 Random schedules and the fuzz     2.7 Module bugs found here, now fixed
-    2.4 Scripted interleavings            2.8 The checker checks
-  Part 3 — the vLLM differential
-    3.1 Importing vLLM, comparing states  3.5 SimpleCPUOffloadScheduler
-    3.2 Hash chains with shared prefixes  3.6 The pre-fix variant diverges by its bugs
-    3.3 FreeKVCacheBlockQueue, BlockPool  3.7 The pre-fix variant against vLLM 0.29
-    3.4 find_longest_cache_hit            3.8 vLLM's own Scheduler: where "every lookup misses"
+    2.1 Invariants                        2.6 The bad-input catalogue (the person-facing surface)
+    2.2 Fault injection                   2.7 Module bugs found here, now fixed
+    2.3 Random schedules and the fuzz     2.8 The two contracts; legal use never stalls
+    2.4 Scripted interleavings            2.9 The checker checks
+    2.5 Failures the generator found
+  Part 3 — the vLLM differential (each test skips without vLLM)
+    3.1 Importing vLLM, comparing states  3.6 The pre-fix variant diverges by its bugs
+    3.2 Hash chains with shared prefixes  3.7 The pre-fix variant against vLLM 0.29
+    3.3 FreeKVCacheBlockQueue, BlockPool  3.8 vLLM's own Scheduler: where "every lookup misses"
+    3.4 find_longest_cache_hit            3.9 Speed against vLLM's manager (prints only)
+    3.5 SimpleCPUOffloadScheduler
+
+Map: each piece of kv_offload.py and the sections that test it
+
+  hash_block_tokens, make_block_hash_with_group_id, Request ........... 1.1, 3.2
+  KVCacheBlock, FreeKVCacheBlockQueue, BlockHashToBlockMap, BlockPool . 1.2, 2.6, 2.8, 3.3
+  find_longest_cache_hit ............................................... 1.3, 3.4
+  TransferMeta, SchedulerOutput, yield_req_data, the metadata ......... 1.6-1.10, 3.5
+  SimpleCPUOffloadScheduler
+    get_num_new_matched_tokens, update_state_after_alloc ............... 1.7, 1.9, 1.11, 2.4, 3.5
+    build_connector_meta, _select_eager_blocks_to_store ................ 1.7, 1.8, 1.10, 1.13, 3.5
+    update_connector_output, _process_store_completion ................. 1.7, 1.13, 2.2, 3.5, 3.6
+    request_finished_all_groups, _queue_finished_eager_store ........... 1.9, 1.13, 3.5
+    reset ............................................................... 1.12, 2.4, 3.5
+    the constructor, bind_gpu_block_pool ............................... 2.6, 2.8
+    prefix_aware_eviction (not in vLLM) ................................ 1.8, 2.3, 1.16
+  PreFixCPUOffloadScheduler (each PR test must fail on it) ............ 1.13, 1.14, 3.6, 3.7
+  SimpleCPUOffloadWorker ............................................... 1.4, 1.5, 2.6, 2.8, 2.9
+  ToyModel, MiniEngine, RequestStatus, RequestStats .................... 1.14, 2.1-2.5, 2.8
+  run_story, run_rotation, offload_prompt, the demo ................... 1.8, 1.14, 1.16, 2.6, 3.8
+  bench_manager, bench_copies, gpu_check, main ......................... 1.15, 1.16, 2.6, 3.9
 """
 from __future__ import annotations
 
@@ -4297,7 +4319,7 @@ def test_rejected_copy_is_never_reported_complete(direction):
     assert done == ({1} if direction == "store" else {"ok"}), f"reported complete: {done}"
 
 
-# ---- 2.7b The two contracts (SPEC §0), and legal use that never stalls ------------------------
+# ---- 2.8 The two contracts (SPEC §0), and legal use that never stalls -------------------------
 
 # What a scheduler and a model runner call: vLLM 0.34's contract, a trusted caller
 ENGINE_PROTOCOL = {
@@ -4414,7 +4436,7 @@ def test_worker_block_dim_is_given_not_guessed():  # issue 19
     assert torch.equal(cache[:, 1], original[:, 1]) and not cache[:, 0].any()
 
 
-# ---- 2.8 The checker checks: each planted corruption is caught -----------------------------------
+# ---- 2.9 The checker checks: each planted corruption is caught -----------------------------------
 
 def midflight():
     """A run stopped mid-flight: A stored; the GPU cache dropped; B prefilling with a store whose
