@@ -18,14 +18,13 @@ The two bugs (vLLM 0.29.0 is the last release with them; PR #53532 fixed both), 
 in PreFixCPUOffloadScheduler, which matches vLLM 0.29's manager step for step:
   1. registration: 0.29 stamped each CPU destination with the GPU block's primary hash at
      allocation and, when the copy completed, inserted that key straight into the CPU pool's
-     cached_block_hash_to_block dict, bypassing BlockPool._insert_block_hash(). Whole-block
-     lookups hit; the GPU block's fine-grained secondary hashes (cached_block_hashes_by_block)
-     were never copied, so a hit that needs one missed. Fix: register through
-     _insert_block_hash(), primary and every secondary. The PR's first version called
-     reset_hash() first: on a stamped block the method's first guard returns early and the
-     primary is lost -- the trap its comment warned about (`skip_reset_hash=True`). Review inside
-     the PR then dropped the stamp, and the merged fix (0.30+) has neither stamp nor reset_hash();
-     this module keeps the call, a no-op on an unstamped block.
+     map, bypassing BlockPool._insert_block_hash(). Whole-block lookups hit; the GPU block's
+     fine-grained secondary hashes were never copied, so a hit that needs one missed. Fix:
+     register through _insert_block_hash(), primary and every secondary. The PR's first version
+     called reset_hash() first: on a stamped block the method's first guard returns early and the
+     primary is lost (the trap, `skip_reset_hash=True`). Review inside the PR then dropped the
+     stamp, and the merged fix (0.30+) has neither stamp nor reset_hash(); this module keeps the
+     call, a no-op on an unstamped block.
   2. final flush: blocks confirmed in a request's last step(s) were never stored. Fix: queue them
      at finish (_pending_finished_stores) and merge them into the next store event.
 In production (the PR's write-up) a repeated 40K-token prompt went from a full recompute (27 s)
@@ -636,7 +635,6 @@ def find_longest_cache_hit(block_hashes: Sequence[bytes], max_length: int,
     `kv_cache_group_ids` at once: (blocks per group, hit tokens), vLLM's
     FullAttentionManager.find_longest_cache_hit. `block_hashes` is at hash_block_size
     granularity; the hit is rounded down to `alignment_tokens` (default: hash_block_size)."""
-
     hash_block_size = block_pool.hash_block_size
     if alignment_tokens is None:
         alignment_tokens = hash_block_size
@@ -648,7 +646,6 @@ def find_longest_cache_hit(block_hashes: Sequence[bytes], max_length: int,
     scale_factor = block_size // hash_block_size
     full_block_hashes = itertools.islice(block_hashes, scale_factor - 1, None, scale_factor)
     computed_blocks: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
-
     # Phase 1: longest run of cached full blocks from the start. A missing block implies every
     # later block misses too (the hashes chain).
     get_cached_block = block_pool.get_cached_block  # bound once: the CPU-hit hot path
@@ -662,7 +659,6 @@ def find_longest_cache_hit(block_hashes: Sequence[bytes], max_length: int,
         for computed, cached in zip(computed_blocks, cached_block):
             computed.append(cached)
     hit_length = len(computed_blocks[0]) * block_size
-
     # Phase 2 (fine-grained only): extend into the first block that missed by probing its
     # interior hash boundaries high to low (longest hit first). Only a secondary key can hit
     # there: a block's primary key is the hash at its end.
@@ -679,7 +675,6 @@ def find_longest_cache_hit(block_hashes: Sequence[bytes], max_length: int,
                 computed.append(cached)
             hit_length = (fine_idx + 1) * hash_block_size
             break
-
     # Round down to the alignment (a no-op when fine-grained: hits land on hash boundaries),
     # then trim the blocks past the new end
     hit_length -= hit_length % alignment_tokens
@@ -1366,7 +1361,6 @@ class SimpleCPUOffloadScheduler:
     def has_pending_loads(self) -> bool:
         """not in vLLM: True while an accepted load is not yet reported done, an aborted
         request's included (vLLM's scheduler tracks its WAITING_FOR_REMOTE_KVS requests)."""
-
         return bool(self._reqs_to_load or self._abandoned_reqs_to_load)
 
     def has_pending_push_work(self) -> bool:
@@ -1559,7 +1553,6 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
                 continue
             # the trap: the fix's calls without its reset_hash(). The stamped primary stops at
             # guard 1 and never reaches the map; the secondaries are still inserted.
-
             gpu_block = self._gpu_block_pool.blocks[gpu_block_id]
             self.cpu_block_pool._insert_block_hash(gpu_block.block_hash, cpu_block,
                                                    gpu_block.block_hash_num_tokens)
@@ -1685,7 +1678,6 @@ class SimpleCPUOffloadWorker:
         """Mirror the GPU KV caches in CPU memory. `block_dim` (vLLM reads it from the KV-cache
         spec): 0 for [num_gpu_blocks, ...], 1 for FlashAttention's (2, num_gpu_blocks, ...),
         split into a K and a V region. All or nothing: a bad argument changes nothing."""
-
         regions = self._check_kv_caches(kv_caches, num_gpu_blocks, block_dim)
         device = next(iter(regions.values())).device
         # CUDA caches get pinned host mirrors: DMA reads and writes them directly, async
@@ -2726,25 +2718,22 @@ def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_cop
                 cpu_perm = torch.randperm(num_blocks - 1, generator=generator)
                 cpu_ids = (cpu_perm[:n_copy] + 1).tolist()
             for direction in ("store", "load"):
+                event = len(rows)  # event indices must grow per direction
                 if direction == "store":
                     src = dev_buf
                     dst = host_buf
+                    meta = SimpleCPUOffloadMetadata(store_event=event, store_gpu_blocks=gpu_ids,
+                                                    store_cpu_blocks=cpu_ids)
+                    copy = w.wait_for_save
                 else:
                     src = host_buf
                     dst = dev_buf
-                event = len(rows)  # event indices must grow per direction
-                if direction == "store":
-                    meta = SimpleCPUOffloadMetadata(store_event=event, store_gpu_blocks=gpu_ids,
-                                                    store_cpu_blocks=cpu_ids)
-                else:
                     meta = SimpleCPUOffloadMetadata(load_event=event, load_gpu_blocks=gpu_ids,
                                                     load_cpu_blocks=cpu_ids)
+                    copy = w.start_load_kv
                 w.bind_connector_metadata(meta)
-                copy = w.wait_for_save if direction == "store" else w.start_load_kv
-
                 def plain_copy(dst=dst, src=src) -> None:  # the baseline: the same bytes at once
                     dst.copy_(src, non_blocking=True)
-
                 t_worker, t_plain = _time_pairs(copy, plain_copy, device, reps)
                 # wait for and forget every copy (the worker's preemption path), so the next
                 # event starts from a clean worker
@@ -2785,7 +2774,6 @@ def gpu_check(fuzz_examples: int = 200) -> int:
     # KV_OFFLOAD_REQUIRE_CUDA: a CUDA case fails instead of skipping
     env = dict(os.environ, KV_OFFLOAD_REQUIRE_CUDA="1",
                KV_OFFLOAD_FUZZ_EXAMPLES=str(fuzz_examples))
-
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     rc = subprocess.call([*pytest, "-k", "cuda", tests], env=env)
     print()
@@ -2815,7 +2803,6 @@ def _run_demo(prompt_tokens: int) -> None:
           "CPU blocks stamped as in 0.29), the fix.\n")
     time_formats = {"ttft_a_s": "{:.3f}", "ttft_b_s": "{:.3f}"}
     start = time.perf_counter()
-
     def run_all(variants: dict, **kwargs) -> dict:  # one run per column, with progress
         rows = {}
         for name, (cls, variant_kwargs) in variants.items():
@@ -2823,7 +2810,6 @@ def _run_demo(prompt_tokens: int) -> None:
             rows[name] = run_story(cls, prompt_tokens, **variant_kwargs, **kwargs)
             print(f" done ({time.perf_counter() - start:.1f} s elapsed)")
         return rows
-
     _print_table(run_all(STORY_VARIANTS), time_formats)
     # a CPU pool smaller than the prompt: LRU evicts block 0 first, in every vLLM version
     num_cpu_blocks = prompt_tokens // 16 * 7 // 8
