@@ -699,9 +699,8 @@ class SchedulerOutput:
     """The parts of vLLM's SchedulerOutput the connector reads, for one step. vLLM 0.34 sends new
     and resumed requests whole (scheduled_new_reqs), then running ones (scheduled_cached_reqs,
     which lost resumed_req_ids and all_token_ids in 0.34); here one dict holds both, in order."""
-    # req_id -> tokens the forward pass of this step computes. Insertion order = vLLM 0.34's:
-    # new and resumed requests first, then running ones (when CPU space runs short, it decides
-    # whose blocks are stored)
+    # req_id -> tokens the forward pass of this step computes. Its order (the docstring's)
+    # decides whose blocks are stored when CPU space runs short
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # req_id -> GPU block ids allocated to it this step, per KV-cache group (new or resumed
     # request: its whole table)
@@ -715,9 +714,8 @@ class SchedulerOutput:
 
 def yield_req_data(scheduler_output: SchedulerOutput
                    ) -> Iterator[tuple[str, tuple[list[int], ...] | None, bool]]:
-    """(req_id, new block ids or None, resumed) for every request of the step: in the order of
-    num_scheduled_tokens (new and resumed requests first, then running ones, as vLLM 0.34
-    yields them), then any request given blocks but no tokens. `resumed` is vLLM's
+    """(req_id, new block ids or None, resumed) for every request of the step, in the order of
+    num_scheduled_tokens, then any request given blocks but no tokens. `resumed` is vLLM's
     is_full_table: the ids are the request's whole table, not this step's additions."""
     for req_id in scheduler_output.num_scheduled_tokens:
         yield (req_id, scheduler_output.new_block_ids.get(req_id),
@@ -873,11 +871,9 @@ class SimpleCPUOffloadScheduler:
         self._reqs_to_load: dict[str, LoadRequestState] = {}
         # load event -> its requests: the worker reports events, not requests
         self._load_event_to_reqs: dict[int, list[str]] = {}
-        # req -> its CPU hit, pinned between get_num_new_matched_tokens() and
-        # update_state_after_alloc()
+        # req -> its CPU hit, pinned until update_state_after_alloc()
         self._pending_cpu_hits: dict[str, PendingCPUHit] = {}
-        # req -> its local (GPU) hit in tokens; the CPU copies of that prefix move to the MRU
-        # end in update_state_after_alloc()
+        # req -> its local (GPU) hit in tokens, for _refresh_cpu_lru()
         self._pending_local_hits: dict[str, int] = {}  # vLLM 0.34
         self._abandoned_reqs_to_load: dict[str, LoadRequestState] = {}
         # stores
