@@ -18,14 +18,13 @@ The two bugs (vLLM 0.29.0 is the last release with them; PR #53532 fixed both), 
 in PreFixCPUOffloadScheduler, which matches vLLM 0.29's manager step for step:
   1. registration: 0.29 stamped each CPU destination with the GPU block's primary hash at
      allocation and, when the copy completed, inserted that key straight into the CPU pool's
-     cached_block_hash_to_block dict, bypassing BlockPool._insert_block_hash(). Whole-block
-     lookups hit; the GPU block's fine-grained secondary hashes (cached_block_hashes_by_block)
-     were never copied, so a hit that needs one missed. Fix: register through
-     _insert_block_hash(), primary and every secondary. The PR's first version called
-     reset_hash() first: on a stamped block the method's first guard returns early and the
-     primary is lost -- the trap its comment warned about (`skip_reset_hash=True`). Review inside
-     the PR then dropped the stamp, and the merged fix (0.30+) has neither stamp nor reset_hash();
-     this module keeps the call, a no-op on an unstamped block.
+     map, bypassing BlockPool._insert_block_hash(). Whole-block lookups hit; the GPU block's
+     fine-grained secondary hashes were never copied, so a hit that needs one missed. Fix:
+     register through _insert_block_hash(), primary and every secondary. The PR's first version
+     called reset_hash() first: on a stamped block the method's first guard returns early and the
+     primary is lost (the trap, `skip_reset_hash=True`). Review inside the PR then dropped the
+     stamp, and the merged fix (0.30+) has neither stamp nor reset_hash(); this module keeps the
+     call, a no-op on an unstamped block.
   2. final flush: blocks confirmed in a request's last step(s) were never stored. Fix: queue them
      at finish (_pending_finished_stores) and merge them into the next store event.
 In production (the PR's write-up) a repeated 40K-token prompt went from a full recompute (27 s)
@@ -238,8 +237,7 @@ class KVCacheBlock:
     # number of holders: running requests, in-flight copies, lookup pins. 0 = in the free queue
     ref_cnt: int = 0
     # primary prefix-cache key (hash + group id), set only by BlockPool through set_block_hash().
-    # The pre-fix offload code wrote this field directly: that is bug 1. A plain field, as in
-    # vLLM 0.34 (a property here cost a call on every hot-path read).
+    # The pre-fix offload code wrote this field directly: that is bug 1.
     block_hash: bytes | None = None
     # prefix tokens covered by block_hash (None when the registrar does not know, e.g. CPU copies)
     block_hash_num_tokens: int | None = None
@@ -248,8 +246,6 @@ class KVCacheBlock:
     next_free_block: KVCacheBlock | None = None
     # the placeholder block 0: never freed, touched, hashed or evicted
     is_null: bool = False
-    # the owning pool (None for the queue's sentinels): lets touch/free reject foreign blocks
-    pool: BlockPool | None = field(default=None, repr=False)
 
     def set_block_hash(self, key: bytes, num_tokens: int | None = None) -> None:
         assert self.block_hash is None and self.block_hash_num_tokens is None, (
@@ -384,9 +380,8 @@ class BlockHashToBlockMap:
     append-only, so a block that becomes full keeps its id even if an identical one is cached).
     get_one_block() returns the earliest inserted block still cached under the key.
     NOTE: entries hold block *ids*, as in vLLM 0.34: the cyclic GC does not track a dict of only
-    bytes and ints, so a big cache costs no collection anything (vLLM also untracks it by hand
-    for Python 3.14+). `_cache` holds one id per key; `_dup_ids` all ids, in insertion order, of
-    the rare keys cached by several blocks, kept apart so that `_cache` holds no containers.
+    bytes and ints, so a big cache costs no collection anything. `_dup_ids` holds the rare keys
+    cached by several blocks, kept apart so that `_cache` holds no containers.
     """
 
     def __init__(self, blocks: list[KVCacheBlock]) -> None:
@@ -449,7 +444,7 @@ class BlockPool:
         self.num_gpu_blocks = num_gpu_blocks  # vLLM's name; the CPU pool uses it too
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
-        self.blocks = [KVCacheBlock(i, pool=self) for i in range(num_gpu_blocks)]
+        self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block = BlockHashToBlockMap(self.blocks)
         # secondary keys: fine-grained prefix boundaries inside a block that already has a primary
@@ -561,8 +556,7 @@ class BlockPool:
         return ret
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take one more reference (a prefix hit, a pinned copy). A free cached block leaves the
-        free queue, so it can no longer be evicted."""
+        """Take one more reference (a prefix hit, a pinned copy)."""
         for block in blocks:
             if block.is_null:
                 continue
@@ -574,10 +568,8 @@ class BlockPool:
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock],
                     evict_first: bool = False) -> None:
-        """Drop one reference each; blocks reaching 0 return to the free queue in the given order
-        (first = evicted first): unhashed ones to the front, hashed ones to the back.
-        evict_first=True sends hashed ones to the front too, for blocks whose contents another
-        tier already holds (vLLM 0.34 uses it for lazy-mode stores; eager mode never does)."""
+        """Drop one reference each; blocks reaching 0 return to the free queue in the given order.
+        evict_first: for blocks another tier already holds (vLLM 0.34's lazy mode; not eager)."""
         ordered_blocks = self._check_free_blocks(ordered_blocks)
         # Identify blocks with hash (LRU cache) and without it (never match APC)
         blocks_to_evict_last = []
@@ -602,8 +594,7 @@ class BlockPool:
     def _check_free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
         """not in vLLM: a double free would put one block into the free queue twice; it would
         then be handed out twice and two requests would write one block's KV, silently. Raises
-        before any ref count changes. (A block of another pool: vLLM 0.34 hands it to its own
-        pool; nothing here frees one, and such a block is not checked.)"""
+        before any ref count changes."""
         blocks = ordered_blocks if type(ordered_blocks) is list else list(ordered_blocks)
         for block in blocks:
             if block.ref_cnt < 1 and not block.is_null:
@@ -641,14 +632,9 @@ def find_longest_cache_hit(block_hashes: Sequence[bytes], max_length: int,
                            alignment_tokens: int | None = None
                            ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
     """Longest cached prefix (full attention) of at most `max_length` tokens, for every group in
-    `kv_cache_group_ids` at once. Returns (blocks per group, hit tokens). vLLM's
-    FullAttentionManager.find_longest_cache_hit.
-
-    `block_hashes` is at hash_block_size granularity; a block's own (primary) key is the last
-    fine hash inside it. The hit is rounded down to `alignment_tokens` (default:
-    hash_block_size). When that is finer than block_size, phase 2 may end the hit inside a
-    block, through a *secondary* key of a cached block.
-    """
+    `kv_cache_group_ids` at once: (blocks per group, hit tokens), vLLM's
+    FullAttentionManager.find_longest_cache_hit. `block_hashes` is at hash_block_size
+    granularity; the hit is rounded down to `alignment_tokens` (default: hash_block_size)."""
     hash_block_size = block_pool.hash_block_size
     if alignment_tokens is None:
         alignment_tokens = hash_block_size
@@ -660,7 +646,6 @@ def find_longest_cache_hit(block_hashes: Sequence[bytes], max_length: int,
     scale_factor = block_size // hash_block_size
     full_block_hashes = itertools.islice(block_hashes, scale_factor - 1, None, scale_factor)
     computed_blocks: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
-
     # Phase 1: longest run of cached full blocks from the start. A missing block implies every
     # later block misses too (the hashes chain).
     get_cached_block = block_pool.get_cached_block  # bound once: the CPU-hit hot path
@@ -674,7 +659,6 @@ def find_longest_cache_hit(block_hashes: Sequence[bytes], max_length: int,
         for computed, cached in zip(computed_blocks, cached_block):
             computed.append(cached)
     hit_length = len(computed_blocks[0]) * block_size
-
     # Phase 2 (fine-grained only): extend into the first block that missed by probing its
     # interior hash boundaries high to low (longest hit first). Only a secondary key can hit
     # there: a block's primary key is the hash at its end.
@@ -691,7 +675,6 @@ def find_longest_cache_hit(block_hashes: Sequence[bytes], max_length: int,
                 computed.append(cached)
             hit_length = (fine_idx + 1) * hash_block_size
             break
-
     # Round down to the alignment (a no-op when fine-grained: hits land on hash boundaries),
     # then trim the blocks past the new end
     hit_length -= hit_length % alignment_tokens
@@ -716,9 +699,8 @@ class SchedulerOutput:
     """The parts of vLLM's SchedulerOutput the connector reads, for one step. vLLM 0.34 sends new
     and resumed requests whole (scheduled_new_reqs), then running ones (scheduled_cached_reqs,
     which lost resumed_req_ids and all_token_ids in 0.34); here one dict holds both, in order."""
-    # req_id -> tokens the forward pass of this step computes. Insertion order = vLLM 0.34's:
-    # new and resumed requests first, then running ones (when CPU space runs short, it decides
-    # whose blocks are stored)
+    # req_id -> tokens the forward pass of this step computes. Its order (the docstring's)
+    # decides whose blocks are stored when CPU space runs short
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # req_id -> GPU block ids allocated to it this step, per KV-cache group (new or resumed
     # request: its whole table)
@@ -732,9 +714,8 @@ class SchedulerOutput:
 
 def yield_req_data(scheduler_output: SchedulerOutput
                    ) -> Iterator[tuple[str, tuple[list[int], ...] | None, bool]]:
-    """(req_id, new block ids or None, resumed) for every request of the step: in the order of
-    num_scheduled_tokens (new and resumed requests first, then running ones, as vLLM 0.34
-    yields them), then any request given blocks but no tokens. `resumed` is vLLM's
+    """(req_id, new block ids or None, resumed) for every request of the step, in the order of
+    num_scheduled_tokens, then any request given blocks but no tokens. `resumed` is vLLM's
     is_full_table: the ids are the request's whole table, not this step's additions."""
     for req_id in scheduler_output.num_scheduled_tokens:
         yield (req_id, scheduler_output.new_block_ids.get(req_id),
@@ -839,7 +820,6 @@ class SimpleCPUOffloadScheduler:
     are pinned and copied CPU->GPU before the request computes.
     Ref-count contract: every ref this class takes on either pool is dropped exactly once, by a
     completion, by request_finished(), or by reset() -- the reliability tests check this.
-    Contract: the engine-facing methods trust their caller, as vLLM's do (SPEC §0).
     not in vLLM: prefix_aware_eviction=True (opt-in; off = vLLM 0.34). Rule: the CPU pool never
     evicts a cached block while a cached block extending the same prefix remains (children before
     parents, LRU among chains), and a store never evicts the prefix it extends. Cost: O(1) per
@@ -851,8 +831,7 @@ class SimpleCPUOffloadScheduler:
     def __init__(self, num_cpu_blocks: int, block_size: int, hash_block_size: int | None = None,
                  group_block_sizes: list[int] | None = None, world_size: int = 1,
                  prefix_aware_eviction: bool = False):
-        # not in vLLM: the arguments a person passes are checked (vLLM derives them from its
-        # config objects)
+        # not in vLLM: the arguments are checked (vLLM derives them from its config objects)
         if hash_block_size is None:
             hash_block_size = block_size
         if group_block_sizes is None:
@@ -892,11 +871,9 @@ class SimpleCPUOffloadScheduler:
         self._reqs_to_load: dict[str, LoadRequestState] = {}
         # load event -> its requests: the worker reports events, not requests
         self._load_event_to_reqs: dict[int, list[str]] = {}
-        # req -> its CPU hit, pinned between get_num_new_matched_tokens() and
-        # update_state_after_alloc()
+        # req -> its CPU hit, pinned until update_state_after_alloc()
         self._pending_cpu_hits: dict[str, PendingCPUHit] = {}
-        # req -> its local (GPU) hit in tokens; the CPU copies of that prefix move to the MRU
-        # end in update_state_after_alloc()
+        # req -> its local (GPU) hit in tokens, for _refresh_cpu_lru()
         self._pending_local_hits: dict[str, int] = {}  # vLLM 0.34
         self._abandoned_reqs_to_load: dict[str, LoadRequestState] = {}
         # stores
@@ -933,11 +910,9 @@ class SimpleCPUOffloadScheduler:
     def _find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_length: int
                                 ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """vLLM's cpu_coordinator.find_longest_cache_hit, for full-attention groups."""
-        # vLLM's hybrid coordinator looks each block-size class up in turn, capped by the length
-        # the previous ones left, and repeats until the length is stable. Full attention is
-        # downward-closed (a prefix of a hit is a hit), so with full-attention groups only the
-        # first pass already is that fixed point. Alignment = scheduler block: loads move whole
-        # blocks.
+        # vLLM's hybrid coordinator repeats the per-size lookups until the length is stable;
+        # full attention is downward-closed (a prefix of a hit is a hit), so one pass is that
+        # fixed point. Alignment = scheduler block: loads move whole blocks.
         hits: list[list[KVCacheBlock]] = [[] for _ in self.group_block_sizes]
         hit_length = max_length
         for size, group_ids in self._group_ids_by_block_size.items():
@@ -1046,11 +1021,8 @@ class SimpleCPUOffloadScheduler:
 
     def _refresh_cpu_lru(self, request: Request, num_local_tokens: int) -> None:
         """Move the CPU copies of the request's local (GPU) hit to the MRU end (vLLM 0.34).
-
-        The CPU cache is inclusive: a prefix served from the GPU has CPU copies too, but eager
-        stores skip blocks already on CPU, so nothing else would ever touch those copies again.
-        The most reused prefixes (those hitting on the GPU) would age to the LRU front of the CPU
-        pool and be evicted first, right before the GPU may evict them as well."""
+        Eager stores skip blocks already on CPU, so nothing else touches those copies: the most
+        reused prefixes would age to the LRU front and be evicted first."""
         prefix_hit, _ = self._find_longest_cache_hit(request.block_hashes, num_local_tokens)
         prefix_blocks = [b for grp in prefix_hit for b in grp if not b.is_null]
         # touch + free: ref-0 blocks leave the queue and rejoin it at the back (pinned ones stay
@@ -1339,10 +1311,8 @@ class SimpleCPUOffloadScheduler:
 
     def _process_store_completion(self, gpu_block_ids: list[int],
                                   cpu_block_ids: list[int]) -> None:
-        """Register the copied CPU blocks in the CPU prefix cache, then drop both pins. The
-        registration is PR #53532's fix: the keys come from the GPU source block, still pinned
-        (its hashes cannot have been evicted), the primary and every fine-grained secondary key,
-        each through the pool's own _insert_block_hash()."""
+        """Register the copied CPU blocks in the CPU prefix cache, then drop both pins. PR
+        #53532: the keys come from the still pinned GPU source, primary and secondaries."""
         assert len(cpu_block_ids) == len(gpu_block_ids)
         cpu_blocks = [self.cpu_block_pool.blocks[b] for b in cpu_block_ids]
         assert self._gpu_block_pool is not None
@@ -1354,12 +1324,10 @@ class SimpleCPUOffloadScheduler:
             gpu_block = gpu_blocks[gpu_block_id]
             primary_hash = gpu_block.block_hash
             assert primary_hash is not None
-            # not in vLLM (PR #53532's first version had it): reset_hash() first. While CPU
-            # blocks were stamped at allocation, _insert_block_hash() returned at its first
-            # guard (the block already carries this key) and the primary never reached the
-            # map. Review inside the PR dropped the stamp, and the merged fix has neither the
-            # stamp nor this line; on an unstamped block it is a no-op, kept so that a stamp
-            # can never silently come back.
+            # not in vLLM (PR #53532's first version had it): reset_hash() first. On a block
+            # stamped at allocation, _insert_block_hash() returns at guard 1 and the primary
+            # never reaches the map. The merged fix dropped the stamp and this line; a no-op on
+            # an unstamped block, kept so that a stamp can never silently come back.
             cpu_block.reset_hash()
             insert_block_hash(primary_hash, cpu_block,  # PR #53532
                               num_tokens=gpu_block.block_hash_num_tokens)
@@ -1372,9 +1340,8 @@ class SimpleCPUOffloadScheduler:
         self._gpu_block_pool.free_blocks([gpu_blocks[b] for b in gpu_block_ids])
 
     def _release_transfer_refs(self, transfer: TransferMeta, abandoned: bool = False) -> None:
-        """Drop a transfer's pins on both pools (CPU first, as vLLM). Caches nothing by itself:
-        a completed store registers its CPU blocks before calling this. `abandoned` marks a
-        store whose copy must not be cached (a hook for the pre-fix variant's stamps)."""
+        """Drop a transfer's pins on both pools (CPU first, as vLLM); caches nothing. `abandoned`:
+        a store whose copy must not be cached (a hook for the pre-fix variant's stamps)."""
         cpu_blocks = [self.cpu_block_pool.blocks[b] for b in transfer.cpu_block_ids]
         self._free_cpu_blocks(cpu_blocks)  # not in vLLM: vLLM calls cpu_block_pool.free_blocks
         assert self._gpu_block_pool is not None
@@ -1389,9 +1356,7 @@ class SimpleCPUOffloadScheduler:
 
     def has_pending_loads(self) -> bool:
         """not in vLLM: True while an accepted load is not yet reported done, an aborted
-        request's included (its GPU destinations stay pinned until the workers report it).
-        vLLM's scheduler tracks its own WAITING_FOR_REMOTE_KVS requests; this project's engine
-        asks here, so that it steps until every pool is free again."""
+        request's included (vLLM's scheduler tracks its WAITING_FOR_REMOTE_KVS requests)."""
         return bool(self._reqs_to_load or self._abandoned_reqs_to_load)
 
     def has_pending_push_work(self) -> bool:
@@ -1582,10 +1547,8 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
                 self.cpu_block_pool.cached_block_hash_to_block.insert(cpu_block.block_hash,
                                                                       cpu_block)
                 continue
-            # the trap: the fix's calls without its reset_hash(). The block already carries
-            # the primary (stamped), so guard 1 returns and the map never gets it; each
-            # secondary is then recorded under that stamped primary, findable only by its
-            # fine-grained key.
+            # the trap: the fix's calls without its reset_hash(). The stamped primary stops at
+            # guard 1 and never reaches the map; the secondaries are still inserted.
             gpu_block = self._gpu_block_pool.blocks[gpu_block_id]
             self.cpu_block_pool._insert_block_hash(gpu_block.block_hash, cpu_block,
                                                    gpu_block.block_hash_num_tokens)
@@ -1606,10 +1569,9 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
                                       ) -> tuple[list[int], list[int]]:
         if not self.flush_bug:
             return super()._select_eager_blocks_to_store(state, block_ids_by_group)
-        # vLLM 0.29's per-step scan, which PR #53532 replaced by the selection that the finish
-        # flush shares. One difference shows: with the CPU pool full, 0.29 still walks past
-        # blocks it skips anyway (cached, in flight) and stops at the first one that needs a
-        # CPU block; the fix stops at once. Only the cursor (num_stored_blocks) differs.
+        # vLLM 0.29's per-step scan, which PR #53532 replaced by the selection the finish flush
+        # shares. With the CPU pool full, 0.29 still walks past blocks it skips anyway and stops
+        # at the first one that needs a CPU block: only the cursor (num_stored_blocks) differs.
         req = state.request
         confirmed_tokens = req.num_computed_tokens - req.num_output_placeholders
         aligned_tokens = confirmed_tokens // self.block_size * self.block_size
@@ -1673,12 +1635,10 @@ class SimpleCPUOffloadWorker:
     one high-water mark per direction: event i done => every event <= i of that stream done.
     So event indices must grow per direction; an event with nothing to copy is complete at once.
     CPU: the same calls, copies done synchronously (events are None = already complete). With
-    a `copy_engine` (an object with torch.cuda's Stream/Event/current_stream/stream names, e.g.
-    the tests' DeferredCopyEngine, a simulated asynchronous device), the CUDA branch itself runs
-    on CPU caches.
-    NOTE: register_kv_caches() is once per worker, a second call is a ValueError: new mirrors
-    would hold zeros under hashes the manager keeps serving (and, on CUDA, free pinned memory
-    that queued copies still use). A new engine gets new workers.
+    a `copy_engine` (torch.cuda's Stream/Event/current_stream/stream names, e.g. the tests'
+    DeferredCopyEngine), the CUDA branch itself runs on CPU caches.
+    NOTE: register_kv_caches() is once per worker: new mirrors would hold zeros under hashes the
+    manager keeps serving (and, on CUDA, free pinned memory that queued copies still use).
     """
 
     def __init__(self, num_cpu_blocks: int, copy_engine: Any = None):
@@ -1711,9 +1671,8 @@ class SimpleCPUOffloadWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_gpu_blocks: int,
                            block_dim: int) -> None:
-        """Mirror the GPU KV caches in CPU memory. `block_dim` says where the block dimension
-        is (vLLM reads it from the KV-cache spec; here the caller says it, never the shapes):
-        0 for [num_gpu_blocks, ...], 1 for FlashAttention's (2, num_gpu_blocks, ...), which is
+        """Mirror the GPU KV caches in CPU memory. `block_dim` (vLLM reads it from the KV-cache
+        spec): 0 for [num_gpu_blocks, ...], 1 for FlashAttention's (2, num_gpu_blocks, ...),
         split into a K and a V region. All or nothing: a bad argument changes nothing."""
         regions = self._check_kv_caches(kv_caches, num_gpu_blocks, block_dim)
         device = next(iter(regions.values())).device
@@ -1884,8 +1843,6 @@ class SimpleCPUOffloadWorker:
             # CPU: numpy slice assignment is a plain memcpy, without torch's per-call dispatch
             # (several µs, which dominates for scattered ids: see --bench). But it uses one core:
             # a large run goes through torch's copy_, which splits it over torch's threads.
-            # (On a machine whose other cores are busy, threaded torch calls stall: there
-            # torch.set_num_threads(1) brings back numpy's speed, for this and for everything.)
             min_bytes = _TORCH_COPY_MIN_BYTES if torch.get_num_threads() > 1 else math.inf
             for name, s in src.items():
                 d = dst[name]
@@ -1916,11 +1873,9 @@ class SimpleCPUOffloadWorker:
             self._load_hwm = max(self._load_hwm, idx)
 
     def _check_bind_connector_metadata(self, metadata: SimpleCPUOffloadMetadata) -> None:
-        """not in vLLM: copies that no event reports (blocks with event -1) would keep their
-        pins forever, a leak; an event index that does not grow would be reported done by the
-        high-water mark of an earlier one, and the manager would cache a block whose copy has
-        not run; source and destination lists of different lengths would pair the wrong
-        blocks. Each would corrupt the CPU cache silently."""
+        """not in vLLM: copies that no event reports (event -1) would keep their pins forever;
+        an event index that does not grow would be reported done by an earlier one's high-water
+        mark (a block cached before its copy ran); lists of different lengths pair wrong blocks."""
         for what, event, last, src, dst in (
                 ("load", metadata.load_event, self._last_load_event,
                  metadata.load_cpu_blocks, metadata.load_gpu_blocks),
@@ -2759,25 +2714,22 @@ def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_cop
                 cpu_perm = torch.randperm(num_blocks - 1, generator=generator)
                 cpu_ids = (cpu_perm[:n_copy] + 1).tolist()
             for direction in ("store", "load"):
+                event = len(rows)  # event indices must grow per direction
                 if direction == "store":
                     src = dev_buf
                     dst = host_buf
+                    meta = SimpleCPUOffloadMetadata(store_event=event, store_gpu_blocks=gpu_ids,
+                                                    store_cpu_blocks=cpu_ids)
+                    copy = w.wait_for_save
                 else:
                     src = host_buf
                     dst = dev_buf
-                event = len(rows)  # event indices must grow per direction
-                if direction == "store":
-                    meta = SimpleCPUOffloadMetadata(store_event=event, store_gpu_blocks=gpu_ids,
-                                                    store_cpu_blocks=cpu_ids)
-                else:
                     meta = SimpleCPUOffloadMetadata(load_event=event, load_gpu_blocks=gpu_ids,
                                                     load_cpu_blocks=cpu_ids)
+                    copy = w.start_load_kv
                 w.bind_connector_metadata(meta)
-                copy = w.wait_for_save if direction == "store" else w.start_load_kv
-
                 def plain_copy(dst=dst, src=src) -> None:  # the baseline: the same bytes at once
                     dst.copy_(src, non_blocking=True)
-
                 t_worker, t_plain = _time_pairs(copy, plain_copy, device, reps)
                 # wait for and forget every copy (the worker's preemption path), so the next
                 # event starts from a clean worker
@@ -2818,7 +2770,6 @@ def gpu_check(fuzz_examples: int = 200) -> int:
     # KV_OFFLOAD_REQUIRE_CUDA: a CUDA case fails instead of skipping
     env = dict(os.environ, KV_OFFLOAD_REQUIRE_CUDA="1",
                KV_OFFLOAD_FUZZ_EXAMPLES=str(fuzz_examples))
-
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     rc = subprocess.call([*pytest, "-k", "cuda", tests], env=env)
     print()
@@ -2848,7 +2799,6 @@ def _run_demo(prompt_tokens: int) -> None:
           "CPU blocks stamped as in 0.29), the fix.\n")
     time_formats = {"ttft_a_s": "{:.3f}", "ttft_b_s": "{:.3f}"}
     start = time.perf_counter()
-
     def run_all(variants: dict, **kwargs) -> dict:  # one run per column, with progress
         rows = {}
         for name, (cls, variant_kwargs) in variants.items():
@@ -2856,7 +2806,6 @@ def _run_demo(prompt_tokens: int) -> None:
             rows[name] = run_story(cls, prompt_tokens, **variant_kwargs, **kwargs)
             print(f" done ({time.perf_counter() - start:.1f} s elapsed)")
         return rows
-
     _print_table(run_all(STORY_VARIANTS), time_formats)
     # a CPU pool smaller than the prompt: LRU evicts block 0 first, in every vLLM version
     num_cpu_blocks = prompt_tokens // 16 * 7 // 8
