@@ -2479,7 +2479,9 @@ def test_notebook_claims_in_its_outputs(executed_notebook):
         "claim-fine": [r"0.29 +CPU secondary keys: 0; fine-grained hit: 8 hit tokens",
                        r"fixed +CPU secondary keys: 1; fine-grained hit: 12 hit tokens"],
         "claim-capacity": [r"0.29 .*56: 0, 57: 896,.* 72: 896\}",
-                           r"fixed .*64: 0, 65: 1008,.* 72: 1008\}"],
+                           r"fixed .*64: 0, 65: 1008,.* 72: 1008\}",
+                           # a pool of n blocks serves n - 1 of the 64 (n - 1 usable)
+                           r"prefix-aware .*\{32: 496, 48: 752,.* 64: 1008, 65: 1008"],
         "claim-trap": [r"0.29 +map entries: 6; lookup for the same prompt: 96 hit tokens",
                        r"no reset_hash +map entries: 0; lookup for the same prompt: 0 hit tokens",
                        r"fixed +map entries: 6; lookup for the same prompt: 96 hit tokens"],
@@ -2489,6 +2491,19 @@ def test_notebook_claims_in_its_outputs(executed_notebook):
         text = _nb_tagged(nb, tag)
         for pattern in patterns:
             assert re.search(pattern, text), (tag, pattern, text)
+    # the prose says what the outputs show (issue 20): the capacity thresholds of step 6, and
+    # bug 2 at the report's scale (step 8): 185,000 tokens of 856 = 216 full blocks (184,896
+    # tokens); 45 chunks of 4096 (184,320 tokens) confirm 215 of them (184,040 tokens)
+    prose = "\n".join("".join(c.source) for c in nb.cells if c.cell_type == "markdown")
+    capacity = _nb_tagged(nb, "claim-capacity")
+    firsts = dict(re.findall(r"^(0\.29|fixed) +stores \d+ blocks; smallest pool that hits: (\d+)",
+                             capacity, re.M))
+    assert f"hits from a pool of {firsts['0.29']}" in prose, firsts
+    assert f"hits from {firsts['fixed']}" in prose, firsts
+    assert 185_000 // 856 == 216 and 216 * 856 == 184_896 and 45 * 4096 == 184_320
+    assert 184_320 // 856 == 215 and 215 * 856 == 184_040
+    for number in ("216 full ones", "184,896", "184,320", "215 full blocks", "184,040"):
+        assert number in prose, number
     story = _nb_tagged(nb, "claim-story").splitlines()
     expected = {"0.29": "1024 tokens computed, 3072 loaded",
                 "no reset_hash": "4096 tokens computed,    0 loaded",
