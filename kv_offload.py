@@ -1241,32 +1241,64 @@ class SimpleCPUOffloadScheduler:
 
     def _free_cpu_blocks(self, blocks: list[KVCacheBlock]) -> None:
         """not in vLLM: every CPU free. Off: vLLM's free_blocks. On (`blocks` in prefix order):
-        freed in reverse, so each chain's new blocks land leaf first, as a run; the run then
-        moves, in O(1), just ahead of its first block's parent if that is free, to the front if
-        the parent is gone (nothing can reach the run), and stays at the back for a chain's
-        first block or a pinned parent."""
+        one pass drops the refs as free_blocks does; blocks reaching 0 without a hash go to the
+        front, and each run of hashed ones (consecutive, each the child of the one before) goes
+        to the back leaf first, then is placed by _place_cpu_run."""
         if not self.prefix_aware_eviction:
             self.cpu_block_pool.free_blocks(blocks)
             return
-        self.cpu_block_pool.free_blocks(reversed(blocks))
-        queue = self.cpu_block_pool.free_block_queue
+        blocks = self.cpu_block_pool._check_free_blocks(blocks)
         parent_keys = self._cpu_parent_keys
-        for block in blocks:  # prefix order: a parent is placed before its children
-            parent_key = parent_keys[block.block_id]
-            if block.ref_cnt or block.block_hash is None or parent_key is None:
-                continue  # held; unhashed (at the front already); a chain's first block
-            if block.next_free_block.block_hash == parent_key:
-                continue  # inside a run: its parent follows it
-            first = block  # the run ahead of it: its descendants, leaf first
-            while (first.prev_free_block.block_hash is not None
-                   and parent_keys[first.prev_free_block.block_id] == first.block_hash):
-                first = first.prev_free_block
-            parent = self.cpu_block_pool.cached_block_hash_to_block.get_one_block(parent_key)
-            head = queue.fake_free_list_head.next_free_block
-            if parent is None and head is not first:
-                queue.move_before(first, block, head)
-            elif parent is not None and parent.ref_cnt == 0:
-                queue.move_before(first, block, parent)
+        unhashed: list[KVCacheBlock] = []
+        run: list[KVCacheBlock] = []  # root first
+        run_hash = None  # the hash of the run's last (leaf-most) block
+        for block in blocks:
+            if block.is_null:
+                continue
+            block.ref_cnt -= 1
+            block_hash = block.block_hash
+            if block.ref_cnt or block_hash is None:
+                if block_hash is None and not block.ref_cnt:
+                    unhashed.append(block)
+                if run:  # held, or unhashed: the run ends here
+                    self._place_cpu_run(run)
+                    run = []
+                continue
+            if run and parent_keys[block.block_id] == run_hash:
+                run.append(block)  # the child of the run's leaf: the run goes on
+            else:
+                if run:
+                    self._place_cpu_run(run)
+                run = [block]
+            run_hash = block_hash
+        if run:
+            self._place_cpu_run(run)
+        unhashed.reverse()  # as free_blocks(reversed(blocks)) would prepend them
+        self.cpu_block_pool.free_block_queue.prepend_n(unhashed)
+
+    def _place_cpu_run(self, run: list[KVCacheBlock]) -> None:
+        """not in vLLM: the freed run (root first) joins the back leaf first, then moves just
+        ahead of its root's parent if that is free, or to the front if the parent is gone
+        (nothing can reach the run); a chain's first block, or a pinned parent, keeps it at
+        the back."""
+        queue = self.cpu_block_pool.free_block_queue
+        last = run[0]
+        run.reverse()
+        queue.append_n(run)
+        first = run[0]
+        parent_key = self._cpu_parent_keys[last.block_id]
+        if parent_key is None:
+            return
+        # descendants freed earlier may sit just ahead of the run: they move with it
+        while (first.prev_free_block.block_hash is not None
+               and self._cpu_parent_keys[first.prev_free_block.block_id] == first.block_hash):
+            first = first.prev_free_block
+        parent = self.cpu_block_pool.cached_block_hash_to_block.get_one_block(parent_key)
+        head = queue.fake_free_list_head.next_free_block
+        if parent is None and head is not first:
+            queue.move_before(first, last, head)
+        elif parent is not None and parent.ref_cnt == 0:
+            queue.move_before(first, last, parent)
 
     # --- completions ------------------------------------------------------------
 
