@@ -1297,7 +1297,7 @@ class SimpleCPUOffloadScheduler:
         head = queue.fake_free_list_head.next_free_block
         if parent is None and head is not first:
             queue.move_before(first, last, head)
-        elif parent is not None and parent.ref_cnt == 0:
+        elif parent is not None and parent.prev_free_block is not None:  # in the free queue
             queue.move_before(first, last, parent)
 
     # --- completions ------------------------------------------------------------
