@@ -3923,7 +3923,7 @@ def world_snapshot(world) -> dict:
         "connector": plain_state({k: v for k, v in vars(conn).items()
                                 if k not in ("cpu_block_pool", "_gpu_block_pool")}),
         "connector binding": conn._gpu_block_pool is eng.gpu_block_pool,
-        "worker": plain_state({k: v for k, v in vars(worker).items() if k != "gpu_caches"}),
+        "worker": plain_state({k: v for k, v in vars(worker).items() if k != "gpu_kv_caches"}),
         "worker binding": worker_bound,
         "engine": plain_state({k: v for k, v in vars(eng).items() if k not in skip_engine}),
         "requests": plain_state(world.requests),
