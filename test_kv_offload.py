@@ -1971,7 +1971,7 @@ def test_finished_eager_store_is_reported_pending_before_metadata_build(variant)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_finished_eager_store_covers_all_groups(variant):
+def test_finished_eager_store_caches_all_groups(variant):
     """The flush stores the remaining confirmed blocks of every KV-cache group."""
     h = Harness(variant, num_cpu_blocks=8, block_size=32, hash_block_size=16,
                 group_block_sizes=[16, 32])
@@ -1999,7 +1999,7 @@ def test_finished_eager_store_respects_cpu_capacity(variant):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_reset_releases_pending_finished_eager_stores(variant):
+def test_reset_releases_unsubmitted_finished_stores(variant):
     """reset() releases a queued (never sent) flush at once:
     GPU and CPU refs back, reset succeeds."""
     h = Harness(variant, num_gpu_blocks=16)
