@@ -2,65 +2,25 @@
 """
 kv_offload: vLLM's simple CPU KV-cache offload (eager mode), all of it in one file.
 
-What it is: a runnable, tested reference of the scheduler-side offload manager, the prefix-cache
-block pool it sits on, the GPU<->CPU copy worker, and a toy engine that drives them the way vLLM's
-scheduler does, so the bug of vLLM issue #53498 and its fix (PR #53532) can be *run*.
-
-It follows vLLM 0.34:
-  vllm/v1/core/kv_cache_utils.py          hashing, KVCacheBlock, FreeKVCacheBlockQueue
-  vllm/v1/core/block_pool.py              BlockHashToBlockMap, BlockPool
-  vllm/v1/core/single_type_kv_cache_manager.py, kv_cache_coordinator.py   find_longest_cache_hit
-  vllm/v1/simple_kv_offload/{metadata,manager,worker,copy_backend}.py     the connector
-  vllm/distributed/kv_transfer/kv_connector/utils.py                      yield_req_data
-with the same names, ref counts, allocation and eviction order, and guards.
-
-The two bugs (vLLM 0.29.0 is the last release with them; PR #53532 fixed both), kept runnable
-in PreFixCPUOffloadScheduler, which matches vLLM 0.29's manager step for step:
-  1. registration: 0.29 stamped each CPU destination with the GPU block's primary hash at
-     allocation and, when the copy completed, inserted that key straight into the CPU pool's
-     map, bypassing BlockPool._insert_block_hash(). Whole-block lookups hit; the GPU block's
-     fine-grained secondary hashes were never copied, so a hit that needs one missed. Fix:
-     register through _insert_block_hash(), primary and every secondary. The PR's first version
-     called reset_hash() first: on a stamped block the method's first guard returns early and the
-     primary is lost (the trap, `skip_reset_hash=True`). Review inside the PR then dropped the
-     stamp, and the merged fix (0.30+) has neither stamp nor reset_hash(); this module keeps the
-     call, a no-op on an unstamped block.
-  2. final flush: blocks confirmed in a request's last step(s) were never stored. Fix: queue them
-     at finish (_pending_finished_stores) and merge them into the next store event.
-In production (the PR's write-up) a repeated 40K-token prompt went from a full recompute (27 s)
-to a CPU load (1.8 s). Measured with vLLM's own engine Scheduler (0.29, 0.30, 0.34; README, "For
-porters"), 0.29 loaded 184,040 of 184,896 tokens at the report's scale; zero hits came only from
-a prompt computed in one step (bug 2), a CPU pool smaller than the prompt (every version), and a
-Mamba "align" hybrid's block-aligned one-chunk prompt (0.29 and 0.30 alike). The report's "every
-lookup misses" and its 27 s -> 1.8 s were not reproduced from 0.29's code on those configurations.
-Provenance: `# PR #53532` marks the fix's lines, `# vLLM 0.3x` later upstream changes, and
-`# not in vLLM:` this module's own.
-
-But it leaves out:
-  - lazy offload mode (the GPU free-queue cursor), the disk backend, KV-cache events, metrics;
-  - sliding-window, Mamba, chunked-local and cross-attention groups (every group here is full
-    attention), EAGLE block drop, DCP/PCP, LoRA / multimodal extra keys, boundary-state hand-offs,
-    fine-grained *partial-tail* stores (vLLM enables them only with Mamba "align" groups);
-  - cuMemcpyBatchAsync and its background thread: the worker copies with torch slice copies on
-    low-priority streams (runs of consecutive ids coalesced), the same ordering rules;
-  - vLLM's config objects: sizes are plain constructor arguments;
-  - most of vLLM's scheduler: MiniEngine keeps its request states and call order, but one KV-cache
-    group, one waiting queue (landed loads first; a request that cannot start is skipped), an
-    accepted load holds blocks for its whole prompt, and no async scheduling.
-Beyond vLLM, opt-in (off by default, so vLLM's behaviour stays exact): prefix_aware_eviction on
-SimpleCPUOffloadScheduler evicts a CPU chain's leaves before its root (the README's "Beyond vLLM").
-
-Two contracts (SPEC §0): what a person calls (constructors, Request, MiniEngine, the worker's
-registration, run_story and the bench helpers) checks every argument and raises ValueError
-(TypeError for a wrong type) before changing any state; what the engine calls keeps vLLM 0.34's
-contract (a trusted caller, vLLM's asserts), with a check of ours only against silent KV
-corruption or a leak, in one `_check_<method>` call on the method's first line.
+A runnable, tested reference of the offload manager, the prefix-cache block pool under it, the
+GPU<->CPU copy worker and a toy engine that drives them as vLLM's scheduler does, so that vLLM
+issue #53498 and its fix, PR #53532, can be run. It follows vLLM 0.34 (the pre-fix variant:
+0.29) with vLLM's names, ref counts, allocation and eviction order, guards and asserts:
+  vllm/v1/core/{kv_cache_utils,block_pool,single_type_kv_cache_manager}.py
+  vllm/v1/simple_kv_offload/{metadata,manager,worker,copy_backend}.py
+But it leaves out: lazy mode, the disk backend, KV-cache events and metrics; sliding-window,
+Mamba and other non-full-attention groups; cuMemcpyBatchAsync (torch slice copies here); vLLM's
+config objects (sizes are arguments); most of vLLM's scheduler (MiniEngine keeps its call order).
 
 Sections, bottom-up (every name is defined before it is used):
-  1. hashing and requests          5. the pre-fix variant
-  2. block pool + cache-hit lookup 6. copy worker
-  3. connector messages            7. toy model and MiniEngine
-  4. scheduler-side manager        8. `python kv_offload.py` demo / --bench
+  1. hashing and requests        4. scheduler-side manager    7. beyond vLLM: prefix-aware eviction
+  2. block pool, cache-hit lookup 5. the pre-fix variant       8. toy model and MiniEngine
+  3. connector messages          6. copy worker               9. demo, --bench, --gpu-check
+Sections 1-6 are vLLM 0.34's steps plus the fix; a subclass of ours changes a step only
+through a one-line hook. Where each line comes from:
+  # PR #53532      a line the fix added or changed; on a `def` line: the whole function
+  # vLLM 0.3x      a later upstream change (0.30-0.34)
+  # not in vLLM:   this module's own (checks, hooks, the simulated device)
 """
 from __future__ import annotations
 
@@ -71,7 +31,6 @@ import logging
 import math
 import struct
 import time
-from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,37 +72,6 @@ def get_group_id(key: bytes) -> int:
     return int.from_bytes(key[-4:], "big")
 
 
-def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
-    """not in vLLM: a count, size or index a person passed. TypeError unless an int (a bool is
-    not a count), ValueError outside [minimum, maximum]. A float or NaN would otherwise fail far
-    away (a slice, struct.pack) or make an engine loop until its step limit."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum or (maximum is not None and value > maximum):
-        raise ValueError(f"{name} must be an int in [{minimum}, {maximum or 'inf'}], "
-                         f"got {value!r}")
-
-
-def _check_type(name: str, value: Any, expected: type | tuple[type, ...]) -> None:
-    """not in vLLM: TypeError naming the argument when `value` is not of the expected type."""
-    if not isinstance(value, expected):
-        raise TypeError(f"{name} must be {getattr(expected, '__name__', expected)}, "
-                        f"got {value!r}")
-
-
-# not in vLLM: every block is a Python object here; 4M of them take seconds and a gigabyte
-MAX_BLOCKS = 1 << 22
-
-
-def _check_token_ids(token_ids: Sequence[Any]) -> None:
-    """Token ids are ints that hash_block_tokens packs as signed 64-bit ("<q"); vLLM's are >= 0."""
-    for i, t in enumerate(token_ids):
-        if type(t) is not int:
-            raise TypeError(f"token id {t!r} at index {i} is not an int")
-        if not 0 <= t < 2 ** 63:
-            raise ValueError(f"token id {t} at index {i} is outside [0, 2**63)")
-
-
 class RequestStatus(enum.IntEnum):
     """vLLM's request states, those this project's engine uses. As in vLLM, anything after
     PREEMPTED is finished."""
@@ -171,13 +99,9 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], hash_block_size: int,
                  max_tokens: int = 1):
-        _check_type("request_id", request_id, str)
-        _check_type("prompt_token_ids", prompt_token_ids, (list, tuple))
+        # not in vLLM (its input processor refuses it): the engine would find nothing to compute
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt_token_ids is empty")
-        _check_token_ids(prompt_token_ids)
-        _check_int("hash_block_size", hash_block_size, 1)
-        _check_int("max_tokens", max_tokens, 1)
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -192,8 +116,6 @@ class Request:
         self.num_output_placeholders = 0
         # vLLM: True when the request may not read KV from a connector (e.g. prompt logprobs)
         self.skip_reading_external_kv = False
-        # not in vLLM: the MiniEngine it was added to (a Request runs in one engine, once)
-        self._engine: Any = None
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()
 
@@ -206,9 +128,10 @@ class Request:
         return self.all_token_ids[self.num_prompt_tokens:]
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
-        new_ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
-        _check_token_ids(new_ids)
-        self.all_token_ids.extend(new_ids)
+        if isinstance(token_ids, int):
+            self.all_token_ids.append(token_ids)
+        else:
+            self.all_token_ids.extend(token_ids)
         self._update_block_hashes()
 
     def _update_block_hashes(self) -> None:
@@ -237,7 +160,7 @@ class KVCacheBlock:
     # number of holders: running requests, in-flight copies, lookup pins. 0 = in the free queue
     ref_cnt: int = 0
     # primary prefix-cache key (hash + group id), set only by BlockPool through set_block_hash().
-    # The pre-fix offload code wrote this field directly: that is bug 1.
+    # vLLM 0.29's offload code stamped it directly on CPU blocks (bug 1)
     block_hash: bytes | None = None
     # prefix tokens covered by block_hash (None when the registrar does not know, e.g. CPU copies)
     block_hash_num_tokens: int | None = None
@@ -350,19 +273,6 @@ class FreeKVCacheBlockQueue:
         nxt.prev_free_block = prev
         self.num_free_blocks += len(blocks)
 
-    def move_before(self, first: KVCacheBlock, last: KVCacheBlock, anchor: KVCacheBlock) -> None:
-        """not in vLLM (prefix-aware eviction): move the linked run first..last, in O(1), to just
-        ahead of `anchor` (a free block outside the run, or a sentinel)."""
-        before = first.prev_free_block
-        after = last.next_free_block
-        before.next_free_block = after
-        after.prev_free_block = before
-        prev = anchor.prev_free_block
-        prev.next_free_block = first
-        first.prev_free_block = prev
-        last.next_free_block = anchor
-        anchor.prev_free_block = last
-
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """Front to back. O(n): for tests and pictures only."""
         ret = []
@@ -438,9 +348,7 @@ class BlockPool:
     """
 
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int):
-        _check_int("num_gpu_blocks", num_gpu_blocks, 1, MAX_BLOCKS)
-        _check_type("enable_caching", enable_caching, bool)
-        _check_int("hash_block_size", hash_block_size, 1)
+        assert isinstance(num_gpu_blocks, int) and num_gpu_blocks > 0
         self.num_gpu_blocks = num_gpu_blocks  # vLLM's name; the CPU pool uses it too
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
@@ -530,9 +438,9 @@ class BlockPool:
             block.set_block_hash(key, num_tokens)
         elif (block.block_hash == key
               or self.cached_block_hash_to_block.contain(key, block.block_id)):
-            # Guard 1: the block carries this key as its primary -> assumed registered. This is
-            # the guard bug 1 walked into: a block *stamped* with the key but never inserted
-            # returns here and the map never learns about it.
+            # Guard 1: the block carries this key as its primary -> assumed registered. A block
+            # *stamped* with the key (vLLM 0.29) but never inserted returns here, and the map
+            # never learns it: the trap the fix's first version had to reset_hash() around.
             # Guard 2: already registered (as a secondary key) for this very block.
             return
         else:
@@ -570,7 +478,6 @@ class BlockPool:
                     evict_first: bool = False) -> None:
         """Drop one reference each; blocks reaching 0 return to the free queue in the given order.
         evict_first: for blocks another tier already holds (vLLM 0.34's lazy mode; not eager)."""
-        ordered_blocks = self._check_free_blocks(ordered_blocks)
         # Identify blocks with hash (LRU cache) and without it (never match APC)
         blocks_to_evict_last = []
         blocks_to_evict_first = []
@@ -578,6 +485,8 @@ class BlockPool:
             if block.is_null:  # never pooled; its ref_cnt is not maintained
                 continue
             block.ref_cnt -= 1
+            # not in vLLM: a block freed twice would be handed out twice (two requests, one KV)
+            assert block.ref_cnt >= 0, f"free_blocks: block {block.block_id} is freed twice"
             if block.ref_cnt == 0:
                 if block.block_hash is None or not self.enable_caching or evict_first:
                     # LIFO reuse of non-cached blocks for better GPU locality, and of cached
@@ -590,22 +499,6 @@ class BlockPool:
         self.free_block_queue.prepend_n(blocks_to_evict_first)
         # Blocks to reuse last are appended to the end of the free queue
         self.free_block_queue.append_n(blocks_to_evict_last)
-
-    def _check_free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
-        """not in vLLM: a double free would put one block into the free queue twice; it would
-        then be handed out twice and two requests would write one block's KV, silently. Raises
-        before any ref count changes."""
-        blocks = ordered_blocks if type(ordered_blocks) is list else list(ordered_blocks)
-        for block in blocks:
-            if block.ref_cnt < 1 and not block.is_null:
-                raise ValueError(f"free_blocks: {block!r} is free already (a double free)")
-        # a block listed k times drops k references (rare: counted only when one repeats)
-        if len(set(blocks)) != len(blocks):
-            for block, num_drops in Counter(blocks).items():
-                if block.ref_cnt < num_drops and not block.is_null:
-                    raise ValueError(f"free_blocks: block {block.block_id} is freed "
-                                     f"{num_drops} times with {block.ref_cnt} refs (a double free)")
-        return blocks
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached key (e.g. after a weight update). Refused (False) while any block
@@ -776,18 +669,6 @@ class LoadRequestState:
 
 
 @dataclass
-class PendingCPUHit:
-    """A CPU hit offered by get_num_new_matched_tokens() and not yet taken up by
-    update_state_after_alloc(). vLLM keeps the same three values as a bare tuple."""
-    # per group; each non-null block is pinned (one ref) so LRU eviction cannot take it
-    hit_blocks: tuple[list[KVCacheBlock], ...]
-    # tokens offered; the scheduler may accept fewer
-    hit_length: int
-    # the local (GPU) hit the lookup started after: where the load lands
-    num_computed_tokens: int
-
-
-@dataclass
 class StoreRequestState:
     request: Request
     # the request's GPU block table per group, accumulated from each step's new_block_ids
@@ -815,40 +696,25 @@ class SimpleCPUOffloadScheduler:
     Stores: every step, each scheduled request's blocks whose KV is *confirmed* (computed by a
     forward pass that has finished, i.e. num_computed_tokens) and not yet on CPU get a CPU block
     and are copied GPU->CPU; the GPU block is pinned (touch) until the copy completes, then the
-    CPU block is registered in the CPU prefix cache. A step's blocks are stored one step late.
+    CPU block is registered in the CPU prefix cache. A step's blocks are stored one step late,
+    and a finished request's last ones by the final flush (PR #53532).
     Loads: a new request's prefix beyond its GPU hit is looked up in the CPU cache; hit blocks
     are pinned and copied CPU->GPU before the request computes.
     Ref-count contract: every ref this class takes on either pool is dropped exactly once, by a
     completion, by request_finished(), or by reset() -- the reliability tests check this.
-    not in vLLM: prefix_aware_eviction=True (opt-in; off = vLLM 0.34). Rule: the CPU pool never
-    evicts a cached block while a cached block extending the same prefix remains (children before
-    parents, LRU among chains), and a store never evicts the prefix it extends. Cost: O(1) per
-    stored, loaded or refreshed block, one parent key per CPU block. Limits: a block freed while
-    its parent is pinned stays behind it; chains still compete by LRU, so prompts in rotation that
-    outgrow the pool still evict each other whole.
+    Hooks (not in vLLM, at the end of the class): four one-line methods whose bodies are vLLM's
+    own calls, so that a subclass changes one step and nothing else.
     """
 
     def __init__(self, num_cpu_blocks: int, block_size: int, hash_block_size: int | None = None,
-                 group_block_sizes: list[int] | None = None, world_size: int = 1,
-                 prefix_aware_eviction: bool = False):
-        # not in vLLM: the arguments are checked (vLLM derives them from its config objects)
+                 group_block_sizes: list[int] | None = None, world_size: int = 1):
         if hash_block_size is None:
             hash_block_size = block_size
         if group_block_sizes is None:
             group_block_sizes = [block_size]
-        _check_int("num_cpu_blocks", num_cpu_blocks, 2, MAX_BLOCKS)  # block 0 is the null block
-        _check_int("block_size", block_size, 1)
-        _check_int("hash_block_size", hash_block_size, 1)
-        _check_int("world_size", world_size, 1)
-        _check_type("group_block_sizes", group_block_sizes, (list, tuple))
-        _check_type("prefix_aware_eviction", prefix_aware_eviction, bool)
-        if not group_block_sizes:
-            raise ValueError("group_block_sizes is empty: one size per KV-cache group")
-        for size in group_block_sizes:
-            _check_int("group_block_sizes[i]", size, 1)
+        # not in vLLM (its config derives the sizes): sizes that do not nest key blocks wrongly
         nested = all(size % hash_block_size == 0 for size in group_block_sizes)
         if not nested or block_size != math.lcm(*group_block_sizes):
-            # vLLM's scheduler block size *is* the LCM of the group sizes (one group: its size)
             raise ValueError(f"block sizes must nest: hash_block_size ({hash_block_size}) must "
                              f"divide every group block size ({group_block_sizes}), and "
                              f"block_size ({block_size}) must be their LCM")
@@ -860,9 +726,6 @@ class SimpleCPUOffloadScheduler:
         self.world_size = world_size
         self.cpu_block_pool = BlockPool(num_cpu_blocks, True, hash_block_size)
         self._gpu_block_pool: BlockPool | None = None
-        # not in vLLM: the opt-in rule (class docstring); CPU block id -> its parent's key
-        self.prefix_aware_eviction = prefix_aware_eviction
-        self._cpu_parent_keys: list[bytes | None] = [None] * num_cpu_blocks
         # groups of one block size are looked up together (vLLM's SpecGroup); dict keeps order
         self._group_ids_by_block_size: dict[int, list[int]] = {}
         for g, size in enumerate(self.group_block_sizes):
@@ -871,9 +734,10 @@ class SimpleCPUOffloadScheduler:
         self._reqs_to_load: dict[str, LoadRequestState] = {}
         # load event -> its requests: the worker reports events, not requests
         self._load_event_to_reqs: dict[int, list[str]] = {}
-        # req -> its CPU hit, pinned until update_state_after_alloc()
-        self._pending_cpu_hits: dict[str, PendingCPUHit] = {}
-        # req -> its local (GPU) hit in tokens, for _refresh_cpu_lru()
+        # req -> (CPU hit blocks per group, hit tokens, the local hit it starts after), the
+        # blocks pinned until update_state_after_alloc()
+        self._pending_cpu_hits: dict[str, tuple[tuple[list[KVCacheBlock], ...], int, int]] = {}
+        # req -> its local (GPU) hit in tokens, for the CPU LRU refresh
         self._pending_local_hits: dict[str, int] = {}  # vLLM 0.34
         self._abandoned_reqs_to_load: dict[str, LoadRequestState] = {}
         # stores
@@ -894,15 +758,10 @@ class SimpleCPUOffloadScheduler:
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         """Bind the GPU pool that stores read from and loads write to (vLLM: the scheduler calls
         it once its KV-cache manager exists)."""
-        _check_type("gpu_block_pool", gpu_block_pool, BlockPool)
-        rebinding = self._gpu_block_pool is not None and gpu_block_pool is not self._gpu_block_pool
-        in_use = (self._reqs_to_store or self.has_pending_loads() or self.has_pending_stores()
-                  or len(self.cpu_block_pool.cached_block_hash_to_block))
-        if rebinding and in_use:
-            # not in vLLM: transfers and tables name the old pool's blocks, and the CPU cache's
-            # bytes live in the old engine's workers (a new engine's mirrors hold zeros)
-            raise ValueError("bind_gpu_block_pool: this connector serves another GPU pool "
-                             "(transfers, requests or a CPU cache): reset() it first")
+        # not in vLLM: a pool keyed at another granularity would serve another prefix's KV
+        assert gpu_block_pool.hash_block_size == self.hash_block_size, (
+            f"GPU pool hash_block_size {gpu_block_pool.hash_block_size} != connector's "
+            f"{self.hash_block_size}")
         self._gpu_block_pool = gpu_block_pool
 
     # --- lookup and load ------------------------------------------------------
@@ -955,7 +814,7 @@ class SimpleCPUOffloadScheduler:
             # pin: LRU eviction between the two scheduler calls must not take these blocks
             pin_blocks = [blk for grp in cpu_hit_blocks for blk in grp if not blk.is_null]
             self.cpu_block_pool.touch(pin_blocks)
-            self._pending_cpu_hits[request.request_id] = PendingCPUHit(
+            self._pending_cpu_hits[request.request_id] = (
                 cpu_hit_blocks, hit_length, num_computed_tokens)
             return hit_length, True
         return 0, False
@@ -965,7 +824,6 @@ class SimpleCPUOffloadScheduler:
         """The scheduler allocated `blocks` (the request's GPU table per group) and accepted
         `num_external_tokens` of the offered hit (maybe fewer). Registers the request for eager
         stores and sets up its load: GPU blocks right after the local hit <- CPU hit blocks."""
-        self._check_update_state_after_alloc(request, num_external_tokens)
         req_id = request.request_id
         num_groups = len(blocks)
         # Store tracking: register the request (also with 0 external tokens: it will be
@@ -974,7 +832,11 @@ class SimpleCPUOffloadScheduler:
             self._reqs_to_store[req_id] = StoreRequestState(
                 request, tuple([] for _ in range(num_groups)), [0] * num_groups)
         if num_local_tokens := self._pending_local_hits.pop(req_id, None):  # vLLM 0.34
-            self._refresh_cpu_lru(request, num_local_tokens)
+            # Eager stores skip blocks already on CPU, so nothing else touches the CPU copies
+            # of a GPU hit: move them to the MRU end, or the most reused prefixes age out first
+            prefix_hit, _ = self._find_longest_cache_hit(request.block_hashes, num_local_tokens)
+            prefix_blocks = [b for grp in prefix_hit for b in grp if not b.is_null]
+            self._refresh_cpu_lru(prefix_blocks)  # not in vLLM: a hook (vLLM's touch + free)
         # the hit get_num_new_matched_tokens() pinned, to survive LRU eviction until now
         pending = self._pending_cpu_hits.pop(req_id, None)
         if num_external_tokens == 0:
@@ -987,7 +849,11 @@ class SimpleCPUOffloadScheduler:
                            "but no CPU hit is pending; skipping the load", req_id,
                            num_external_tokens)
             return
-        assert pending.num_computed_tokens % self.block_size == 0, (
+        cpu_hit_blocks_full, hit_length, num_computed_tokens = pending
+        # not in vLLM: accepting more than the hit would count unloaded blocks as computed
+        assert num_external_tokens <= hit_length, (
+            f"{req_id}: {num_external_tokens} external tokens > the {hit_length}-token hit")
+        assert num_computed_tokens % self.block_size == 0, (
             "external loads must start at a scheduler-block boundary")
         # fine-grained hits end on hash boundaries: per-group block counts round up below
         assert num_external_tokens % self.hash_block_size == 0, (
@@ -1000,8 +866,8 @@ class SimpleCPUOffloadScheduler:
             # the scheduler may accept fewer tokens than offered: the leading blocks only
             n_take_g = cdiv(num_external_tokens, g_block_size)
             # the load lands right after the local hit, counted in this group's blocks
-            gpu_ext_start = pending.num_computed_tokens // g_block_size
-            for i, cpu_blk in enumerate(pending.hit_blocks[g][:n_take_g]):
+            gpu_ext_start = num_computed_tokens // g_block_size
+            for i, cpu_blk in enumerate(cpu_hit_blocks_full[g][:n_take_g]):
                 # a null slot (e.g. sliding window padding) has nothing to copy
                 if cpu_blk.is_null:
                     continue
@@ -1019,20 +885,6 @@ class SimpleCPUOffloadScheduler:
         self._reqs_to_load[req_id] = LoadRequestState(
             request, TransferMeta(gpu_block_ids, cpu_block_ids))
 
-    def _refresh_cpu_lru(self, request: Request, num_local_tokens: int) -> None:
-        """Move the CPU copies of the request's local (GPU) hit to the MRU end (vLLM 0.34).
-        Eager stores skip blocks already on CPU, so nothing else touches those copies: the most
-        reused prefixes would age to the LRU front and be evicted first."""
-        prefix_hit, _ = self._find_longest_cache_hit(request.block_hashes, num_local_tokens)
-        prefix_blocks = [b for grp in prefix_hit for b in grp if not b.is_null]
-        # touch + free: ref-0 blocks leave the queue and rejoin it at the back (pinned ones stay
-        # out); reversed, so the prefix's tail is evicted before its head, as a request frees
-        self.cpu_block_pool.touch(prefix_blocks)
-        if self.prefix_aware_eviction:  # not in vLLM: freed in prefix order, leaves end up first
-            self._free_cpu_blocks(prefix_blocks)
-        else:
-            self.cpu_block_pool.free_blocks(reversed(prefix_blocks))
-
     # --- one step: build the worker's metadata -----------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> SimpleCPUOffloadMetadata:
@@ -1042,8 +894,8 @@ class SimpleCPUOffloadScheduler:
         store_event = -1
         store_gpu, store_cpu, store_req_ids = self._prepare_eager_store_specs(scheduler_output)
         for transfer in self._pending_finished_stores:  # PR #53532: merge the finish flushes
-            store_gpu.extend(transfer.gpu_block_ids)
-            store_cpu.extend(transfer.cpu_block_ids)
+            store_gpu.extend(transfer.gpu_block_ids)  # PR #53532
+            store_cpu.extend(transfer.cpu_block_ids)  # PR #53532
         self._pending_finished_stores.clear()  # PR #53532
         if store_gpu:
             store_event = self._store_event_counter
@@ -1108,10 +960,17 @@ class SimpleCPUOffloadScheduler:
                         state.block_ids[g].extend(block_id_groups[g])
             if not scheduler_output.num_scheduled_tokens.get(req_id, 0):
                 continue
-            gpu_block_ids, advanced_per_group = self._select_eager_blocks_to_store(
-                state, state.block_ids)
-            if gpu_block_ids:
-                cpu_block_ids = self._allocate_cpu_blocks(gpu_block_ids, state.request)
+            gpu_block_ids, advanced_per_group = (  # PR #53532: the selection the flush shares
+                self._select_eager_blocks_to_store(state, state.block_ids))
+            # Batch allocate the CPU destinations
+            n_to_alloc = len(gpu_block_ids)
+            if n_to_alloc > 0:
+                # not in vLLM: a hook; vLLM 0.29 stamped the blocks here, PR #53532 stopped it
+                cpu_blocks_alloc = self._allocate_cpu_blocks(gpu_block_ids, state.request)
+                cpu_block_ids = [blk.block_id for blk in cpu_blocks_alloc]
+            else:
+                cpu_block_ids = []
+            if cpu_block_ids:
                 req_ids.append(req_id)
                 merged_gpu_block_ids.extend(gpu_block_ids)
                 merged_cpu_block_ids.extend(cpu_block_ids)
@@ -1124,22 +983,20 @@ class SimpleCPUOffloadScheduler:
         # one entry per request, in first-seen order
         return merged_gpu_block_ids, merged_cpu_block_ids, list(dict.fromkeys(req_ids))
 
-    def _select_eager_blocks_to_store(self, state: StoreRequestState,
+    def _select_eager_blocks_to_store(self, state: StoreRequestState,  # PR #53532
                                       block_ids_by_group: tuple[list[int], ...]
                                       ) -> tuple[list[int], list[int]]:
         """Confirmed blocks past the request's cursors that are worth storing, up to the CPU
         pool's free blocks, over every group; and how far each cursor may advance (skipped
         blocks count). Pure: allocates, pins and advances nothing. Shared by the per-step scan
-        and the finish flush, so both skip exactly the same blocks (PR #53532)."""
+        and the finish flush, so both skip exactly the same blocks."""
         assert self._gpu_block_pool is not None
         gpu_block_ids: list[int] = []
         advanced_per_group = [0] * len(self.group_block_sizes)
         request = state.request
         # confirmed = computed by a forward pass that has finished
         confirmed_tokens = request.num_computed_tokens - request.num_output_placeholders
-        num_free = self.cpu_block_pool.get_num_free_blocks()
-        if self.prefix_aware_eviction:  # not in vLLM: a store never evicts its own prefix
-            num_free = self._num_free_for_store(state, block_ids_by_group, num_free)
+        num_free = self._num_free_for_store(state)  # not in vLLM: a hook (vLLM asks the pool)
         for g, group_gpu_ids in enumerate(block_ids_by_group):
             if len(gpu_block_ids) >= num_free:
                 break
@@ -1169,7 +1026,7 @@ class SimpleCPUOffloadScheduler:
                 advanced_per_group[g] += 1
         return gpu_block_ids, advanced_per_group
 
-    def _classify_store_candidate(self, gpu_block: KVCacheBlock) -> _StoreAdmission:
+    def _classify_store_candidate(self, gpu_block: KVCacheBlock) -> _StoreAdmission:  # vLLM 0.30
         if gpu_block.is_null:
             return _StoreAdmission.NULL_BLOCK
         if gpu_block.block_hash is None:
@@ -1179,126 +1036,6 @@ class SimpleCPUOffloadScheduler:
         if self.cpu_block_pool.cached_block_hash_to_block.get_one_block(gpu_block.block_hash):
             return _StoreAdmission.ALREADY_CACHED
         return _StoreAdmission.READY
-
-    def _allocate_cpu_blocks(self, gpu_block_ids: list[int], request: Request) -> list[int]:
-        """CPU destinations for a selection (may evict LRU CPU blocks). vLLM calls
-        get_new_blocks() inline; a hook here, for the pre-fix variant's stamping."""
-        cpu_blocks = self.cpu_block_pool.get_new_blocks(len(gpu_block_ids))
-        cpu_block_ids = [b.block_id for b in cpu_blocks]
-        if self.prefix_aware_eviction:  # not in vLLM: each destination's parent key
-            self._record_cpu_parent_keys(gpu_block_ids, cpu_block_ids, request)
-        return cpu_block_ids
-
-    def _record_cpu_parent_keys(self, gpu_block_ids: list[int], cpu_block_ids: list[int],
-                                request: Request) -> None:
-        """not in vLLM: the key of the block before each stored one (its parent in the prefix
-        chain). In a run of one group it is the previous source's key; else cache_full_blocks'
-        formula: the fine hash at the parent's end + the group id."""
-        assert self._gpu_block_pool is not None
-        gpu_blocks = self._gpu_block_pool.blocks
-        parent_keys = self._cpu_parent_keys
-        one_group = len(self.group_block_sizes) == 1
-        prev_block = None  # the previous source: in a run of one group, the parent
-        for gpu_block_id, cpu_block_id in zip(gpu_block_ids, cpu_block_ids):
-            gpu_block = gpu_blocks[gpu_block_id]
-            num_tokens = gpu_block.block_hash_num_tokens or 0
-            if one_group:
-                size = self.block_size
-            else:
-                size = self.group_block_sizes[get_group_id(gpu_block.block_hash)]
-            parent_num_tokens = num_tokens - size
-            if one_group and prev_block is not None and (
-                    prev_block.block_hash_num_tokens == parent_num_tokens):
-                parent_keys[cpu_block_id] = prev_block.block_hash  # no hashing
-            elif parent_num_tokens > 0:
-                parent_fine_idx = parent_num_tokens // self.hash_block_size - 1
-                group_suffix = gpu_block.block_hash[-4:]
-                parent_keys[cpu_block_id] = request.block_hashes[parent_fine_idx] + group_suffix
-            else:
-                parent_keys[cpu_block_id] = None  # a chain's first block
-            prev_block = gpu_block
-
-    def _num_free_for_store(self, state: StoreRequestState,
-                            block_ids_by_group: tuple[list[int], ...], num_free: int) -> int:
-        """not in vLLM: CPU blocks a store may take: the free queue's front up to the first
-        block of the request's own stored prefix (evicting it would strand the new copies).
-        Walks no further than the selection could take."""
-        request = state.request
-        cursors = zip(block_ids_by_group, state.num_stored_blocks)
-        num_wanted = sum(len(ids) - num_stored for ids, num_stored in cursors)
-        block = self.cpu_block_pool.free_block_queue.fake_free_list_head.next_free_block
-        for i in range(min(num_free, num_wanted)):
-            key = block.block_hash
-            num_tokens = block.block_hash_num_tokens
-            if key is not None and num_tokens is not None:
-                g = get_group_id(key)
-                stored_tokens = state.num_stored_blocks[g] * self.group_block_sizes[g]
-                fine_idx = num_tokens // self.hash_block_size - 1
-                if num_tokens <= stored_tokens and request.block_hashes[fine_idx] == key[:-4]:
-                    return i
-            block = block.next_free_block
-        return num_free
-
-    def _free_cpu_blocks(self, blocks: list[KVCacheBlock]) -> None:
-        """not in vLLM: every CPU free. Off: vLLM's free_blocks. On (`blocks` in prefix order):
-        one pass drops the refs as free_blocks does; blocks reaching 0 without a hash go to the
-        front, and each run of hashed ones (consecutive, each the child of the one before) goes
-        to the back leaf first, then is placed by _place_cpu_run."""
-        if not self.prefix_aware_eviction:
-            self.cpu_block_pool.free_blocks(blocks)
-            return
-        blocks = self.cpu_block_pool._check_free_blocks(blocks)
-        parent_keys = self._cpu_parent_keys
-        unhashed: list[KVCacheBlock] = []
-        run: list[KVCacheBlock] = []  # root first
-        run_hash = None  # the hash of the run's last (leaf-most) block
-        for block in blocks:
-            if block.is_null:
-                continue
-            block.ref_cnt -= 1
-            block_hash = block.block_hash
-            if block.ref_cnt or block_hash is None:
-                if block_hash is None and not block.ref_cnt:
-                    unhashed.append(block)
-                if run:  # held, or unhashed: the run ends here
-                    self._place_cpu_run(run)
-                    run = []
-                continue
-            if run and parent_keys[block.block_id] == run_hash:
-                run.append(block)  # the child of the run's leaf: the run goes on
-            else:
-                if run:
-                    self._place_cpu_run(run)
-                run = [block]
-            run_hash = block_hash
-        if run:
-            self._place_cpu_run(run)
-        unhashed.reverse()  # as free_blocks(reversed(blocks)) would prepend them
-        self.cpu_block_pool.free_block_queue.prepend_n(unhashed)
-
-    def _place_cpu_run(self, run: list[KVCacheBlock]) -> None:
-        """not in vLLM: the freed run (root first) joins the back leaf first, then moves just
-        ahead of its root's parent if that is free, or to the front if the parent is gone
-        (nothing can reach the run); a chain's first block, or a pinned parent, keeps it at
-        the back."""
-        queue = self.cpu_block_pool.free_block_queue
-        last = run[0]
-        run.reverse()
-        queue.append_n(run)
-        first = run[0]
-        parent_key = self._cpu_parent_keys[last.block_id]
-        if parent_key is None:
-            return
-        # descendants freed earlier may sit just ahead of the run: they move with it
-        while (first.prev_free_block.block_hash is not None
-               and self._cpu_parent_keys[first.prev_free_block.block_id] == first.block_hash):
-            first = first.prev_free_block
-        parent = self.cpu_block_pool.cached_block_hash_to_block.get_one_block(parent_key)
-        head = queue.fake_free_list_head.next_free_block
-        if parent is None and head is not first:
-            queue.move_before(first, last, head)
-        elif parent is not None and parent.prev_free_block is not None:  # in the free queue
-            queue.move_before(first, last, parent)
 
     # --- completions ------------------------------------------------------------
 
@@ -1329,7 +1066,7 @@ class SimpleCPUOffloadScheduler:
             if transfer is None:
                 return  # stale (from before a reset) or a duplicate report
             # sent before a reset(): release the pins, cache nothing
-            self._release_transfer_refs(transfer, abandoned=True)
+            self._release_transfer_refs(transfer)
             return
         self._in_flight_store_gpu_blocks.difference_update(transfer.gpu_block_ids)
         self._process_store_completion(transfer.gpu_block_ids, transfer.cpu_block_ids)
@@ -1343,42 +1080,40 @@ class SimpleCPUOffloadScheduler:
 
     def _process_store_completion(self, gpu_block_ids: list[int],
                                   cpu_block_ids: list[int]) -> None:
-        """Register the copied CPU blocks in the CPU prefix cache, then drop both pins. PR
-        #53532: the keys come from the still pinned GPU source, primary and secondaries."""
+        """Register the copied CPU blocks in the CPU prefix cache, then drop both pins. The
+        keys come from the still pinned GPU source, primary and secondaries (PR #53532)."""
         assert len(cpu_block_ids) == len(gpu_block_ids)
         cpu_blocks = [self.cpu_block_pool.blocks[b] for b in cpu_block_ids]
         assert self._gpu_block_pool is not None
-        # bound once: the store path's per-block loop
-        gpu_blocks = self._gpu_block_pool.blocks
-        gpu_secondary_hashes = self._gpu_block_pool.cached_block_hashes_by_block
-        insert_block_hash = self.cpu_block_pool._insert_block_hash
         for gpu_block_id, cpu_block in zip(gpu_block_ids, cpu_blocks):
-            gpu_block = gpu_blocks[gpu_block_id]
-            primary_hash = gpu_block.block_hash
-            assert primary_hash is not None
-            # not in vLLM (PR #53532's first version had it): reset_hash() first. On a block
-            # stamped at allocation, _insert_block_hash() returns at guard 1 and the primary
-            # never reaches the map. The merged fix dropped the stamp and this line; a no-op on
-            # an unstamped block, kept so that a stamp can never silently come back.
+            gpu_block = self._gpu_block_pool.blocks[gpu_block_id]  # PR #53532
+            primary_hash = gpu_block.block_hash  # PR #53532
+            assert primary_hash is not None  # PR #53532
+            # not in vLLM (PR #53532's first version had it): reset_hash() first, because
+            # _insert_block_hash() returns at its guard on a block stamped with the key (0.29
+            # stamped at allocation). The merged fix dropped the stamp and this line; kept as a
+            # no-op on an unstamped block, so that a stamp can never silently come back.
             cpu_block.reset_hash()
-            insert_block_hash(primary_hash, cpu_block,  # PR #53532
-                              num_tokens=gpu_block.block_hash_num_tokens)
-            # every fine-grained secondary key too: what 0.29 never copied (PR #53532)
-            secondary_hashes = gpu_secondary_hashes.get(gpu_block_id, ())
-            for block_hash in secondary_hashes:
-                insert_block_hash(block_hash, cpu_block, num_tokens=None)
+            self.cpu_block_pool._insert_block_hash(  # PR #53532: through the pool's guards
+                primary_hash, cpu_block, num_tokens=gpu_block.block_hash_num_tokens)
+            # the GPU block's fine-grained secondary keys, which 0.29 never copied
+            secondary_hashes = self._gpu_block_pool.cached_block_hashes_by_block.get(  # PR #53532
+                gpu_block_id, ())
+            for block_hash in secondary_hashes:  # PR #53532
+                self.cpu_block_pool._insert_block_hash(  # PR #53532
+                    block_hash, cpu_block, num_tokens=None)
         # Free CPU and GPU blocks' ref counts to turn them into prefix cache
-        self._free_cpu_blocks(cpu_blocks)  # not in vLLM: vLLM calls cpu_block_pool.free_blocks
-        self._gpu_block_pool.free_blocks([gpu_blocks[b] for b in gpu_block_ids])
+        self._free_cpu_blocks(cpu_blocks)  # not in vLLM: a hook (vLLM's free_blocks)
+        self._gpu_block_pool.free_blocks(self._gpu_block_pool.blocks[b] for b in gpu_block_ids)
 
-    def _release_transfer_refs(self, transfer: TransferMeta, abandoned: bool = False) -> None:
-        """Drop a transfer's pins on both pools (CPU first, as vLLM); caches nothing. `abandoned`:
-        a store whose copy must not be cached (a hook for the pre-fix variant's stamps)."""
+    def _release_transfer_refs(self, transfer: TransferMeta) -> None:
+        """Drop a transfer's pins on both pools (CPU first, as vLLM); caches nothing."""
         cpu_blocks = [self.cpu_block_pool.blocks[b] for b in transfer.cpu_block_ids]
-        self._free_cpu_blocks(cpu_blocks)  # not in vLLM: vLLM calls cpu_block_pool.free_blocks
+        # PR #53532 dropped 0.29's reset_hash() of each block here: nothing is stamped
+        self._free_cpu_blocks(cpu_blocks)  # not in vLLM: a hook (vLLM's free_blocks)
         assert self._gpu_block_pool is not None
         self._gpu_block_pool.free_blocks(
-            [self._gpu_block_pool.blocks[b] for b in transfer.gpu_block_ids])
+            self._gpu_block_pool.blocks[b] for b in transfer.gpu_block_ids)
 
     def has_pending_stores(self) -> bool:
         """True while a store is queued (finish flush) or in flight, also after a reset()."""
@@ -1391,8 +1126,8 @@ class SimpleCPUOffloadScheduler:
         request's included (vLLM's scheduler tracks its WAITING_FOR_REMOTE_KVS requests)."""
         return bool(self._reqs_to_load or self._abandoned_reqs_to_load)
 
-    def has_pending_push_work(self) -> bool:
-        """PR #53532 (the connector's has_pending_transfers, renamed): an engine keeps stepping
+    def has_pending_push_work(self) -> bool:  # PR #53532
+        """The connector's has_pending_transfers, renamed by the fix: an engine keeps stepping
         while this is True, even with no request left, so queued finish flushes get sent."""
         return self.has_pending_stores()
 
@@ -1428,11 +1163,11 @@ class SimpleCPUOffloadScheduler:
         self._queue_finished_eager_store(request, block_ids)  # PR #53532
         return self.request_finished(request, block_ids=[])
 
-    def _queue_finished_eager_store(self, request: Request,
+    def _queue_finished_eager_store(self, request: Request,  # PR #53532
                                     block_ids: tuple[list[int], ...]) -> None:
-        """PR #53532, the final flush: blocks confirmed in the request's last step(s) would
-        never be seen by a later per-step scan. Select them the same way, allocate and pin now,
-        send with the next build_connector_meta()."""
+        """The final flush: blocks confirmed in the request's last step(s) would never be seen
+        by a later per-step scan. Select them the same way, from the table the scheduler passes
+        (`block_ids`), allocate and pin now, send with the next build_connector_meta()."""
         state = self._reqs_to_store.get(request.request_id)
         gpu_pool = self._gpu_block_pool
         if state is None or gpu_pool is None:
@@ -1440,16 +1175,18 @@ class SimpleCPUOffloadScheduler:
         gpu_ids, _ = self._select_eager_blocks_to_store(state, block_ids)
         if not gpu_ids:
             return
-        cpu_ids = self._allocate_cpu_blocks(gpu_ids, request)
-        self._pending_finished_stores.append(TransferMeta(gpu_ids, cpu_ids))
+        cpu_blocks = self._allocate_cpu_blocks(gpu_ids, request)  # not in vLLM: the hook
+        self._pending_finished_stores.append(
+            TransferMeta(gpu_ids, [b.block_id for b in cpu_blocks]))
         self._in_flight_store_gpu_blocks.update(gpu_ids)
         # pinned until the copy completes, as a per-step store
         gpu_pool.touch([gpu_pool.blocks[b] for b in gpu_ids])
 
-    def _free_pending_cpu_hit(self, pending: PendingCPUHit) -> None:
-        blocks_to_free = [b for grp in pending.hit_blocks for b in grp if not b.is_null]
+    def _free_pending_cpu_hit(self, pending: tuple) -> None:
+        cpu_hit_blocks, _hit_length, _num_computed_tokens = pending
+        blocks_to_free = [b for grp in cpu_hit_blocks for b in grp if not b.is_null]
         if blocks_to_free:
-            self._free_cpu_blocks(blocks_to_free)  # not in vLLM: the same hook
+            self._free_cpu_blocks(blocks_to_free)  # not in vLLM: a hook (vLLM's free_blocks)
 
     def _cleanup_load_request(self, req_id: str) -> None:
         state = self._reqs_to_load.pop(req_id, None)
@@ -1465,7 +1202,12 @@ class SimpleCPUOffloadScheduler:
                     reqs.remove(req_id)
                 if not reqs:
                     del self._load_event_to_reqs[state.load_event]
-        self._release_transfer_refs(state.transfer_meta)
+        # free the CPU touch refs, then the GPU ones
+        cpu_pool = self.cpu_block_pool
+        self._free_cpu_blocks([cpu_pool.blocks[b] for b in state.transfer_meta.cpu_block_ids])
+        assert self._gpu_block_pool is not None
+        self._gpu_block_pool.free_blocks(
+            self._gpu_block_pool.blocks[b] for b in state.transfer_meta.gpu_block_ids)
 
     def _cleanup_store_request(self, req_id: str) -> None:
         """Metadata only: the blocks belong to the store events, which release them."""
@@ -1492,8 +1234,8 @@ class SimpleCPUOffloadScheduler:
         self._pending_local_hits.clear()  # vLLM 0.34
         self._abandoned_store_event_to_blocks.update(self._store_event_to_blocks)
         for transfer in self._pending_finished_stores:  # PR #53532: never sent, release now
-            self._release_transfer_refs(transfer, abandoned=True)
-        self._pending_finished_stores.clear()
+            self._release_transfer_refs(transfer)  # PR #53532
+        self._pending_finished_stores.clear()  # PR #53532
         self._store_event_to_blocks.clear()
         self._in_flight_store_gpu_blocks.clear()
         # loads not sent to a worker cannot have a copy running; sent ones stay pinned
@@ -1512,15 +1254,27 @@ class SimpleCPUOffloadScheduler:
             return False
         return self.cpu_block_pool.reset_prefix_cache()
 
-    def _check_update_state_after_alloc(self, request: Request,
-                                        num_external_tokens: int) -> None:
-        """not in vLLM: accepting more tokens than the pending hit offered would load fewer
-        blocks than the scheduler counts as computed; it would then read uninitialised KV as
-        the prompt's, silently (vLLM's slice truncates the load)."""
-        pending = self._pending_cpu_hits.get(request.request_id)
-        if pending is not None and num_external_tokens > pending.hit_length:
-            raise ValueError(f"{request.request_id}: num_external_tokens={num_external_tokens} "
-                             f"exceeds the CPU hit of {pending.hit_length} tokens")
+    # --- hooks (not in vLLM): each body is vLLM's own call -------------------------
+
+    def _allocate_cpu_blocks(self, gpu_block_ids: list[int], request: Request
+                             ) -> list[KVCacheBlock]:
+        """CPU destinations for a selection of GPU blocks (may evict LRU CPU blocks)."""
+        return self.cpu_block_pool.get_new_blocks(len(gpu_block_ids))
+
+    def _free_cpu_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        """Every CPU free but the LRU refresh's."""
+        self.cpu_block_pool.free_blocks(blocks)
+
+    def _num_free_for_store(self, state: StoreRequestState) -> int:
+        """CPU blocks a store may take."""
+        return self.cpu_block_pool.get_num_free_blocks()
+
+    def _refresh_cpu_lru(self, prefix_blocks: list[KVCacheBlock]) -> None:
+        """Move a GPU hit's CPU copies to the MRU end: touch + free takes the ref-0 ones out of
+        the free queue and appends them (pinned ones stay out); reversed, so the prefix's tail
+        is evicted before its head, as a request frees."""
+        self.cpu_block_pool.touch(prefix_blocks)
+        self.cpu_block_pool.free_blocks(reversed(prefix_blocks))
 
 
 # -----------------------------------------------------------------------------
@@ -1529,8 +1283,8 @@ class SimpleCPUOffloadScheduler:
 class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
     """The manager as vLLM 0.29 had it (the last release before PR #53532). Each flag turns one
     bug back on; with both on, a differential test drives this class in lockstep with vLLM
-    0.29's own manager. `skip_reset_hash` is not a release: it is the fix *without* its
-    reset_hash() line, the trap that the fix's comment warns about.
+    0.29's own manager. `skip_reset_hash` is not a release: it is the fix's first version
+    *without* its reset_hash() line, the trap that the fix's comment warns about.
 
     registration_bug: stamp at allocation, insert the stamped primary key straight into the map
         at completion. Whole-block lookups hit; fine-grained secondary keys are never copied.
@@ -1541,33 +1295,30 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
 
     def __init__(self, *args: Any, registration_bug: bool = True, flush_bug: bool = True,
                  skip_reset_hash: bool = False, **kwargs: Any):
-        _check_type("registration_bug", registration_bug, bool)
-        _check_type("flush_bug", flush_bug, bool)
-        _check_type("skip_reset_hash", skip_reset_hash, bool)
+        # the trap lives in the fix's registration, which the pre-fix registration never calls
         if registration_bug and skip_reset_hash:
-            # the trap lives inside the fix's registration path: it cannot be combined with
-            # the pre-fix registration, which never calls _insert_block_hash()
             raise ValueError("skip_reset_hash=True needs registration_bug=False")
         super().__init__(*args, **kwargs)
         self.registration_bug = registration_bug
         self.flush_bug = flush_bug
         self.skip_reset_hash = skip_reset_hash
+        self.stamps = registration_bug or skip_reset_hash
 
-    def _allocate_cpu_blocks(self, gpu_block_ids: list[int], request: Request) -> list[int]:
-        cpu_ids = super()._allocate_cpu_blocks(gpu_block_ids, request)
-        if self.registration_bug or self.skip_reset_hash:
+    def _allocate_cpu_blocks(self, gpu_block_ids: list[int], request: Request
+                             ) -> list[KVCacheBlock]:
+        cpu_blocks = super()._allocate_cpu_blocks(gpu_block_ids, request)
+        if self.stamps:
             # vLLM 0.29, _prepare_eager_store_specs: `cpu_blk._block_hash = bhash` right after
             # get_new_blocks(), around the pool (0.34 made the field plain: block_hash). The
             # key is on the block, not in the map yet.
             assert self._gpu_block_pool is not None
-            gpu_blocks = self._gpu_block_pool.blocks
-            for gpu_id, cpu_id in zip(gpu_block_ids, cpu_ids):
-                self.cpu_block_pool.blocks[cpu_id].block_hash = gpu_blocks[gpu_id].block_hash
-        return cpu_ids
+            for gpu_id, cpu_block in zip(gpu_block_ids, cpu_blocks):
+                cpu_block.block_hash = self._gpu_block_pool.blocks[gpu_id].block_hash
+        return cpu_blocks
 
     def _process_store_completion(self, gpu_block_ids: list[int],
                                   cpu_block_ids: list[int]) -> None:
-        if not self.registration_bug and not self.skip_reset_hash:
+        if not self.stamps:
             return super()._process_store_completion(gpu_block_ids, cpu_block_ids)
         cpu_blocks = [self.cpu_block_pool.blocks[b] for b in cpu_block_ids]
         assert self._gpu_block_pool is not None
@@ -1586,15 +1337,16 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
                                                    gpu_block.block_hash_num_tokens)
             for key in self._gpu_block_pool.cached_block_hashes_by_block.get(gpu_block_id, ()):
                 self.cpu_block_pool._insert_block_hash(key, cpu_block, None)
-        self._release_transfer_refs(TransferMeta(gpu_block_ids, cpu_block_ids))
+        self._free_cpu_blocks(cpu_blocks)
+        self._gpu_block_pool.free_blocks(self._gpu_block_pool.blocks[b] for b in gpu_block_ids)
 
-    def _release_transfer_refs(self, transfer: TransferMeta, abandoned: bool = False) -> None:
-        if abandoned and (self.registration_bug or self.skip_reset_hash):
-            # vLLM 0.29, _release_transfer_refs: an abandoned store's CPU blocks drop their
-            # stamps (`cpu_block.reset_hash()`) so they return to the free queue unhashed
+    def _release_transfer_refs(self, transfer: TransferMeta) -> None:
+        if self.stamps:
+            # vLLM 0.29: an uncached store's CPU blocks drop their stamps
+            # (`cpu_block.reset_hash()`), so that they return to the free queue unhashed
             for cpu_id in transfer.cpu_block_ids:
                 self.cpu_block_pool.blocks[cpu_id].reset_hash()
-        super()._release_transfer_refs(transfer, abandoned)
+        super()._release_transfer_refs(transfer)
 
     def _select_eager_blocks_to_store(self, state: StoreRequestState,
                                       block_ids_by_group: tuple[list[int], ...]
@@ -1608,8 +1360,6 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         confirmed_tokens = req.num_computed_tokens - req.num_output_placeholders
         aligned_tokens = confirmed_tokens // self.block_size * self.block_size
         num_free = self.cpu_block_pool.get_num_free_blocks()
-        if self.prefix_aware_eviction:  # not in vLLM (see the fixed class)
-            num_free = self._num_free_for_store(state, block_ids_by_group, num_free)
         assert self._gpu_block_pool is not None
         gpu_blocks = self._gpu_block_pool.blocks
         out: list[int] = []
@@ -1660,11 +1410,13 @@ class SimpleCPUOffloadWorker:
     """Worker side: owns the CPU mirrors and runs the copies the metadata asks for.
 
     CUDA: loads (CPU->GPU) run on `load_stream`, stores (GPU->CPU) on `store_stream`, both at
-    the lowest priority so they yield to compute. A store waits on a compute-done event recorded
-    on the compute stream: it must not read KV a kernel has not finished writing. A load waits
-    for the compute stream's earlier work: its GPU destination may be a block a finished request
-    was still being read from. Completion is polled (event.query(), never a sync) in FIFO order,
-    one high-water mark per direction: event i done => every event <= i of that stream done.
+    priority_range()[0] as in vLLM: the lowest, which is also the default stream's (0), so they
+    do not yield to compute on it. A store waits on a compute-done event recorded on the compute
+    stream: it must not read KV a kernel has not finished writing. A load waits for the compute
+    stream's earlier work (not in vLLM, whose loads wait for nothing): its GPU destination may
+    be a block that a finished request's kernels still read. Completion is polled
+    (event.query(), never a sync) in FIFO order, one high-water mark per direction: event i
+    done => every event <= i of that stream done.
     So event indices must grow per direction; an event with nothing to copy is complete at once.
     CPU: the same calls, copies done synchronously (events are None = already complete). With
     a `copy_engine` (torch.cuda's Stream/Event/current_stream/stream names, e.g. the tests'
@@ -1674,7 +1426,6 @@ class SimpleCPUOffloadWorker:
     """
 
     def __init__(self, num_cpu_blocks: int, copy_engine: Any = None):
-        _check_int("num_cpu_blocks", num_cpu_blocks, 2, MAX_BLOCKS)  # block 0 is the null block
         self.num_cpu_blocks = num_cpu_blocks
         self.num_gpu_blocks = 0
         self.gpu_kv_caches: dict[str, torch.Tensor] = {}  # region -> [num_gpu_blocks, ...] view
@@ -1705,73 +1456,65 @@ class SimpleCPUOffloadWorker:
                            block_dim: int) -> None:
         """Mirror the GPU KV caches in CPU memory. `block_dim` (vLLM reads it from the KV-cache
         spec): 0 for [num_gpu_blocks, ...], 1 for FlashAttention's (2, num_gpu_blocks, ...),
-        split into a K and a V region. All or nothing: a bad argument changes nothing."""
-        regions = self._check_kv_caches(kv_caches, num_gpu_blocks, block_dim)
-        device = next(iter(regions.values())).device
-        # CUDA caches get pinned host mirrors: DMA reads and writes them directly, async
-        pin = device.type == "cuda"
-        self.device = device
-        self.num_gpu_blocks = num_gpu_blocks
-        self.gpu_kv_caches = regions
-        # one CPU mirror per region: the same row layout, num_cpu_blocks rows
-        self.cpu_kv_caches = {}
-        for key, region in regions.items():
-            mirror_shape = (self.num_cpu_blocks, *region.shape[1:])
-            self.cpu_kv_caches[key] = torch.zeros(mirror_shape, dtype=region.dtype,
-                                                  pin_memory=pin)
-        if pin or self.copy_engine is not None:
-            dev = self.copy_engine or torch.cuda
-            # (least, greatest): 0 is the lowest, copies yield to compute
-            low_priority = torch.cuda.Stream.priority_range()[0] if pin else 0
-            self.load_stream = dev.Stream(self.device, priority=low_priority)
-            self.store_stream = dev.Stream(self.device, priority=low_priority)
-
-    def _check_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_gpu_blocks: int,
-                         block_dim: int) -> dict[str, torch.Tensor]:
-        """not in vLLM: the person-facing checks of register_kv_caches(), all before anything
-        is registered. Returns the regions, each [num_gpu_blocks, ...] and contiguous, so block
-        i is one row and a run of consecutive ids is one slice copy on both sides."""
-        _check_type("kv_caches", kv_caches, dict)
-        _check_int("num_gpu_blocks", num_gpu_blocks, 1, MAX_BLOCKS)
-        _check_int("block_dim", block_dim, 0, 1)
-        if self.cpu_kv_caches:
-            raise ValueError("register_kv_caches: this worker's KV caches are already registered "
-                             "(once per worker: see the class docstring)")
-        if not kv_caches:
-            raise ValueError("register_kv_caches: no KV caches given")
+        split into a K and a V region. All or nothing: after an error the worker is still fresh
+        (a failed pinned allocation too), so a retry can succeed."""
+        # not in vLLM: new mirrors would hold zeros under hashes the manager keeps serving
+        assert not self.cpu_kv_caches, "register_kv_caches: once per worker"
         regions: dict[str, torch.Tensor] = {}
         seen: set[tuple[int, tuple[int, ...]]] = set()
-        device = None
         for name, t in kv_caches.items():
-            _check_type(f"kv_caches[{name!r}]", t, torch.Tensor)
-            device = t.device if device is None else device
-            if t.device != device:
-                raise ValueError(f"KV cache {name!r} is on {t.device}, others on {device}")
-            expected = "(2, num_gpu_blocks, ...)" if block_dim else "[num_gpu_blocks, ...]"
-            leading = (2, num_gpu_blocks) if block_dim else (num_gpu_blocks,)
-            if t.dim() < 2 or tuple(t.shape[:block_dim + 1]) != leading:
-                raise ValueError(f"KV cache {name!r} has shape {tuple(t.shape)}: expected "
-                                 f"{expected} with num_gpu_blocks={num_gpu_blocks}")
-            # (2, N, ...): K and V are two separate regions
+            # (2, N, ...): K and V are two regions, each [num_gpu_blocks, ...]
+            if block_dim and t.shape[0] != 2:  # not in vLLM: a third part would not be copied
+                raise ValueError(f"KV cache {name!r} of shape {tuple(t.shape)} is not "
+                                 "(2, num_gpu_blocks, ...)")
             parts = {f"{name}.k": t[0], f"{name}.v": t[1]} if block_dim else {name: t}
             for key, region in parts.items():
+                # not in vLLM: block i must be row i, a run of ids one slice
+                if region.shape[0] != num_gpu_blocks or not region.is_contiguous():
+                    raise ValueError(f"KV cache region {key!r} of shape {tuple(region.shape)} "
+                                     f"is not a contiguous [num_gpu_blocks={num_gpu_blocks}, ...]")
+                # not in vLLM: a name used twice would leave one region without a mirror
                 if key in regions or (key != name and key in kv_caches):
                     raise ValueError(f"KV cache region name {key!r} is used twice")
-                if not region.is_contiguous():
-                    raise ValueError(f"KV cache region {key!r} is not contiguous")
                 # layers that share storage (same address and shape) are copied once
                 ident = (region.data_ptr(), tuple(region.shape))
                 if ident not in seen:
                     seen.add(ident)
                     regions[key] = region
-        if device.type == "cuda" and self.copy_engine is not None:
-            raise ValueError("kv_caches are on CUDA: copy_engine simulates a device for CPU caches")
-        return regions
+        device = next(iter(regions.values())).device
+        # CUDA caches get pinned host mirrors: DMA reads and writes them directly, async
+        pin = device.type == "cuda"
+        # one CPU mirror per region: the same row layout, num_cpu_blocks rows
+        cpu_kv_caches = {}
+        for key, region in regions.items():
+            mirror_shape = (self.num_cpu_blocks, *region.shape[1:])
+            cpu_kv_caches[key] = torch.zeros(mirror_shape, dtype=region.dtype, pin_memory=pin)
+        if pin or self.copy_engine is not None:
+            dev = self.copy_engine or torch.cuda
+            # vLLM's choice: (least, greatest)[0], the lowest priority (see the class docstring)
+            low_priority = torch.cuda.Stream.priority_range()[0] if pin else 0
+            self.load_stream = dev.Stream(device, priority=low_priority)
+            self.store_stream = dev.Stream(device, priority=low_priority)
+        # nothing can fail any more: register
+        self.device = device
+        self.num_gpu_blocks = num_gpu_blocks
+        self.gpu_kv_caches = regions
+        self.cpu_kv_caches = cpu_kv_caches
 
     # --- per step ---------------------------------------------------------------
 
     def bind_connector_metadata(self, metadata: SimpleCPUOffloadMetadata) -> None:
-        self._check_bind_connector_metadata(metadata)
+        # not in vLLM: an event that does not grow would be reported done by an earlier one's
+        # high-water mark (a block cached before its copy ran); copies under event -1 would
+        # never be reported (their pins leak); unpaired lists would pair the wrong blocks
+        assert metadata.load_event < 0 or metadata.load_event > self._last_load_event, (
+            f"load_event {metadata.load_event} after {self._last_load_event}: must grow")
+        assert metadata.store_event < 0 or metadata.store_event > self._last_store_event, (
+            f"store_event {metadata.store_event} after {self._last_store_event}: must grow")
+        assert (metadata.load_event >= 0 or not metadata.load_cpu_blocks) and (
+            metadata.store_event >= 0 or not metadata.store_gpu_blocks), "blocks under event -1"
+        assert len(metadata.load_cpu_blocks) == len(metadata.load_gpu_blocks) and len(
+            metadata.store_gpu_blocks) == len(metadata.store_cpu_blocks), "unpaired block ids"
         self._connector_metadata = metadata
         if metadata.load_event >= 0:
             self._last_load_event = metadata.load_event
@@ -1863,7 +1606,7 @@ class SimpleCPUOffloadWorker:
                 self._store_compute_done.record(compute)
                 stream.wait_event(self._store_compute_done)
             else:
-                stream.wait_stream(compute)
+                stream.wait_stream(compute)  # not in vLLM: see the class docstring
             with dev.stream(stream):
                 for name, s in src.items():
                     d = dst[name]
@@ -1904,26 +1647,190 @@ class SimpleCPUOffloadWorker:
         else:
             self._load_hwm = max(self._load_hwm, idx)
 
-    def _check_bind_connector_metadata(self, metadata: SimpleCPUOffloadMetadata) -> None:
-        """not in vLLM: copies that no event reports (event -1) would keep their pins forever;
-        an event index that does not grow would be reported done by an earlier one's high-water
-        mark (a block cached before its copy ran); lists of different lengths pair wrong blocks."""
-        for what, event, last, src, dst in (
-                ("load", metadata.load_event, self._last_load_event,
-                 metadata.load_cpu_blocks, metadata.load_gpu_blocks),
-                ("store", metadata.store_event, self._last_store_event,
-                 metadata.store_gpu_blocks, metadata.store_cpu_blocks)):
-            if len(src) != len(dst):
-                raise ValueError(f"{what}: {len(src)} source ids but {len(dst)} destination ids")
-            if src and event < 0:
-                raise ValueError(f"{what}: {len(src)} blocks to copy under {what}_event={event}")
-            if 0 <= event <= last:
-                raise ValueError(f"{what}_event={event} after {what}_event={last}: event "
-                                 "indices must grow")
+
+# -----------------------------------------------------------------------------
+# 7. Beyond vLLM: prefix-aware eviction in the CPU tier (opt-in)
+
+def _move_run_before(first: KVCacheBlock, last: KVCacheBlock, anchor: KVCacheBlock) -> None:
+    """Move the linked run first..last of a free queue, in O(1), to just ahead of `anchor` (a
+    free block outside the run, or a sentinel). The count of free blocks does not change."""
+    before = first.prev_free_block
+    after = last.next_free_block
+    before.next_free_block = after
+    after.prev_free_block = before
+    prev = anchor.prev_free_block
+    prev.next_free_block = first
+    first.prev_free_block = prev
+    last.next_free_block = anchor
+    anchor.prev_free_block = last
+
+
+class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
+    """not in vLLM. The CPU pool never evicts a cached block while a cached block extending the
+    same prefix remains (children before parents; among chains, LRU), and a store never evicts
+    the prefix it extends (judged by the hash chain, not by the request's cursor). vLLM's LRU
+    evicts a chain's root first, which strands every block after it: a pool one block smaller
+    than a prompt then serves nothing (a cliff); here n blocks serve n - 1 (a ramp).
+    How: each CPU block records its parent's key at allocation; a freed run of a chain (root
+    first, each block the child of the one before) joins the free queue leaf first, just ahead
+    of its parent when that is free, or at the front when the parent is gone. O(1) per stored,
+    loaded or refreshed block. Limits: a block freed while its parent is pinned stays behind it;
+    chains still compete by LRU, so prompts in rotation that outgrow the pool evict each other.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        # CPU block id -> the key of its parent in the prefix chain (None: a chain's root)
+        self._cpu_parent_keys: list[bytes | None] = [None] * self.num_cpu_blocks
+
+    def _allocate_cpu_blocks(self, gpu_block_ids: list[int], request: Request
+                             ) -> list[KVCacheBlock]:
+        """Also record each destination's parent key: in a run of one group, the previous
+        source's key; else cache_full_blocks' formula (the fine hash at the parent's end + the
+        group id)."""
+        cpu_blocks = super()._allocate_cpu_blocks(gpu_block_ids, request)
+        assert self._gpu_block_pool is not None
+        gpu_blocks = self._gpu_block_pool.blocks
+        one_group = len(self.group_block_sizes) == 1
+        prev_block = None  # the previous source: in a run of one group, the parent
+        for gpu_block_id, cpu_block in zip(gpu_block_ids, cpu_blocks):
+            gpu_block = gpu_blocks[gpu_block_id]
+            num_tokens = gpu_block.block_hash_num_tokens or 0
+            size = self.group_block_sizes[get_group_id(gpu_block.block_hash)]
+            parent_num_tokens = num_tokens - size
+            if one_group and prev_block is not None and (
+                    prev_block.block_hash_num_tokens == parent_num_tokens):
+                parent_key = prev_block.block_hash  # no hashing
+            elif parent_num_tokens > 0:
+                parent_fine_idx = parent_num_tokens // self.hash_block_size - 1
+                parent_key = request.block_hashes[parent_fine_idx] + gpu_block.block_hash[-4:]
+            else:
+                parent_key = None  # a chain's root
+            self._cpu_parent_keys[cpu_block.block_id] = parent_key
+            prev_block = gpu_block
+        return cpu_blocks
+
+    def _num_free_for_store(self, state: StoreRequestState) -> int:
+        """The free queue's front up to the first block of the request's own chain: evicting
+        it would strand the copies this store makes. Walks no further than the store could
+        take (the blocks past the cursors)."""
+        request = state.request
+        block_hashes = request.block_hashes
+        cursors = zip(state.block_ids, state.num_stored_blocks)
+        num_wanted = sum(len(ids) - num_stored for ids, num_stored in cursors)
+        num_free = self.cpu_block_pool.get_num_free_blocks()
+        block = self.cpu_block_pool.free_block_queue.fake_free_list_head.next_free_block
+        for i in range(min(num_free, num_wanted)):
+            key = block.block_hash
+            num_tokens = block.block_hash_num_tokens
+            if key is not None and num_tokens is not None:
+                fine_idx = num_tokens // self.hash_block_size - 1
+                # on this request's chain, wherever its cursor is
+                if fine_idx < len(block_hashes) and block_hashes[fine_idx] == key[:-4]:
+                    return i
+            block = block.next_free_block
+        return num_free
+
+    def _refresh_cpu_lru(self, prefix_blocks: list[KVCacheBlock]) -> None:
+        """Touch, then free in prefix order: the run placement puts the leaves first."""
+        self.cpu_block_pool.touch(prefix_blocks)
+        self._free_cpu_blocks(prefix_blocks)
+
+    def _free_cpu_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        """`blocks` in prefix order. One pass drops the refs as free_blocks does; blocks reaching
+        0 without a hash go to the front, and each run of hashed ones (consecutive, each the
+        child of the one before) is placed by _place_cpu_run."""
+        parent_keys = self._cpu_parent_keys
+        unhashed: list[KVCacheBlock] = []
+        run: list[KVCacheBlock] = []  # root first
+        run_hash = None  # the hash of the run's last (leaf-most) block
+        for block in blocks:
+            if block.is_null:
+                continue
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block.block_id} is freed twice"
+            block_hash = block.block_hash
+            if block.ref_cnt or block_hash is None:
+                if block_hash is None and not block.ref_cnt:
+                    unhashed.append(block)
+                if run:  # held, or unhashed: the run ends here
+                    self._place_cpu_run(run)
+                    run = []
+                continue
+            if run and parent_keys[block.block_id] == run_hash:
+                run.append(block)  # the child of the run's leaf: the run goes on
+            else:
+                if run:
+                    self._place_cpu_run(run)
+                run = [block]
+            run_hash = block_hash
+        if run:
+            self._place_cpu_run(run)
+        unhashed.reverse()  # as free_blocks(reversed(blocks)) would prepend them
+        self.cpu_block_pool.free_block_queue.prepend_n(unhashed)
+
+    def _place_cpu_run(self, run: list[KVCacheBlock]) -> None:
+        """The freed run (root first) joins the back leaf first, then moves just ahead of its
+        root's parent if that is free, or to the front if the parent is gone (nothing can reach
+        the run); a chain's root, or a pinned parent, keeps it at the back."""
+        queue = self.cpu_block_pool.free_block_queue
+        last = run[0]
+        run.reverse()
+        queue.append_n(run)
+        first = run[0]
+        parent_key = self._cpu_parent_keys[last.block_id]
+        if parent_key is None:
+            return
+        # descendants freed earlier may sit just ahead of the run: they move with it
+        while (first.prev_free_block.block_hash is not None
+               and self._cpu_parent_keys[first.prev_free_block.block_id] == first.block_hash):
+            first = first.prev_free_block
+        parent = self.cpu_block_pool.cached_block_hash_to_block.get_one_block(parent_key)
+        head = queue.fake_free_list_head.next_free_block
+        if parent is None and head is not first:
+            _move_run_before(first, last, head)
+        elif parent is not None and parent.prev_free_block is not None:  # in the free queue
+            _move_run_before(first, last, parent)
+
+
+def run_rotation(num_prompts: int = 3, prompt_blocks: int = 64, num_cpu_blocks: int = 160,
+                 rounds: int = 4, scheduler_cls: type = SimpleCPUOffloadScheduler, block_size: int = 16,
+                 max_num_batched_tokens: int = 1024, seed: int = 0) -> dict:
+    """The rotation case of prefix-aware eviction (LRU with the default scheduler_cls). `num_prompts` distinct prompts
+    of `prompt_blocks` blocks, requested one after another, round-robin, for `rounds` rounds;
+    the GPU prefix cache is dropped before each request (as in run_story), so every reuse must
+    come from the CPU pool. Returns the tokens loaded from CPU per round, the ideal (the pool's
+    capacity spread over the prompts, each capped at its hit limit), and the checks."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 32000, (prompt_blocks * block_size,), generator=gen).tolist()
+               for _ in range(num_prompts)]
+    num_blocks = prompt_blocks + 64
+    model = ToyModel(num_layers=1, num_kv_heads=1, head_dim=8)  # small: the manager is measured
+    connector = scheduler_cls(num_cpu_blocks, block_size)
+    engine = MiniEngine(num_blocks, block_size, max_num_batched_tokens, model, connector,
+                        SimpleCPUOffloadWorker(num_cpu_blocks), capture_kv=True)
+    loaded_per_round = []
+    kv_exact = True
+    for r in range(rounds):
+        loaded_per_round.append(0)
+        for k, prompt in enumerate(prompts):
+            assert engine.reset_gpu_prefix_cache(), "GPU blocks still in use after run()"
+            engine.add_request(Request(f"round{r}-prompt{k}", prompt, block_size, max_tokens=1))
+            stats = engine.run()[f"round{r}-prompt{k}"]
+            loaded_per_round[-1] += stats.cpu_hit_tokens
+            kv_exact = kv_exact and torch.equal(stats.kv, model.expected_kv(prompt).cpu())
+    # each prompt can load all its blocks but the last token's; the pool holds num_cpu_blocks - 1
+    max_hit_blocks = (prompt_blocks * block_size - 1) // block_size
+    ideal_blocks = min(num_cpu_blocks - 1, num_prompts * max_hit_blocks)
+    gpu_all_free = engine.gpu_block_pool.get_num_free_blocks() == num_blocks - 1
+    cpu_all_free = connector.cpu_block_pool.get_num_free_blocks() == num_cpu_blocks - 1
+    return dict(cpu_hit_tokens_per_round=loaded_per_round,
+                ideal_tokens_per_round=ideal_blocks * block_size,
+                kv_exact=kv_exact, all_free=gpu_all_free and cpu_all_free)
 
 
 # -----------------------------------------------------------------------------
-# 7. Toy model and MiniEngine
+# 8. Toy model and MiniEngine
 
 class ToyModel:
     """Deterministic stand-in for a transformer's KV writes. Each token's K and V depend on
@@ -1940,13 +1847,6 @@ class ToyModel:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float16, device: str | torch.device = "cpu",
                  rounds: int = 4, vocab_size: int = 32000):
-        # num_layers=0: no KV at all, and an engine computing nothing would spin to its step limit
-        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
-                            ("head_dim", head_dim), ("vocab_size", vocab_size)):
-            _check_int(name, value, 1)
-        _check_int("rounds", rounds, 0)
-        _check_type("dtype", dtype, torch.dtype)
-        _check_type("device", device, (str, torch.device))
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -2010,22 +1910,32 @@ class RequestStats:
 
 class MiniEngine:
     """A one-group engine that drives the connector the way vLLM's scheduler does, per step:
-    schedule (running first, then waiting: GPU prefix lookup -> get_num_new_matched_tokens ->
-    allocate -> update_state_after_alloc) -> build_connector_meta -> worker: preemption flush,
-    loads, forward, stores, completions -> update_connector_output; finished requests:
-    request_finished_all_groups, then their GPU blocks are freed.
-    A request with a CPU hit waits (WAITING_FOR_REMOTE_KVS) until its load is reported, and
-    only then computes the rest. Running out of GPU blocks preempts the last running request
-    (its blocks freed, recomputed later, reported to the connector as preempted, then resumed).
+    schedule -> build_connector_meta -> each worker (one per rank): preemption flush, loads ->
+    forward -> each worker: stores, completions -> finished requests
+    (request_finished_all_groups, then their GPU blocks are freed) -> update_connector_output.
+    A request with a CPU hit waits (WAITING_FOR_REMOTE_KVS) until every worker reported its
+    load, and only then computes the rest. Running out of GPU blocks preempts the last running
+    request (its blocks freed, reported to the connector, recomputed or loaded later).
     """
 
     def __init__(self, num_gpu_blocks: int, block_size: int, max_num_batched_tokens: int,
                  model: ToyModel, connector: SimpleCPUOffloadScheduler | None = None,
                  worker: SimpleCPUOffloadWorker | list[SimpleCPUOffloadWorker] | None = None,
                  capture_kv: bool = False):
-        # every argument is checked before anything is built; one worker per TP rank
-        workers = self._check_init(num_gpu_blocks, block_size, max_num_batched_tokens, model,
-                                   connector, worker, capture_kv)
+        workers = worker if isinstance(worker, list) else [worker] if worker else []
+        if connector is not None:
+            # a store completes on world_size reports: with fewer workers it never does (the
+            # engine would step forever), with more it completes while a copy is still queued
+            if len(workers) != connector.world_size:
+                raise ValueError(f"worker: {len(workers)} given, the connector's world_size is "
+                                 f"{connector.world_size} (one worker per rank)")
+            if connector.group_block_sizes != [block_size]:
+                raise ValueError(f"block_size {block_size}: the connector's group block sizes "
+                                 f"are {connector.group_block_sizes}")
+            # its transfers and CPU cache name another engine's blocks, and its bytes live in
+            # that engine's workers
+            if connector._gpu_block_pool is not None:
+                raise ValueError("connector: it serves another engine")
         self.hash_block_size = connector.hash_block_size if connector is not None else block_size
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -2043,12 +1953,12 @@ class MiniEngine:
             connector.bind_gpu_block_pool(self.gpu_block_pool)
         for w in workers:
             w.register_kv_caches(self.kv_caches, num_gpu_blocks, block_dim=1)
-        # FIFO, a preempted request at the front; loading requests wait here with their blocks
+        # FIFO; a preempted request goes back to the front; a loading one waits here
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         # every request added and not yet finished or aborted, by id (vLLM's scheduler.requests)
         self.requests: dict[str, Request] = {}
-        self.num_steps = 0  # steps run so far (run() stops at max_steps)
+        self.num_steps = 0
         # request id -> its GPU block table (one group), and how much of it is cached
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
@@ -2059,69 +1969,15 @@ class MiniEngine:
         # reset_connector_cache() was refused: retried after every step, no CPU lookup until done
         self._connector_reset_pending = False
 
-    @staticmethod
-    def _check_init(num_gpu_blocks: int, block_size: int, max_num_batched_tokens: int,
-                    model: ToyModel, connector: SimpleCPUOffloadScheduler | None,
-                    worker: Any, capture_kv: bool) -> list[SimpleCPUOffloadWorker]:
-        """not in vLLM: every argument, before the engine takes anything (a worker it refuses
-        stays unregistered, a connector unbound). Returns the workers as a list."""
-        if worker is None:
-            workers = []
-        elif isinstance(worker, list):
-            workers = list(worker)
-        else:
-            workers = [worker]
-        _check_int("num_gpu_blocks", num_gpu_blocks, 2, MAX_BLOCKS)
-        _check_int("block_size", block_size, 1)
-        _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
-        _check_type("model", model, ToyModel)
-        _check_type("capture_kv", capture_kv, bool)
-        if connector is not None:
-            # duck-typed, so that a test's proxy around a connector or a worker is accepted
-            if not hasattr(connector, "build_connector_meta"):
-                raise TypeError(f"connector must be a SimpleCPUOffloadScheduler, got {connector!r}")
-            if connector.group_block_sizes != [block_size]:
-                raise ValueError(f"connector block sizes {connector.group_block_sizes} do not "
-                                 f"match the engine's single group of block_size {block_size}")
-            # a store completes on world_size reports: fewer workers never complete it, more
-            # complete it while another worker's copy may still be queued
-            if workers and len(workers) != connector.world_size:
-                raise ValueError(f"{len(workers)} workers but the connector's world_size is "
-                                 f"{connector.world_size}: one worker per rank")
-        for w in workers:
-            if not hasattr(w, "bind_connector_metadata"):
-                raise TypeError(f"worker must be a SimpleCPUOffloadWorker, got {w!r}")
-            if connector is None:
-                raise ValueError("a worker needs a connector: its metadata says what to copy")
-            if w.num_cpu_blocks != connector.num_cpu_blocks:
-                raise ValueError("worker and connector disagree on num_cpu_blocks")
-            if w.cpu_kv_caches:
-                raise ValueError("a worker's KV caches are already registered: it serves "
-                                 "another engine")
-        if len(set(map(id, workers))) != len(workers):
-            raise ValueError("the same worker is listed twice: one worker per rank")
-        return workers
-
     def add_request(self, request: Request) -> None:
-        _check_type("request", request, Request)
         req_id = request.request_id
+        # not in vLLM's engine core: a reused id would mix two requests' blocks and stats
         if req_id in self.stats:
             raise ValueError(f"request id {req_id!r} is already in use")
-        if request.status != RequestStatus.WAITING or request.num_computed_tokens:
-            raise ValueError(f"request {req_id!r} has run already (a Request runs once)")
-        if request.num_tokens != request.num_prompt_tokens:
-            raise ValueError(f"request {req_id!r} has output tokens already")
-        if request._engine is not None:
-            raise ValueError(f"request {req_id!r} was added to another engine")
+        # vLLM refuses such a request up front too: it could never be scheduled
         max_num_tokens = request.num_prompt_tokens + request.max_tokens - 1
-        # the null block is not capacity
         if cdiv(max_num_tokens, self.block_size) > self.gpu_block_pool.num_gpu_blocks - 1:
-            raise ValueError(f"request {req_id!r} needs more GPU blocks than the pool has: "
-                             "it could never run (vLLM rejects it up front too)")
-        if request.hash_block_size != self.hash_block_size:
-            raise ValueError(f"request hash_block_size {request.hash_block_size} != engine's "
-                             f"{self.hash_block_size}")
-        request._engine = self
+            raise ValueError(f"request {req_id!r} needs more GPU blocks than the pool has")
         self.waiting.append(request)
         self.requests[req_id] = request
         self.stats[req_id] = RequestStats(prompt_tokens=request.num_prompt_tokens)
@@ -2131,34 +1987,24 @@ class MiniEngine:
         """Drop a request wherever it is (waiting, loading, running), as vLLM's abort does: the
         connector hears request_finished_all_groups, then the GPU blocks are freed. Copies in
         flight keep their own refs until they complete."""
-        req = self.requests.get(request_id)
-        if req is None:
-            raise ValueError(f"abort_request: unknown or finished request id {request_id!r}")
+        req = self.requests.pop(request_id)
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED_ABORTED
-        del self.requests[request_id]
-        if self.connector is not None:
-            block_ids = [b.block_id for b in self.req_to_blocks.get(request_id, [])]
-            self.connector.request_finished_all_groups(req, (block_ids,))
+        self._finish_in_connector(req)
         self._free(req)
 
     def reset_gpu_prefix_cache(self) -> bool:
         return self.gpu_block_pool.reset_prefix_cache()
 
     def reset_connector_cache(self) -> bool:
-        """Drop the CPU prefix cache (vLLM's Scheduler.reset_connector_cache, e.g. after a weight
-        update). True once done. While copies it sent are in flight the connector refuses
-        (False) and, as in vLLM 0.34, keeps serving its entries until a reset succeeds; vLLM
-        leaves the retry to the caller. This engine retries after every step until it succeeds
-        and, until then, looks nothing up on CPU: no entry from before the call is served.
-        (Loads accepted before the call still land, as in vLLM.)"""
-        if self.connector is None:
-            self._connector_reset_pending = False
-        else:
-            self._connector_reset_pending = not self.connector.reset()
+        """Drop the CPU prefix cache (vLLM's Scheduler.reset_connector_cache). True once done.
+        While copies it sent are in flight the connector refuses (False) and, as in vLLM 0.34,
+        keeps serving its entries; vLLM leaves the retry to the caller. This engine retries
+        after every step and, until it succeeds, looks nothing up on CPU."""
+        self._connector_reset_pending = not self.connector.reset()
         return not self._connector_reset_pending
 
     def has_unfinished_work(self) -> bool:
@@ -2167,9 +2013,8 @@ class MiniEngine:
         if self.waiting or self.running or self._connector_reset_pending:
             return True
         connector = self.connector
-        if connector is None:
-            return False
-        return connector.has_pending_push_work() or connector.has_pending_loads()
+        return connector is not None and (connector.has_pending_push_work()
+                                          or connector.has_pending_loads())
 
     def run(self, max_steps: int = 100_000) -> dict[str, RequestStats]:
         while self.has_unfinished_work():
@@ -2179,6 +2024,117 @@ class MiniEngine:
         return self.stats
 
     # --- scheduling ---------------------------------------------------------------
+
+    def _schedule(self) -> SchedulerOutput:
+        """One pass in vLLM's order (nano-vllm's schedule(), with chunked prefill).
+
+        Running requests first, each its next chunk (a decode step is a chunk of one token)
+        and the blocks for it; when the GPU pool is short, the last running request is
+        preempted (possibly this one). Then, if nobody was preempted, the waiting queue in
+        order while the budget lasts. Requests whose CPU load has landed go first: they hold
+        GPU blocks (vLLM 0.34 drains its kv_holding_waiting queue first too). A request that
+        cannot start (its load is in flight, or the pool is short) keeps its place and the
+        queue moves on (not in vLLM, which stops at the first failed allocation: stopping can
+        stall for good when a landed load waits for blocks that the request behind it holds).
+        """
+        scheduler_output = SchedulerOutput()
+        token_budget = self.max_num_batched_tokens
+        running_tokens: dict[str, int] = {}
+        for req in list(self.running):
+            # a request preempted earlier in this loop is no longer running
+            if token_budget == 0 or req.status != RequestStatus.RUNNING:
+                continue
+            num_new_tokens = min(req.num_tokens - req.num_computed_tokens, token_budget)
+            num_tokens = req.num_computed_tokens + num_new_tokens
+            while (new_blocks := self._allocate(req, num_tokens)) is None:
+                if self._preempt(scheduler_output) is req:
+                    break
+            if new_blocks is None:
+                continue  # it preempted itself
+            self._cache_blocks(req, num_tokens)
+            running_tokens[req.request_id] = num_new_tokens
+            if new_blocks:
+                scheduler_output.new_block_ids[req.request_id] = ([b.block_id for b in new_blocks],)
+            token_budget -= num_new_tokens
+        if not scheduler_output.preempted_req_ids:
+            self.waiting.sort(key=lambda r: r.status == RequestStatus.WAITING
+                              and r.request_id in self.req_to_blocks, reverse=True)
+            i = 0  # the first request not skipped yet
+            while i < len(self.waiting) and token_budget > 0:
+                req = self.waiting[i]
+                num_new_tokens = self._admit(req, token_budget)
+                # None: cannot start now; a load accepted just now: not before it lands
+                if num_new_tokens is None or req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    i += 1
+                    continue
+                del self.waiting[i]
+                self.running.append(req)
+                self._cache_blocks(req, req.num_computed_tokens + num_new_tokens)
+                # a new or resumed request is sent with its whole block table
+                req_id = req.request_id
+                scheduler_output.new_block_ids[req_id] = (
+                    [b.block_id for b in self.req_to_blocks[req_id]],)
+                if req.status == RequestStatus.PREEMPTED:
+                    scheduler_output.resumed_req_ids.add(req_id)
+                req.status = RequestStatus.RUNNING
+                scheduler_output.num_scheduled_tokens[req_id] = num_new_tokens
+                token_budget -= num_new_tokens
+        # listed as vLLM 0.34 sends them: new and resumed requests (whole tables) before
+        # running ones, although the running ones were scheduled first
+        scheduler_output.num_scheduled_tokens.update(running_tokens)
+        return scheduler_output
+
+    def _admit(self, req: Request, token_budget: int) -> int | None:
+        """The tokens a waiting request computes this step (0 while a CPU load is pending), or
+        None, with nothing changed, if it cannot start. A request without blocks looks its
+        prefix up (GPU prefix cache, then the connector for the tokens after it), allocates and
+        tells the connector (update_state_after_alloc); one whose load landed allocates the
+        rest of its prompt."""
+        req_id = req.request_id
+        if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return None  # its load is in flight (vLLM skips past it too)
+        if req_id in self.req_to_blocks:  # its load landed: the table exists
+            num_new_tokens = min(req.num_tokens - req.num_computed_tokens, token_budget)
+            if self._allocate(req, req.num_computed_tokens + num_new_tokens) is None:
+                return None
+            return num_new_tokens
+        # the last token is always recomputed: look up at most num_tokens - 1
+        (hit_blocks,), num_local_tokens = find_longest_cache_hit(
+            req.block_hashes, req.num_tokens - 1, [0], self.gpu_block_pool, self.block_size)
+        num_external_tokens = 0
+        if self.connector is not None and not self._connector_reset_pending:
+            # loads are always asynchronous here: the second value is True on every hit
+            num_external_tokens, _ = self.connector.get_num_new_matched_tokens(
+                req, num_local_tokens)
+        if num_external_tokens:
+            num_new_tokens = 0  # nothing to compute until the load lands
+            # not in vLLM: blocks for the whole prompt now, so that a landed load never waits
+            # for more (two landed loads holding half the pool each would wait for each other)
+            num_tokens = req.num_tokens
+        else:
+            num_new_tokens = min(req.num_tokens - num_local_tokens, token_budget)
+            num_tokens = num_local_tokens + num_new_tokens
+        # new blocks, plus hit blocks that touch() will take out of the free queue
+        num_evictable_hits = sum(b.ref_cnt == 0 for b in hit_blocks)
+        num_blocks_needed = cdiv(num_tokens, self.block_size) - len(hit_blocks)
+        if num_blocks_needed + num_evictable_hits > self.gpu_block_pool.get_num_free_blocks():
+            return None  # the connector's pin is dropped by the next lookup
+        self.gpu_block_pool.touch(hit_blocks)
+        self.req_to_blocks[req_id] = list(hit_blocks)
+        self.num_cached_blocks[req_id] = len(hit_blocks)
+        if req.status != RequestStatus.PREEMPTED:  # a resumed request keeps its first hits
+            self.stats[req_id].gpu_hit_tokens = num_local_tokens
+            self.stats[req_id].cpu_hit_tokens = num_external_tokens
+        self._allocate(req, num_tokens)
+        if self.connector is not None:
+            self.connector.update_state_after_alloc(req, (self.req_to_blocks[req_id],),
+                                                    num_external_tokens)
+        # as vLLM: counted as computed already, although the loaded KV is not there yet; the
+        # request is not scheduled until the load lands, so nothing reads it before
+        req.num_computed_tokens = num_local_tokens + num_external_tokens
+        if num_external_tokens:
+            req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        return num_new_tokens
 
     def _allocate(self, req: Request, num_tokens: int) -> list[KVCacheBlock] | None:
         """Grow the request's table to cover num_tokens; None (nothing taken) if the pool is
@@ -2210,156 +2166,16 @@ class MiniEngine:
         """Preempt the last running request (vLLM's policy for FCFS): free its blocks, send it
         to the front of the waiting queue, recompute it later from scratch (or from a hit)."""
         victim = self.running.pop()
-        req_id = victim.request_id
         self._free(victim)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.waiting.insert(0, victim)
         # the connector hears it (its blocks may be reused at once); it was not scheduled
-        scheduler_output.preempted_req_ids.add(req_id)
-        scheduler_output.num_scheduled_tokens.pop(req_id, None)
-        scheduler_output.new_block_ids.pop(req_id, None)
+        scheduler_output.preempted_req_ids.add(victim.request_id)
+        scheduler_output.num_scheduled_tokens.pop(victim.request_id, None)
+        scheduler_output.new_block_ids.pop(victim.request_id, None)
         return victim
-
-    def _schedule(self) -> SchedulerOutput:
-        """vLLM's order: the running requests first (they keep their budget and may preempt
-        others to grow), then, if nobody was preempted, the waiting ones."""
-        scheduler_output = SchedulerOutput()
-        running_tokens: dict[str, int] = {}
-        token_budget = self._schedule_running(scheduler_output, running_tokens,
-                                              self.max_num_batched_tokens)
-        if not scheduler_output.preempted_req_ids:
-            self._schedule_waiting(scheduler_output, token_budget)
-        # listed as vLLM 0.34 sends them: new and resumed requests (whole tables) before
-        # running ones, although the running ones were scheduled first
-        scheduler_output.num_scheduled_tokens.update(running_tokens)
-        return scheduler_output
-
-    def _schedule_running(self, scheduler_output: SchedulerOutput, running_tokens: dict[str, int],
-                          token_budget: int) -> int:
-        """Give each running request its next chunk (a decode step is a chunk of one token),
-        growing its block table; when the GPU pool is short, preempt from the back of the
-        running list (possibly the request itself). Returns the budget left."""
-        for req in list(self.running):
-            # a request preempted earlier in this loop is no longer running
-            if token_budget == 0 or req.status != RequestStatus.RUNNING:
-                continue
-            req_id = req.request_id
-            num_new_tokens = min(req.num_tokens - req.num_computed_tokens, token_budget)
-            num_tokens = req.num_computed_tokens + num_new_tokens
-            while (new_blocks := self._allocate(req, num_tokens)) is None:
-                if self._preempt(scheduler_output) is req:
-                    break
-            if new_blocks is None:
-                continue  # it preempted itself
-            self._cache_blocks(req, num_tokens)
-            running_tokens[req_id] = num_new_tokens
-            if new_blocks:
-                scheduler_output.new_block_ids[req_id] = ([b.block_id for b in new_blocks],)
-            token_budget -= num_new_tokens
-        return token_budget
-
-    def _holds_landed_load(self, req: Request) -> bool:
-        # its CPU load has landed: it holds GPU blocks and only needs the rest of its prompt
-        has_blocks = req.request_id in self.req_to_blocks
-        return has_blocks and req.status != RequestStatus.WAITING_FOR_REMOTE_KVS
-
-    def _schedule_waiting(self, scheduler_output: SchedulerOutput, token_budget: int) -> None:
-        """Admit waiting requests in queue order while the budget lasts. A request that cannot
-        start now (its load is in flight, or the GPU pool is short for it) keeps its place,
-        and the queue moves on to the next one."""
-        # Requests whose CPU load has landed go first: they hold GPU blocks (vLLM 0.34 drains
-        # them first too, from its kv_holding_waiting queue). Stable: FIFO within each kind.
-        self.waiting.sort(key=self._holds_landed_load, reverse=True)
-        # not in vLLM: a request that does not fit is skipped, not a stop (vLLM 0.34 stops at
-        # the first allocation that fails). Stopping can stall for good: a landed load that
-        # needs more blocks than are free, in front of a request holding the very blocks it
-        # needs and needing fewer than are free.
-        i = 0  # the first request not skipped yet
-        while i < len(self.waiting) and token_budget > 0:
-            req = self.waiting[i]
-            req_id = req.request_id
-            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                num_new_tokens = None  # its load is in flight (vLLM skips past it too)
-            elif req_id in self.req_to_blocks:
-                # its load landed: the table exists, allocate the rest and compute it
-                num_new_tokens = min(req.num_tokens - req.num_computed_tokens, token_budget)
-                if self._allocate(req, req.num_computed_tokens + num_new_tokens) is None:
-                    num_new_tokens = None  # no room
-            else:
-                # None when there is no room (the connector's pin is dropped next lookup)
-                num_new_tokens = self._admit_with_prefix_hit(req, token_budget)
-            # a load accepted just now: not scheduled until the load is reported
-            if num_new_tokens is None or req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                i += 1  # it keeps its place
-                continue
-            del self.waiting[i]
-            self.running.append(req)
-            self._cache_blocks(req, req.num_computed_tokens + num_new_tokens)
-            # a new or resumed request is sent with its whole block table
-            block_ids = [b.block_id for b in self.req_to_blocks[req_id]]
-            scheduler_output.new_block_ids[req_id] = (block_ids,)
-            if req.status == RequestStatus.PREEMPTED:
-                scheduler_output.resumed_req_ids.add(req_id)
-            req.status = RequestStatus.RUNNING
-            scheduler_output.num_scheduled_tokens[req_id] = num_new_tokens
-            token_budget -= num_new_tokens
-
-    def _admit_with_prefix_hit(self, req: Request, token_budget: int) -> int | None:
-        """A request without blocks: look its prefix up (GPU prefix cache, then the connector
-        for the tokens after it), allocate, and tell the connector (update_state_after_alloc).
-        Returns the tokens to compute this step (0 while a CPU load is pending), or None, with
-        nothing changed, when the GPU pool is short."""
-        req_id = req.request_id
-        num_tokens_to_check = req.num_tokens - 1  # the last token is always recomputed
-        (hit_blocks,), num_local_tokens = find_longest_cache_hit(
-            req.block_hashes, num_tokens_to_check, [0], self.gpu_block_pool, self.block_size)
-        num_external_tokens = 0
-        if self.connector is not None and not self._connector_reset_pending:
-            # loads are always asynchronous here: the second value is True on every hit
-            num_external_tokens, _ = self.connector.get_num_new_matched_tokens(
-                req, num_local_tokens)
-        if num_external_tokens:
-            num_new_tokens = 0  # nothing to compute until the load lands
-            # not in vLLM: blocks for the whole prompt now, so that a landed load never waits
-            # for more (two landed loads holding half the pool each would wait for each other)
-            num_tokens = req.num_tokens
-        else:
-            num_new_tokens = min(req.num_tokens - num_local_tokens, token_budget)
-            num_tokens = num_local_tokens + num_new_tokens
-        # new blocks, plus hit blocks that touch() will take out of the free queue
-        num_evictable_hits = sum(b.ref_cnt == 0 for b in hit_blocks)
-        num_blocks_needed = cdiv(num_tokens, self.block_size) - len(hit_blocks)
-        if num_blocks_needed + num_evictable_hits > self.gpu_block_pool.get_num_free_blocks():
-            return None
-        self.gpu_block_pool.touch(hit_blocks)
-        self.req_to_blocks[req_id] = list(hit_blocks)
-        self.num_cached_blocks[req_id] = len(hit_blocks)
-        if req.status != RequestStatus.PREEMPTED:  # a resumed request keeps its first hits
-            stats = self.stats[req_id]
-            stats.gpu_hit_tokens = num_local_tokens
-            stats.cpu_hit_tokens = num_external_tokens
-        self._allocate(req, num_tokens)
-        if self.connector is not None:
-            self.connector.update_state_after_alloc(req, (self.req_to_blocks[req_id],),
-                                                    num_external_tokens)
-        # as vLLM: counted as computed already, although the loaded KV is not there yet; the
-        # request is not scheduled until the load lands, so nothing reads it before
-        req.num_computed_tokens = num_local_tokens + num_external_tokens
-        if num_external_tokens:
-            req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        return num_new_tokens
-
-    def _update_waiting_for_remote_kv(self, req: Request) -> None:
-        """Its load landed (every worker reported it): the loaded blocks become GPU prefix-cache
-        hits, and the request waits to compute the rest (as PREEMPTED if it was preempted
-        before, so that it is sent as a resumed request)."""
-        self._cache_blocks(req, req.num_computed_tokens)
-        if req.num_preemptions:
-            req.status = RequestStatus.PREEMPTED
-        else:
-            req.status = RequestStatus.WAITING
 
     # --- one step -------------------------------------------------------------------
 
@@ -2392,19 +2208,24 @@ class MiniEngine:
             elif this_worker_meta:
                 worker_meta = worker_meta.aggregate(this_worker_meta)
             w.clear_connector_metadata()
-        # as vLLM's update_from_output: finished requests first (request_finished_all_groups,
-        # then their blocks are freed; in-flight copies keep their own refs), then completions
+        # as vLLM's update_from_output: finished requests first, then the completions
         self._update_from_output(scheduler_output)
         if self.connector is not None:
-            output = KVConnectorOutput(finished_recving, worker_meta)
-            self.connector.update_connector_output(output)
+            self.connector.update_connector_output(KVConnectorOutput(finished_recving,
+                                                                     worker_meta))
         if self._connector_reset_pending:  # the reports above may have drained what refused it
             self._connector_reset_pending = not self.connector.reset()
         for req_id in finished_recving:
             req = self.requests.get(req_id)
             # an aborted request's load also reports: the connector released it already
             if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                self._update_waiting_for_remote_kv(req)
+                # the loaded blocks become GPU prefix-cache hits; it waits to compute the rest
+                # (as PREEMPTED if it was preempted before: it is sent as resumed)
+                self._cache_blocks(req, req.num_computed_tokens)
+                if req.num_preemptions:
+                    req.status = RequestStatus.PREEMPTED
+                else:
+                    req.status = RequestStatus.WAITING
 
     def _slots(self, req_id: str, start: int, end: int) -> torch.Tensor:
         """Flat KV slots (block_id * block_size + offset) of the request's tokens [start, end)."""
@@ -2439,33 +2260,33 @@ class MiniEngine:
             if req.num_computed_tokens < req.num_tokens:
                 continue  # chunked prefill: more to come
             # the whole sequence is computed: sample (from the paged KV, loaded parts included)
-            slots = self._slots(req_id, 0, req.num_computed_tokens)
-            token = self.model.next_token(self.kv_caches, slots)
+            token = self.model.next_token(self.kv_caches, self._slots(req_id, 0, req.num_tokens))
             if not stats.output_token_ids:
                 stats.ttft_s = time.perf_counter() - self._t_arrival[req_id]
             stats.output_token_ids.append(token)
             req.append_output_token_ids(token)
-            if len(stats.output_token_ids) >= req.max_tokens:
-                self._finish(req)
+            if len(stats.output_token_ids) < req.max_tokens:
+                continue
+            if self.capture_kv:  # the prompt's KV, read back before the blocks are freed
+                slots = self._slots(req_id, 0, req.num_prompt_tokens)
+                model = self.model
+                self.stats[req_id].kv = torch.stack(
+                    [cache.view(2, -1, model.num_kv_heads, model.head_dim)[:, slots]
+                     for cache in self.kv_caches.values()]).cpu()
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            del self.requests[req_id]
+            self._finish_in_connector(req)
+            self.running.remove(req)
+            self._free(req)
 
-    def _finish(self, req: Request) -> None:
-        req_id = req.request_id
-        if self.capture_kv:
-            slots = self._slots(req_id, 0, req.num_prompt_tokens)
-            per_layer = [cache.view(2, -1, self.model.num_kv_heads, self.model.head_dim)[:, slots]
-                         for cache in self.kv_caches.values()]
-            self.stats[req_id].kv = torch.stack(per_layer).cpu()
-        req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        del self.requests[req_id]
+    def _finish_in_connector(self, req: Request) -> None:
         if self.connector is not None:
-            block_ids = [b.block_id for b in self.req_to_blocks[req_id]]
+            block_ids = [b.block_id for b in self.req_to_blocks.get(req.request_id, [])]
             self.connector.request_finished_all_groups(req, (block_ids,))
-        self.running.remove(req)
-        self._free(req)
 
 
 # -----------------------------------------------------------------------------
-# 8. `python kv_offload.py` (the story) and `python kv_offload.py --bench`
+# 9. `python kv_offload.py`: the demo, --bench and --gpu-check
 
 def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: int = 8192,
               block_size: int = 16, max_num_batched_tokens: int = 1024, device: str = "cpu",
@@ -2475,18 +2296,7 @@ def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: in
     """Request A (a long prompt, prefilled in chunks), then the GPU prefix cache is dropped, then
     request B with the same prompt. Returns what happened to B, and whether its KV is exact.
     The CPU pool is as large as the GPU pool unless `num_cpu_blocks` says otherwise."""
-    if not (isinstance(scheduler_cls, type)
-            and issubclass(scheduler_cls, SimpleCPUOffloadScheduler)):
-        raise TypeError(f"scheduler_cls must be a SimpleCPUOffloadScheduler class, "
-                        f"got {scheduler_cls!r}")
-    _check_int("prompt_tokens", prompt_tokens, 1)
-    _check_int("block_size", block_size, 1)
-    _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
-    _check_int("seed", seed, 0)
-    _check_int("max_tokens", max_tokens, 1)
-    _check_type("device", device, (str, torch.device))
     num_blocks = prompt_tokens // block_size + 64
-    _check_int("num_blocks (GPU pool for this prompt)", num_blocks, 2, MAX_BLOCKS)
     if num_cpu_blocks is None:
         num_cpu_blocks = num_blocks
     # the scheduler, the workers and the engine check the rest, before anything runs
@@ -2525,48 +2335,6 @@ def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: in
                 stored_per_step=stored_per_step)
 
 
-def run_rotation(num_prompts: int = 3, prompt_blocks: int = 64, num_cpu_blocks: int = 160,
-                 rounds: int = 4, prefix_aware_eviction: bool = False, block_size: int = 16,
-                 max_num_batched_tokens: int = 1024, seed: int = 0) -> dict:
-    """not in vLLM: the rotation case of prefix_aware_eviction. `num_prompts` distinct prompts
-    of `prompt_blocks` blocks, requested one after another, round-robin, for `rounds` rounds;
-    the GPU prefix cache is dropped before each request (as in run_story), so every reuse must
-    come from the CPU pool. Returns the tokens loaded from CPU per round, the ideal (the pool's
-    capacity spread over the prompts, each capped at its hit limit), and the checks."""
-    for name, value, minimum in [("num_prompts", num_prompts, 1), ("rounds", rounds, 1),
-                                 ("prompt_blocks", prompt_blocks, 1), ("block_size", block_size, 1),
-                                 ("num_cpu_blocks", num_cpu_blocks, 2), ("seed", seed, 0),
-                                 ("max_num_batched_tokens", max_num_batched_tokens, 1)]:
-        _check_int(name, value, minimum)
-    gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, 32000, (prompt_blocks * block_size,), generator=gen).tolist()
-               for _ in range(num_prompts)]
-    num_blocks = prompt_blocks + 64
-    model = ToyModel(num_layers=1, num_kv_heads=1, head_dim=8)  # small: the manager is measured
-    connector = SimpleCPUOffloadScheduler(num_cpu_blocks, block_size,
-                                          prefix_aware_eviction=prefix_aware_eviction)
-    engine = MiniEngine(num_blocks, block_size, max_num_batched_tokens, model, connector,
-                        SimpleCPUOffloadWorker(num_cpu_blocks), capture_kv=True)
-    loaded_per_round = []
-    kv_exact = True
-    for r in range(rounds):
-        loaded_per_round.append(0)
-        for k, prompt in enumerate(prompts):
-            assert engine.reset_gpu_prefix_cache(), "GPU blocks still in use after run()"
-            engine.add_request(Request(f"round{r}-prompt{k}", prompt, block_size, max_tokens=1))
-            stats = engine.run()[f"round{r}-prompt{k}"]
-            loaded_per_round[-1] += stats.cpu_hit_tokens
-            kv_exact = kv_exact and torch.equal(stats.kv, model.expected_kv(prompt).cpu())
-    # each prompt can load all its blocks but the last token's; the pool holds num_cpu_blocks - 1
-    max_hit_blocks = (prompt_blocks * block_size - 1) // block_size
-    ideal_blocks = min(num_cpu_blocks - 1, num_prompts * max_hit_blocks)
-    gpu_all_free = engine.gpu_block_pool.get_num_free_blocks() == num_blocks - 1
-    cpu_all_free = connector.cpu_block_pool.get_num_free_blocks() == num_cpu_blocks - 1
-    return dict(cpu_hit_tokens_per_round=loaded_per_round,
-                ideal_tokens_per_round=ideal_blocks * block_size,
-                kv_exact=kv_exact, all_free=gpu_all_free and cpu_all_free)
-
-
 # The demo's columns: vLLM 0.29 as released, each of its bugs alone, the fix without its
 # reset_hash() line (the trap), and the fix. Name -> (manager class, keyword arguments).
 STORY_VARIANTS: dict[str, tuple[type, dict[str, bool]]] = {
@@ -2586,20 +2354,15 @@ def offload_prompt(scheduler: SimpleCPUOffloadScheduler, prompt: list[int], bloc
     `partial_at`, a fine-grained secondary key inside a block), update_state_after_alloc, one
     step's build_connector_meta, the worker's report that the copy completed, and the
     request's finish. Returns that step's metadata."""
-    _check_type("scheduler", scheduler, SimpleCPUOffloadScheduler)
-    _check_int("block_size", block_size, 1)
-    if block_size != scheduler.block_size or len(scheduler.group_block_sizes) != 1:
-        raise ValueError(f"block_size={block_size}: offload_prompt drives a one-group scheduler "
-                         f"of that block size (this one: {scheduler.group_block_sizes})")
-    request = Request("A", prompt, scheduler.hash_block_size)  # checks the token ids
+    # not in vLLM: an engine's connector would lose its GPU pool; a report from one worker
+    # never completes a store that waits for world_size of them (its pins would leak)
+    if scheduler._gpu_block_pool is not None:
+        raise ValueError("scheduler: it serves another engine (or an earlier offload_prompt)")
+    if scheduler.world_size != 1:
+        raise ValueError(f"scheduler: world_size {scheduler.world_size}, offload_prompt plays "
+                         "one worker")
+    request = Request("A", prompt, scheduler.hash_block_size)
     num_full_blocks = len(prompt) // block_size
-    if num_full_blocks == 0:
-        raise ValueError(f"prompt has {len(prompt)} tokens: no full block of {block_size} to store")
-    if partial_at is not None:
-        _check_int("partial_at", partial_at, 1, num_full_blocks * block_size - 1)
-        if partial_at % scheduler.hash_block_size or partial_at % block_size == 0:
-            raise ValueError(f"partial_at={partial_at} must be a hash_block_size multiple inside "
-                             "a block")
     gpu = BlockPool(num_full_blocks + 2, True, scheduler.hash_block_size)
     scheduler.bind_gpu_block_pool(gpu)
     blocks = gpu.get_new_blocks(num_full_blocks)
@@ -2630,21 +2393,17 @@ def _print_table(rows: dict[str, dict], fmt: dict[str, str]) -> None:
 
 
 def bench_manager(prompt_tokens: int = 65536, chunk: int = 4096, block_size: int = 16,
-                  prefix_aware_eviction: bool = False) -> dict[str, float]:
+                  scheduler_cls: type = SimpleCPUOffloadScheduler) -> dict[str, float]:
     """µs per block of the manager's own calls (hashing and GPU allocation not timed), in two
     phases. store: request A stored eagerly chunk by chunk, final flush included. load: B, the
-    same prompt, hits on CPU and loads. `prefix_aware_eviction` is passed to the manager."""
-    _check_int("block_size", block_size, 1)
-    _check_int("chunk", chunk, block_size)
-    _check_int("prompt_tokens", prompt_tokens, 2 * block_size, MAX_BLOCKS // 2 * block_size)
+    same prompt, hits on CPU and loads."""
     if chunk % block_size or prompt_tokens % chunk:
         raise ValueError(f"chunk ({chunk}) must be a multiple of block_size ({block_size}) and "
                          f"divide prompt_tokens ({prompt_tokens}): whole blocks per step")
     num_blocks = prompt_tokens // block_size
     blocks_per_step = chunk // block_size
     gpu = BlockPool(2 * num_blocks + 2, True, block_size)
-    mgr = SimpleCPUOffloadScheduler(num_blocks + 2, block_size,
-                                    prefix_aware_eviction=prefix_aware_eviction)
+    mgr = scheduler_cls(num_blocks + 2, block_size)
     mgr.bind_gpu_block_pool(gpu)
     req_a = Request("a", list(range(prompt_tokens)), block_size)
     req_b = Request("b", list(range(prompt_tokens)), block_size)
@@ -2715,12 +2474,6 @@ def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_cop
     device<->pinned-host copy_, on CPU torch's own copy_ (which uses every core for a large
     tensor). Interleaved: each rep times the worker, then the plain copy, so a neighbour's load
     on a shared machine hits both alike; ratio = t_plain / t_worker, median and min over reps."""
-    _check_type("device", device, str)
-    for name, value in (("block_kib", block_kib), ("reps", reps), ("num_layers", num_layers)):
-        _check_int(name, value, 1)
-    _check_int("num_blocks", num_blocks, 2, MAX_BLOCKS)
-    # the null block 0 is never copied: at most num_blocks - 1 distinct ids
-    _check_int("n_copy", n_copy, 1, num_blocks - 1)
     rows: list[dict] = []
     generator = torch.Generator().manual_seed(0)
     elems = block_kib * 1024 // 2  # float16 elements per block (per layer: K and V together)
@@ -2814,7 +2567,7 @@ def gpu_check(fuzz_examples: int = 200) -> int:
 SMALL_POOL_VARIANTS: dict[str, tuple[type, dict[str, bool]]] = {
     "0.29 (both)": STORY_VARIANTS["0.29 (both)"],
     "fixed": STORY_VARIANTS["fixed"],
-    "prefix-aware": (SimpleCPUOffloadScheduler, {"prefix_aware_eviction": True}),
+    "prefix-aware": (PrefixAwareCPUOffloadScheduler, {}),
 }
 # The demo's third table: three 64-block prompts in rotation through these CPU pool sizes
 ROTATION_POOL_SIZES = (129, 160, 192)
@@ -2822,7 +2575,6 @@ ROTATION_POOL_SIZES = (129, 160, 192)
 
 def _run_demo(prompt_tokens: int) -> None:
     """`python kv_offload.py`: the story in every variant, the capacity cliff, the rotation."""
-    _check_int("prompt_tokens", prompt_tokens, 16)
     # one thread: torch's default (one per core) slows the toy model 10-50x on a busy box
     torch.set_num_threads(1)
     print(f"Request A: {prompt_tokens}-token prompt, chunked prefill (1024 tokens/step), "
@@ -2850,7 +2602,8 @@ def _run_demo(prompt_tokens: int) -> None:
           "(not in vLLM), and the ideal (the pool's capacity)")
     for num_blocks in ROTATION_POOL_SIZES:
         lru = run_rotation(num_cpu_blocks=num_blocks)
-        aware = run_rotation(num_cpu_blocks=num_blocks, prefix_aware_eviction=True)
+        aware = run_rotation(num_cpu_blocks=num_blocks,
+                             scheduler_cls=PrefixAwareCPUOffloadScheduler)
         print(f"  CPU pool {num_blocks}: ideal {lru['ideal_tokens_per_round']}; LRU "
               f"{lru['cpu_hit_tokens_per_round']}; prefix-aware "
               f"{aware['cpu_hit_tokens_per_round']}", flush=True)
@@ -2889,7 +2642,8 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
     for _ in range(7):
         for on in (False, True):
-            runs[on].append(bench_manager(prefix_aware_eviction=on))
+            cls = PrefixAwareCPUOffloadScheduler if on else SimpleCPUOffloadScheduler
+            runs[on].append(bench_manager(scheduler_cls=cls))
     for key, what in (("store_us_per_block", "store"), ("load_us_per_block", "CPU hit")):
         off = sorted(r[key] for r in runs[False])
         on = sorted(r[key] for r in runs[True])
@@ -2913,3 +2667,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+

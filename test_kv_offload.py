@@ -175,14 +175,9 @@ def connector_reset_pending(eng) -> bool:
 
 def pending_cpu_hits(conn) -> dict:
     # manager (ours or vLLM's): request id -> its lookup pin as a tuple (blocks per group, hit
-    # tokens[, num_computed_tokens]). Ours is a PendingCPUHit; vLLM keeps a bare tuple, of
-    # three fields in 0.34 and two in 0.29
-    hits = {}
-    for rid, hit in conn._pending_cpu_hits.items():
-        if isinstance(hit, ko.PendingCPUHit):
-            hit = (hit.hit_blocks, hit.hit_length, hit.num_computed_tokens)
-        hits[rid] = tuple(hit)
-    return hits
+    # tokens[, num_computed_tokens]): a bare tuple, of three fields in 0.34 (and ours) and
+    # two in 0.29
+    return {rid: tuple(hit) for rid, hit in conn._pending_cpu_hits.items()}
 
 
 def pending_cpu_hit_blocks(conn) -> dict:
@@ -462,14 +457,16 @@ def test_free_queue_asserts_on_a_corrupted_sentinel():
 
 
 def test_free_blocks_counts_a_repeated_block():
-    """free_blocks checks before it changes anything: a block listed k times drops k
-    references, so it must hold k. b1 holds 1: [b2, b1, b1] is a double free, and b2 keeps its
-    reference too. Touched once more (2 refs), [b1, b1] frees it: unhashed, to the front."""
+    """A block listed k times drops k references, so it must hold k. b1 holds 1: [b2, b1, b1]
+    is a double free, which the assert of ours names (vLLM would put b1 at -1 refs, in the
+    queue, and hand it out twice later). Touched once more (2 refs), [b1, b1] frees it:
+    unhashed, to the front."""
     pool = ko.BlockPool(4, True, 2)
     b1, b2 = pool.get_new_blocks(2)
-    with pytest.raises(ValueError, match="double free"):
+    with pytest.raises(AssertionError, match=f"block {b1.block_id} is freed twice"):
         pool.free_blocks([b2, b1, b1])
-    assert (b1.ref_cnt, b2.ref_cnt) == (1, 1) and free_ids(pool) == [3]
+    pool = ko.BlockPool(4, True, 2)
+    b1, b2 = pool.get_new_blocks(2)
     pool.touch([b1])
     pool.free_blocks([b1, b1])
     assert b1.ref_cnt == 0 and free_ids(pool) == [1, 3]
@@ -1031,6 +1028,8 @@ VARIANTS = ("fixed", "registration_bug", "skip_reset_hash", "flush_bug")
 def make_scheduler(variant: str, *args, **kw) -> ko.SimpleCPUOffloadScheduler:
     if variant == "fixed":
         return ko.SimpleCPUOffloadScheduler(*args, **kw)
+    if variant == "prefix_aware":  # not in vLLM
+        return ko.PrefixAwareCPUOffloadScheduler(*args, **kw)
     return ko.PreFixCPUOffloadScheduler(*args, **kw, registration_bug=variant == "registration_bug",
                                         skip_reset_hash=variant == "skip_reset_hash",
                                         flush_bug=variant == "flush_bug")
@@ -1050,15 +1049,13 @@ class Harness:
     """Plays the engine (a GPU BlockPool bound to the scheduler) and the worker (completions)."""
 
     def __init__(self, variant="fixed", num_cpu_blocks=8, num_gpu_blocks=64, block_size=BS,
-                 hash_block_size=None, group_block_sizes=None, world_size=1,
-                 prefix_aware_eviction=False):
+                 hash_block_size=None, group_block_sizes=None, world_size=1):
         self.hbs = hash_block_size or block_size
         self.group_sizes = list(group_block_sizes or [block_size])
         self.world_size = world_size
         self.sched = make_scheduler(variant, num_cpu_blocks=num_cpu_blocks, block_size=block_size,
                                     hash_block_size=hash_block_size,
-                                    group_block_sizes=group_block_sizes, world_size=world_size,
-                                    prefix_aware_eviction=prefix_aware_eviction)
+                                    group_block_sizes=group_block_sizes, world_size=world_size)
         self.gpu = ko.BlockPool(num_gpu_blocks, True, self.hbs)
         self.sched.bind_gpu_block_pool(self.gpu)
         self.cpu = self.sched.cpu_block_pool
@@ -1346,7 +1343,7 @@ def test_prefix_aware_eviction_queue_order_by_hand(prefix_aware):
     [4, 3, 2, 1]: leaves first.
     c's store pops the front: off CPU 1 (a0), and a twin of a (64 tokens, hit capped at 63)
     then hits nothing; on CPU 4 (a3), and the twin hits a0-a2: 48 tokens."""
-    h = Harness(num_cpu_blocks=5, prefix_aware_eviction=prefix_aware)
+    h = Harness("prefix_aware" if prefix_aware else "fixed", num_cpu_blocks=5)
     a = h.request(64)
     table = h.alloc(a, 64, confirm=False)
     h.sched.update_state_after_alloc(a, table, 0)
@@ -1373,7 +1370,7 @@ def test_prefix_aware_store_never_evicts_its_own_prefix():
     5 blocks = 80 tokens) and nothing after; off (vLLM), a0 is evicted first and nothing hits."""
     hits = {}
     for prefix_aware in (False, True):
-        h = Harness(num_cpu_blocks=6, prefix_aware_eviction=prefix_aware)
+        h = Harness("prefix_aware" if prefix_aware else "fixed", num_cpu_blocks=6)
         a = h.request(7 * BS)
         table = h.alloc(a, 7 * BS, confirm=False)
         h.sched.update_state_after_alloc(a, table, 0)
@@ -1398,8 +1395,7 @@ def test_prefix_aware_eviction_ramp_at_448_blocks():
     usable): off (vLLM 0.34) the repeat loads nothing; on, it loads every block the pool holds,
     447 of them (at least 446, as issue 21 asks), bit-exact, every pool free after."""
     off = ko.run_story(ko.SimpleCPUOffloadScheduler, 8192, num_cpu_blocks=448)
-    on = ko.run_story(ko.SimpleCPUOffloadScheduler, 8192, num_cpu_blocks=448,
-                      prefix_aware_eviction=True)
+    on = ko.run_story(ko.PrefixAwareCPUOffloadScheduler, 8192, num_cpu_blocks=448)
     assert off["cpu_hit_tokens"] == 0 and off["kv_exact"] and off["all_free"]
     assert on["cpu_hit_tokens"] == 447 * 16 and on["kv_exact"] and on["all_free"]
 
@@ -1412,7 +1408,7 @@ def test_prefix_aware_eviction_rotation():
     down to 31: from round 2 on, 3 * 31 * 16 = 1488 tokens a round, over half the ideal. Off
     (vLLM), the rounds swing, and at least one falls below half of it."""
     on = ko.run_rotation(num_prompts=3, prompt_blocks=64, num_cpu_blocks=160, rounds=4,
-                         prefix_aware_eviction=True)
+                         scheduler_cls=ko.PrefixAwareCPUOffloadScheduler)
     off = ko.run_rotation(num_prompts=3, prompt_blocks=64, num_cpu_blocks=160, rounds=4)
     for r in (on, off):
         assert r["kv_exact"] and r["all_free"] and r["ideal_tokens_per_round"] == 2544
@@ -1433,18 +1429,6 @@ def test_prefix_aware_eviction_two_copies_of_one_prompt_in_one_store():
     assert run.log.steps > 0
 
 
-@pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(num_prompts=0), ValueError, r"num_prompts must be an int in \[1, inf\], got 0"),
-    (dict(prompt_blocks=1.5), TypeError, r"prompt_blocks must be an int, got 1\.5"),
-    (dict(num_cpu_blocks=1), ValueError, r"num_cpu_blocks must be an int in \[2, inf\], got 1"),
-    (dict(rounds=True), TypeError, r"rounds must be an int, got True"),
-    (dict(prefix_aware_eviction=1), TypeError, r"prefix_aware_eviction must be bool, got 1"),
-])
-def test_run_rotation_checks_its_arguments(kwargs, exc, match):
-    with pytest.raises(exc, match=match):
-        ko.run_rotation(**kwargs)
-
-
 @pytest.mark.parametrize("variant", ["fixed", "no_refresh"])
 def test_gpu_prefix_hit_refreshes_cpu_lru(variant, monkeypatch):
     """A prefix served from the GPU moves its CPU copies to the MRU end (vLLM 0.34), so a colder
@@ -1459,7 +1443,7 @@ def test_gpu_prefix_hit_refreshes_cpu_lru(variant, monkeypatch):
     Without the refresh the queue stays [1, 2, 3, 4]: c evicts a's 1, 2 -> [3, 4, 1, 2]."""
     h, a, b = _fill_four()
     if variant == "no_refresh":  # (_fill_four's requests had no local hit: nothing to refresh)
-        monkeypatch.setattr(h.sched, "_refresh_cpu_lru", lambda request, num_local_tokens: None)
+        monkeypatch.setattr(h.sched, "_refresh_cpu_lru", lambda prefix_blocks: None)
     a2 = h.twin(a)
     assert h.sched.get_num_new_matched_tokens(a2, 32) == (0, False)
     assert h.sched._pending_local_hits == {a2.request_id: 32}
@@ -2598,7 +2582,8 @@ def test_readme_numbers_match_the_code():
     # the demo's rotation lines (a toy model of one small layer: cheap)
     for num_blocks in ko.ROTATION_POOL_SIZES:
         lru = ko.run_rotation(num_cpu_blocks=num_blocks)
-        aware = ko.run_rotation(num_cpu_blocks=num_blocks, prefix_aware_eviction=True)
+        aware = ko.run_rotation(num_cpu_blocks=num_blocks,
+                                scheduler_cls=ko.PrefixAwareCPUOffloadScheduler)
         line = (f"CPU pool {num_blocks}: ideal {lru['ideal_tokens_per_round']}; LRU "
                 f"{lru['cpu_hit_tokens_per_round']}; prefix-aware "
                 f"{aware['cpu_hit_tokens_per_round']}")
@@ -3175,7 +3160,7 @@ class Plan:
     budget: int = 8
     hash_block_size: int = FUZZ_BS
     world_size: int = 1
-    # SimpleCPUOffloadScheduler(prefix_aware_eviction=...): on in some schedules (schedule_plans)
+    # PrefixAwareCPUOffloadScheduler instead of vLLM's: in some schedules (schedule_plans)
     prefix_aware_eviction: bool = False
     faults: Faults = Faults()
     # "cuda" or "deferred" (DeferredCopyEngine): the worker's copies are asynchronous on top
@@ -3233,10 +3218,11 @@ def build_plan_run(plan: Plan):
     log = RunLog()
     rng = random.Random(plan.faults.seed)
     model = ko.ToyModel(**FUZZ_MODEL, device="cpu" if plan.device == "deferred" else plan.device)
-    conn = ko.SimpleCPUOffloadScheduler(plan.num_cpu_blocks, FUZZ_BS,
-                                        hash_block_size=plan.hash_block_size,
-                                        world_size=plan.world_size,
-                                        prefix_aware_eviction=plan.prefix_aware_eviction)
+    scheduler_cls = ko.SimpleCPUOffloadScheduler
+    if plan.prefix_aware_eviction:
+        scheduler_cls = ko.PrefixAwareCPUOffloadScheduler
+    conn = scheduler_cls(plan.num_cpu_blocks, FUZZ_BS, hash_block_size=plan.hash_block_size,
+                         world_size=plan.world_size)
     proxy = FaultyConnector(conn, plan.faults, rng, log)
     workers = [FaultyWorker(make_worker(plan.num_cpu_blocks, plan.device,
                                            seed=plan.faults.seed + i),
@@ -3869,10 +3855,12 @@ def test_rb1_minimal_engine_run_finishes():
 
 
 # ---- 2.6 The bad-input catalogue -----------------------------------------------------------------
-# Bad-input catalogue: every bad call of the public API, in one table. Each must raise a
-# ValueError (a TypeError for a wrong type) whose message names the argument and the value,
-# leave a full snapshot of every object unchanged, and leave a world that still finishes its
-# work and serves exact KV from CPU afterwards.
+# Bad-input catalogue, in two tables. BAD_CALLS: what a person calls, checked where a bad value
+# would fail far from its cause, hang or silently mislead; each raises a ValueError naming the
+# argument, leaves a full snapshot of every object unchanged, and leaves a world that still
+# finishes its work and serves exact KV from CPU afterwards. BAD_ENGINE_CALLS: what an engine
+# calls keeps vLLM's contract (a trusted caller); misuse that would corrupt KV silently or leak
+# fails one of vLLM-style asserts, with a message naming the likely bug.
 
 def plain_state(x):
     """A comparable, plain copy of (nested) state: tensors as bytes, blocks and requests by their
@@ -4019,26 +4007,9 @@ def _bind_and(meta, copy: str):
     return call
 
 
-def _copy_row(name, gpu_ids, cpu_ids, exc, match, *, load=False, event=99):
-    """A worker row of BAD_CALLS: bind the metadata of one store (or load) event with these
-    block ids, then issue its copy (wait_for_save / start_load_kv)."""
-    kind, copy = ("load", "start_load_kv") if load else ("store", "wait_for_save")
-    meta = _meta(**{f"{kind}_event": event, f"{kind}_gpu_blocks": gpu_ids,
-                    f"{kind}_cpu_blocks": cpu_ids})
-    return ("worker", f"bind + {copy}({name})", _bind_and(meta, copy), exc, match)
-
-
 def _register(caches, num_gpu_blocks, block_dim=0):
     """register_kv_caches on the spare worker (never registered): it must stay unregistered."""
     return lambda w: w.spare_worker.register_kv_caches(caches(), num_gpu_blocks, block_dim)
-
-
-def _request_of_another_engine(w):
-    """A request added to a second, spare engine (it may run only there)."""
-    other = ko.MiniEngine(14, FUZZ_BS, 8, w.model)
-    req = ko.Request("z", [5, 6, 7], FUZZ_BS)
-    other.add_request(req)
-    return req
 
 
 def _engine(num_gpu_blocks=14, block_size=FUZZ_BS, budget=8, *, conn="live", worker="spare"):
@@ -4046,54 +4017,24 @@ def _engine(num_gpu_blocks=14, block_size=FUZZ_BS, budget=8, *, conn="live", wor
     def call(w):
         connector = {"live": w.conn, "spare": w.spare_conn,
                      "fresh": ko.SimpleCPUOffloadScheduler(8, FUZZ_BS)}[conn]
-        workers = {"live": unwrap_proxy(w.worker), "spare": w.spare_worker,
-                   "two spares": [w.spare_worker, ko.SimpleCPUOffloadWorker(8)],
-                   "6 CPU blocks": ko.SimpleCPUOffloadWorker(6)}[worker]
+        workers = {"live": unwrap_proxy(w.worker), "spare": w.spare_worker, "none": None,
+                   "two spares": [w.spare_worker, ko.SimpleCPUOffloadWorker(8)]}[worker]
         return ko.MiniEngine(num_gpu_blocks, block_size, budget, w.model, connector, workers)
     return call
 
 
-_V, _T = ValueError, TypeError  # the two exceptions a bad call may raise
-NAN, INF = float("nan"), float("inf")
+_V = ValueError
 
 # (layer, the bad call, exception, match). RB-n: a module bug this table found, now fixed.
-# The person-facing surface (SPEC §0), and the engine-facing checks that remain: those against
-# silent KV corruption or a leak (a double free, a foreign block, a load of more than the hit,
-# worker copies under event -1, events that do not grow, unpaired ids).
 BAD_CALLS = [
-    # --- block pool
+    # --- block pool: vLLM's own ValueError
     ("pool", "GPU get_new_blocks(more than free)",
      lambda w: w.gpu.get_new_blocks(w.gpu.get_num_free_blocks() + 1),
      _V, r"Cannot get 7 free blocks from the pool \(6 free\)"),
     ("pool", "CPU get_new_blocks(more than free)",
      lambda w: w.cpu.get_new_blocks(w.cpu.get_num_free_blocks() + 1),
      _V, r"Cannot get \d+ free blocks from the pool \(\d+ free\)"),
-    ("pool", "free_blocks(in use, then a free one): double free",
-     lambda w: w.gpu.free_blocks([_in_use_gpu_block(w), _free_cached_gpu_block(w)]), _V,
-     r"block_id=\d+.* is free already \(a double free\)"),
-    ("pool", "free_blocks(in use, twice): double free",
-     lambda w: w.gpu.free_blocks([_in_use_gpu_block(w)] * 3), _V,
-     r"block \d+ is freed 3 times with \d refs \(a double free\)"),
-    ("pool", "BlockPool(0 blocks)", lambda w: ko.BlockPool(0, True, FUZZ_BS),
-     _V, r"num_gpu_blocks must be an int in \[1, 4194304\], got 0"),
-    ("pool", "BlockPool(10**9 blocks)", lambda w: ko.BlockPool(10 ** 9, True, FUZZ_BS),
-     _V, r"num_gpu_blocks must be an int in \[1, 4194304\], got 1000000000"),
-    ("pool", "BlockPool(14.0 blocks)", lambda w: ko.BlockPool(14.0, True, FUZZ_BS),
-     _T, r"num_gpu_blocks must be an int, got 14\.0"),
-    ("pool", "BlockPool(True blocks)", lambda w: ko.BlockPool(True, True, FUZZ_BS),
-     _T, r"num_gpu_blocks must be an int, got True"),
-    ("pool", "BlockPool(hash_block_size NaN)", lambda w: ko.BlockPool(14, True, NAN),
-     _T, r"hash_block_size must be an int, got nan"),
-    ("pool", "BlockPool(enable_caching 'no')", lambda w: ko.BlockPool(14, "no", FUZZ_BS),
-     _T, r"enable_caching must be bool, got 'no'"),
-    # --- manager: the one engine-facing check, then what a person calls
-    ("manager", "update_state_after_alloc(more than the hit)", _alloc_c(16),
-     _V, r"num_external_tokens=16 exceeds the CPU hit of 12"),
-    ("manager", "bind_gpu_block_pool(another pool while b's store is in flight)",
-     lambda w: w.conn.bind_gpu_block_pool(ko.BlockPool(14, True, FUZZ_BS)), _V,
-     r"bind_gpu_block_pool: this connector serves another GPU pool"),
-    ("manager", "bind_gpu_block_pool(None)", lambda w: w.conn.bind_gpu_block_pool(None),
-     _T, r"gpu_block_pool must be BlockPool, got None"),
+    # --- manager: sizes that do not nest would key blocks wrongly
     *[("manager", f"SimpleCPUOffloadScheduler({kw})",
        (lambda kw: lambda w: ko.SimpleCPUOffloadScheduler(8, **kw))(kw), _V,
        r"block sizes must nest") for kw in [
@@ -4104,176 +4045,90 @@ BAD_CALLS = [
         dict(block_size=32, hash_block_size=16, group_block_sizes=[8]),  # hash does not divide it
         dict(block_size=8, hash_block_size=2, group_block_sizes=[8, 6]),  # block size not their LCM
         dict(block_size=FUZZ_BS, hash_block_size=3)]],
-    ("manager", "SimpleCPUOffloadScheduler(world_size 0)",
-     lambda w: ko.SimpleCPUOffloadScheduler(8, FUZZ_BS, world_size=0),
-     _V, r"world_size must be an int in \[1, inf\], got 0"),
-    ("manager", "SimpleCPUOffloadScheduler(world_size 2.5)",
-     lambda w: ko.SimpleCPUOffloadScheduler(8, FUZZ_BS, world_size=2.5),
-     _T, r"world_size must be an int, got 2\.5"),
-    ("manager", "SimpleCPUOffloadScheduler(block_size 4.0)",
-     lambda w: ko.SimpleCPUOffloadScheduler(8, 4.0),
-     _T, r"block_size must be an int, got 4\.0"),
-    ("manager", "SimpleCPUOffloadScheduler(1 CPU block)",
-     lambda w: ko.SimpleCPUOffloadScheduler(1, FUZZ_BS),
-     _V, r"num_cpu_blocks must be an int in \[2, 4194304\], got 1"),
-    ("manager", "SimpleCPUOffloadScheduler(group_block_sizes [])",
-     lambda w: ko.SimpleCPUOffloadScheduler(8, FUZZ_BS, group_block_sizes=[]),
-     _V, r"group_block_sizes is empty"),
-    ("manager", "PreFixCPUOffloadScheduler(registration_bug 1)",
-     lambda w: ko.PreFixCPUOffloadScheduler(8, FUZZ_BS, registration_bug=1),
-     _T, r"registration_bug must be bool, got 1"),
     ("manager", "PreFixCPUOffloadScheduler(registration_bug and skip_reset_hash)",
      lambda w: ko.PreFixCPUOffloadScheduler(8, FUZZ_BS, skip_reset_hash=True),
      _V, r"skip_reset_hash=True needs registration_bug=False"),
-    # --- copy worker: the engine-facing check of a step's metadata (bind, then the copy)
-    _copy_row("unequal id counts", [1, 2], [1], _V, r"store: 2 source ids but 1 destination ids"),
-    _copy_row("store event index that does not grow", [1], [1],
-              _V, r"store_event=0 after store_event=\d+: event indices must grow", event=0),
-    _copy_row("blocks to store under event -1", [1], [1],
-              _V, r"store: 1 blocks to copy under store_event=-1", event=-1),
-    _copy_row("blocks to load under event -1", [5], [1],
-              _V, r"load: 1 blocks to copy under load_event=-1", load=True, event=-1),
-    # --- copy worker: registration and construction
-    # its zeroed mirrors were served (review defect)
-    ("worker", "register_kv_caches(a second time)",
-     lambda w: unwrap_proxy(w.worker).register_kv_caches(w.engine.kv_caches, 18, 1), _V,
-     r"already registered"),
+    # --- copy worker: a region that is not block i = row i would copy the wrong bytes
     ("worker", "register_kv_caches(wrong block count)",
      _register(lambda: {"x": torch.zeros(5, 4)}, 14),
-     _V, r"KV cache 'x' has shape \(5, 4\): expected \[num_gpu_blocks, \.\.\.\] with "
-         r"num_gpu_blocks=14"),
-    ("worker", "register_kv_caches(two caches, 6 and 5 blocks)",
-     _register(lambda: {"a": torch.zeros(6, 2), "b": torch.zeros(5, 2)}, 6),
-     _V, r"KV cache 'b' has shape \(5, 2\)"),
+     _V, r"KV cache region 'x' of shape \(5, 4\) is not a contiguous \[num_gpu_blocks=14"),
     ("worker", "register_kv_caches((2, 2, ...) read as [num_blocks, ...] with 3 blocks)",
      _register(lambda: {"x": torch.zeros(2, 2, 4)}, 3),
-     _V, r"KV cache 'x' has shape \(2, 2, 4\)"),
+     _V, r"KV cache region 'x' of shape \(2, 2, 4\)"),
     ("worker", "register_kv_caches(a flash layout without its leading 2)",
      _register(lambda: {"x": torch.zeros(3, 6, 4)}, 6, 1),
-     _V, r"expected \(2, num_gpu_blocks, \.\.\.\) with num_gpu_blocks=6"),
+     _V, r"KV cache 'x' of shape \(3, 6, 4\) is not \(2, num_gpu_blocks, \.\.\.\)"),
     ("worker", "register_kv_caches(colliding region names)",
      _register(lambda: {"a": torch.zeros(2, 6, 4), "a.k": torch.zeros(2, 6, 4)}, 6, 1),
      _V, r"KV cache region name 'a.k' is used twice"),
-    ("worker", "register_kv_caches(block_dim 2)", _register(lambda: {"x": torch.zeros(6, 4)}, 6, 2),
-     _V, r"block_dim must be an int in \[0, 1\], got 2"),
-    ("worker", "register_kv_caches(nothing)", _register(lambda: {}, 6), _V, r"no KV caches given"),
-    ("worker", "register_kv_caches(a list)", _register(lambda: [torch.zeros(6, 4)], 6),
-     _T, r"kv_caches must be dict"),
     ("worker", "register_kv_caches(not contiguous)",
      _register(lambda: {"x": torch.zeros(14, 4, 2).transpose(1, 2)}, 14),
-     _V, r"KV cache region 'x' is not contiguous"),
-    ("worker", "register_kv_caches(0-dim tensor) (RB-6)",  # IndexError
-     _register(lambda: {"x": torch.zeros(())}, 6), _V, r"KV cache 'x' has shape \(\)"),
+     _V, r"KV cache region 'x' of shape \(14, 2, 4\) is not a contiguous"),
     ("worker", "register_kv_caches(a good cache, then a bad one): all or nothing",
-     _register(lambda: {"a": torch.zeros(6, 2), "b": torch.zeros(())}, 6),
-     _V, r"KV cache 'b' has shape \(\)"),
-    ("worker", "register_kv_caches(14.0 blocks)",
-     _register(lambda: {"x": torch.zeros(14, 4)}, 14.0),
-     _T, r"num_gpu_blocks must be an int, got 14\.0"),
-    ("worker", "SimpleCPUOffloadWorker(1 CPU block)", lambda w: ko.SimpleCPUOffloadWorker(1),
-     _V, r"num_cpu_blocks must be an int in \[2, 4194304\], got 1"),
-    ("worker", "SimpleCPUOffloadWorker(8.0 CPU blocks)", lambda w: ko.SimpleCPUOffloadWorker(8.0),
-     _T, r"num_cpu_blocks must be an int, got 8\.0"),
-    # --- engine, requests, model
-    ("engine", "abort_request(unknown id)", lambda w: w.engine.abort_request("nope"),
-     _V, r"unknown or finished request id 'nope'"),
-    ("engine", "abort_request(finished request)", lambda w: w.engine.abort_request("a"),
-     _V, r"unknown or finished request id 'a'"),
+     _register(lambda: {"a": torch.zeros(6, 2), "b": torch.zeros(5, 2)}, 6),
+     _V, r"KV cache region 'b' of shape \(5, 2\)"),
+    # --- engine and requests: what would hang, fail far away or mix two requests
     ("engine", "add_request(reused id)",
      lambda w: w.engine.add_request(ko.Request("a", [5, 6, 7], FUZZ_BS)),
      _V, r"request id 'a' is already in use"),
-    ("engine", "add_request(hash_block_size mismatch)",
-     lambda w: w.engine.add_request(ko.Request("z", [5, 6, 7], 2)),
-     _V, r"request hash_block_size 2 != engine's 4"),
+    ("engine", "add_request(a request live in this engine)", lambda w: w.engine.add_request(w.b),
+     _V, r"request id 'b' is already in use"),
     # accepted; run() spun to 'no progress'
     ("engine", "add_request(longer than the GPU pool) (RB-7)",
      lambda w: w.engine.add_request(ko.Request("big", list(range(80)), FUZZ_BS)),
      _V, r"'big' needs more GPU blocks than the pool has"),
-    ("engine", "add_request(None)", lambda w: w.engine.add_request(None),
-     _T, r"request must be Request, got None"),
-    ("engine", "MiniEngine(budget 0)", _engine(budget=0),
-     _V, r"max_num_batched_tokens must be an int in \[1, inf\], got 0"),
-    ("engine", "MiniEngine(budget 2.5)", _engine(budget=2.5),
-     _T, r"max_num_batched_tokens must be an int, got 2\.5"),
-    ("engine", "MiniEngine(0 GPU blocks)", _engine(num_gpu_blocks=0, worker="live"),
-     _V, r"num_gpu_blocks must be an int in \[2, \d+\], got 0"),
-    ("engine", "MiniEngine(block size mismatch)", _engine(block_size=8),
-     _V, r"connector block sizes \[4\] do not match"),
-    ("engine", "MiniEngine(a worker, no connector)",
-     lambda w: ko.MiniEngine(14, FUZZ_BS, 8, w.model, None, w.spare_worker),
-     _V, r"a worker needs a connector"),
-    ("engine", "MiniEngine(worker and connector CPU sizes disagree)",
-     _engine(conn="fresh", worker="6 CPU blocks"),
-     _V, r"worker and connector disagree on num_cpu_blocks"),
+    ("engine", "MiniEngine(block size mismatch)", _engine(block_size=8, conn="fresh"),
+     _V, r"block_size 8: the connector's group block sizes are \[4\]"),
+    # its stores never completed: run() stepped forever
+    ("engine", "MiniEngine(a connector, no worker)", _engine(conn="fresh", worker="none"),
+     _V, r"worker: 0 given, the connector's world_size is 1"),
     ("engine", "MiniEngine(2 workers, world_size 1)", _engine(conn="fresh", worker="two spares"),
-     _V, r"2 workers but the connector's world_size is 1"),
-    # its stores never completed
+     _V, r"worker: 2 given, the connector's world_size is 1"),
     ("engine", "MiniEngine(1 worker, world_size 2)", _engine(conn="spare"),
-     _V, r"1 workers but the connector's world_size is 2"),
-    ("engine", "MiniEngine(a worker that serves another engine)",
-     _engine(conn="fresh", worker="live"),
-     _V, r"a worker's KV caches are already registered"),
+     _V, r"worker: 1 given, the connector's world_size is 2"),
     # the next completion failed half-applied
     ("engine", "MiniEngine(a new worker on the live connector)",
-     _engine(), _V, r"this connector serves another GPU pool"),
-    ("engine", "MiniEngine(one worker listed twice)",
-     lambda w: ko.MiniEngine(14, FUZZ_BS, 8, w.model, ko.SimpleCPUOffloadScheduler(
-         8, FUZZ_BS, world_size=2), [w.spare_worker, w.spare_worker]),
-     _V, r"the same worker is listed twice"),
-    ("engine", "add_request(a request live in this engine)", lambda w: w.engine.add_request(w.b),
-     _V, r"request id 'b' is already in use"),
-    ("engine", "add_request(a request that ran in another engine)",
-     lambda w: w.engine.add_request(_request_of_another_engine(w)),
-     _V, r"was added to another engine"),
-    ("engine", "Request(None, ...)", lambda w: ko.Request(None, [1], FUZZ_BS),
-     _T, r"request_id must be str, got None"),
-    ("engine", "ToyModel(dtype 'float16')", lambda w: ko.ToyModel(1, 1, 4, dtype="float16"),
-     _T, r"dtype must be dtype, got 'float16'"),
-    ("engine", "run_story(block_size 0)", lambda w: ko.run_story(block_size=0),
-     _V, r"block_size must be an int in \[1, inf\], got 0"),
-    ("engine", "run_story(prompt_tokens 64.0)", lambda w: ko.run_story(prompt_tokens=64.0),
-     _T, r"prompt_tokens must be an int, got 64\.0"),
-    ("engine", "run_story(prompt_tokens -5)", lambda w: ko.run_story(prompt_tokens=-5),
-     _V, r"prompt_tokens must be an int in \[1, inf\], got -5"),
-    ("engine", "offload_prompt(a prompt shorter than a block)",
-     lambda w: ko.offload_prompt(ko.SimpleCPUOffloadScheduler(8, FUZZ_BS), [1, 2], FUZZ_BS),
-     _V, r"prompt has 2 tokens: no full block of 4 to store"),
-    ("engine", "bench_manager(16, 16, 16)", lambda w: ko.bench_manager(16, 16, 16),
-     _V, r"prompt_tokens must be an int in \[32, \d+\], got 16"),
-    ("engine", "bench_manager(64, 1, 16)", lambda w: ko.bench_manager(64, 1, 16),
-     _V, r"chunk must be an int in \[16, inf\], got 1"),
-    ("engine", "bench_manager(17 * 16, 32, 16)", lambda w: ko.bench_manager(17 * 16, 32, 16),
-     _V, r"chunk \(32\) must be a multiple of block_size \(16\) and divide prompt_tokens"),
-    ("engine", "bench_copies(n_copy == num_blocks)",
-     lambda w: ko.bench_copies("cpu", num_blocks=8, n_copy=8),
-     _V, r"n_copy must be an int in \[1, 7\], got 8"),
-    ("engine", "bench_copies(reps 0)", lambda w: ko.bench_copies("cpu", reps=0),
-     _V, r"reps must be an int in \[1, inf\], got 0"),
-    ("engine", "ToyModel(num_layers 0)", lambda w: ko.ToyModel(0, 1, 4),
-     _V, r"num_layers must be an int in \[1, inf\], got 0"),
-    ("engine", "ToyModel(head_dim 2.5)", lambda w: ko.ToyModel(1, 1, 2.5),
-     _T, r"head_dim must be an int, got 2\.5"),
+     _engine(), _V, r"connector: it serves another engine"),
+    ("engine", "offload_prompt(the live connector)",
+     lambda w: ko.offload_prompt(w.conn, list(range(1, 14)), FUZZ_BS),
+     _V, r"scheduler: it serves another engine"),
+    # a store waits for a second report that never comes: its pins leak
+    ("engine", "offload_prompt(a connector of world_size 2)",
+     lambda w: ko.offload_prompt(w.spare_conn, list(range(1, 14)), FUZZ_BS),
+     _V, r"scheduler: world_size 2, offload_prompt plays one worker"),
     ("engine", "Request(empty prompt)", lambda w: ko.Request("e", [], FUZZ_BS),
      _V, r"request 'e': prompt_token_ids is empty"),
-    ("engine", "Request(max_tokens 0)", lambda w: ko.Request("e", [1], FUZZ_BS, max_tokens=0),
-     _V, r"max_tokens must be an int in \[1, inf\], got 0"),
-    ("engine", "Request(max_tokens inf)", lambda w: ko.Request("e", [1], FUZZ_BS, max_tokens=INF),
-     _T, r"max_tokens must be an int, got inf"),
-    ("engine", "Request(max_tokens NaN)", lambda w: ko.Request("e", [1], FUZZ_BS, max_tokens=NAN),
-     _T, r"max_tokens must be an int, got nan"),
-    ("engine", "Request(hash_block_size 4.0)", lambda w: ko.Request("e", [1], 4.0),
-     _T, r"hash_block_size must be an int, got 4\.0"),
-    ("engine", "Request(token id 1.5)", lambda w: ko.Request("e", [1, 1.5], FUZZ_BS),
-     _T, r"token id 1\.5 at index 1 is not an int"),
-    ("engine", "Request(token id NaN)", lambda w: ko.Request("e", [NAN], FUZZ_BS),
-     _T, r"token id nan at index 0 is not an int"),
-    ("engine", "Request(token id '7')", lambda w: ko.Request("e", ["7"], FUZZ_BS),
-     _T, r"token id '7' at index 0 is not an int"),
-    ("engine", "Request(token id -1)", lambda w: ko.Request("e", [-1], FUZZ_BS),
-     _V, r"token id -1 at index 0 is outside \[0, 2\*\*63\)"),
-    ("engine", "request.append_output_token_ids(1.5) on a running request",
-     lambda w: w.b.append_output_token_ids([3, 1.5]), _T,
-     r"token id 1\.5 at index 1 is not an int"),
+]
+
+# (the bad engine-facing call, the assert's message). The state after a failed assert is not
+# specified (as in vLLM): each row runs on a fresh world.
+BAD_ENGINE_CALLS = [
+    ("free_blocks(in use, then a free one): double free",
+     lambda w: w.gpu.free_blocks([_in_use_gpu_block(w), _free_cached_gpu_block(w)]),
+     r"free_blocks: block \d+ is freed twice"),
+    ("free_blocks(in use, three times): double free",
+     lambda w: w.gpu.free_blocks([_in_use_gpu_block(w)] * 3),
+     r"free_blocks: block \d+ is freed twice"),
+    ("update_state_after_alloc(more than the hit)", _alloc_c(16),
+     r"c: 16 external tokens > the 12-token hit"),
+    ("bind_gpu_block_pool(a pool of another hash_block_size)",
+     lambda w: w.conn.bind_gpu_block_pool(ko.BlockPool(14, True, 2 * FUZZ_BS)),
+     r"GPU pool hash_block_size 8 != connector's 4"),
+    ("register_kv_caches(a second time)",
+     lambda w: unwrap_proxy(w.worker).register_kv_caches(w.engine.kv_caches, 18, 1),
+     r"register_kv_caches: once per worker"),
+    ("bind_connector_metadata(unequal id counts)",
+     _bind_and(_meta(store_event=99, store_gpu_blocks=[1, 2], store_cpu_blocks=[1]),
+               "wait_for_save"), r"unpaired block ids"),
+    ("bind_connector_metadata(a store event that does not grow)",
+     _bind_and(_meta(store_event=0, store_gpu_blocks=[1], store_cpu_blocks=[1]), "wait_for_save"),
+     r"store_event 0 after \d+: must grow"),
+    ("bind_connector_metadata(blocks to store under event -1)",
+     _bind_and(_meta(store_event=-1, store_gpu_blocks=[1], store_cpu_blocks=[1]),
+               "wait_for_save"), r"blocks under event -1"),
+    ("bind_connector_metadata(blocks to load under event -1)",
+     _bind_and(_meta(load_event=-1, load_gpu_blocks=[5], load_cpu_blocks=[1]), "start_load_kv"),
+     r"blocks under event -1"),
 ]
 
 
@@ -4293,10 +4148,16 @@ def test_bad_call_raises_and_changes_nothing(device, call, exc, match):
     bad_call_world_finish(world)
 
 
+@pytest.mark.parametrize("call, match", [pytest.param(call, match, id=name)
+                                         for name, call, match in BAD_ENGINE_CALLS])
+def test_bad_engine_call_fails_an_assert(call, match):
+    with pytest.raises(AssertionError, match=match):
+        call(bad_call_world())
+
+
 def test_bad_call_catalogue_covers_every_layer():
     layers = Counter(layer for layer, *_ in BAD_CALLS)
-    assert set(layers) == {"pool", "manager", "worker", "engine"} and min(layers.values()) >= 10, (
-        layers)
+    assert set(layers) == {"pool", "manager", "worker", "engine"}, layers
 
 
 # ---- 2.7 Module bugs found here, now fixed (see the RB-n legend in Part 2) -----------------------
@@ -4325,9 +4186,9 @@ def test_repeated_report_of_a_finished_store_is_kept_until_reset():  # RB-3: vLL
 
 @pytest.mark.parametrize("direction", ["store", "load"])  # RB-8 (fixed), now SPEC §0's check
 def test_rejected_copy_is_never_reported_complete(direction):
-    """The worker's one engine-facing check: blocks under event -1 would be copied and never
-    reported (their pins leak). It raises before anything is recorded: the next good event is
-    the only one reported complete."""
+    """One of the worker's asserts: blocks under event -1 would be copied and never reported
+    (their pins leak). It fails before anything is recorded: the next good event is the only
+    one reported complete."""
     w = ko.SimpleCPUOffloadWorker(4)
     w.register_kv_caches({"x": torch.arange(48, dtype=torch.float16).view(6, 8)}, 6, block_dim=0)
     if direction == "store":
@@ -4337,7 +4198,7 @@ def test_rejected_copy_is_never_reported_complete(direction):
         bad = _meta(load_event=-1, load_gpu_blocks=[1], load_cpu_blocks=[3])
         good = _meta(load_event=1, load_gpu_blocks=[1], load_cpu_blocks=[2],
                      load_event_to_reqs={1: ["ok"]})
-    with pytest.raises(ValueError, match="blocks to copy under"):
+    with pytest.raises(AssertionError, match="blocks under event -1"):
         w.bind_connector_metadata(bad)
     w.bind_connector_metadata(good)
     w.wait_for_save() if direction == "store" else w.start_load_kv()
@@ -4375,22 +4236,14 @@ def _self_calls(node) -> list[str]:
 
 @pytest.mark.parametrize("cls, name", [(cls, name) for cls, names in ENGINE_PROTOCOL.items()
                                        for name in names])
-def test_engine_protocol_raises_only_in_its_check(cls, name):
-    """SPEC §0: an engine-facing method has no `raise` of its own, nor in any method of its class
-    it calls (walked recursively), except inside its one `_check_<method>` call, which is its
-    first statement. The one exception is vLLM's own: get_new_blocks raises when the pool is
-    short. (asserts are vLLM's and stay.)"""
-    fn = _method_ast(cls, name)
-    body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(
-        fn.body[0].value, ast.Constant) else fn.body  # after the docstring
-    checks = [c for c in _self_calls(fn) if c.startswith("_check_")]
-    assert checks in ([], [f"_check_{name}"]), f"{name} calls {checks}"
-    if checks:
-        assert f"self._check_{name}(" in ast.unparse(body[0]), f"{name}: the check is not first"
+def test_engine_protocol_raises_only_vllms_errors(cls, name):
+    """An engine-facing method keeps vLLM 0.34's contract: no `raise` of its own, nor in any
+    method of its class it calls (walked recursively). The one exception is vLLM's own:
+    get_new_blocks raises when the pool is short. (asserts are vLLM's style and stay.)"""
     seen, todo, raises = set(), [name], []
     while todo:
         method = todo.pop()
-        if method in seen or not hasattr(cls, method) or method.startswith("_check_"):
+        if method in seen or not hasattr(cls, method):
             continue
         seen.add(method)
         node = _method_ast(cls, method)
