@@ -61,6 +61,8 @@ import inspect
 import textwrap
 import gc
 import hashlib
+import importlib
+import itertools
 import json
 import os
 import pathlib
@@ -69,6 +71,8 @@ import re
 import struct
 import subprocess
 import sys
+import traceback
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field, fields, is_dataclass
 from types import SimpleNamespace
@@ -1427,6 +1431,66 @@ def test_prefix_aware_eviction_two_copies_of_one_prompt_in_one_store():
                 prefix_aware_eviction=True, faults=Faults(seed=1))
     run = run_plan(plan)  # invariants after every step, KV exact, every pool free at the end
     assert run.log.steps > 0
+
+
+def _orphaned_cpu_blocks(conn) -> list[int]:
+    """CPU blocks still cached whose parent key is no longer in the CPU map: nothing can reach
+    them, since a lookup walks a chain from its root."""
+    cached = conn.cpu_block_pool.cached_block_hash_to_block
+    return [b.block_id for b in conn.cpu_block_pool.blocks
+            if b.block_hash is not None and cached.get_one_block(b.block_hash) is b
+            and conn._cpu_parent_keys[b.block_id] is not None
+            and cached.get_one_block(conn._cpu_parent_keys[b.block_id]) is None]
+
+
+@pytest.mark.parametrize("cls", [ko.PrefixAwareCPUOffloadScheduler, ko.SimpleCPUOffloadScheduler])
+def test_prefix_aware_store_never_evicts_the_prefix_it_extends(cls):
+    """Not in vLLM; found by an independent attack. Blocks of 2 tokens, 2 usable CPU blocks.
+    A (7 tokens) stores K0 and K1 (its final flush; K2 finds the pool full). B = A's 7 tokens
+    + 4 more hits K0-K2 on the GPU; its selection skips K0 and K1 (on CPU) and wants K2. Its
+    cursor is at 0, so a rule judged by the cursor did not see K0 and K1 as B's own prefix:
+    K2 was stored by evicting K1 and stranded, and A's prompt (max hit 6 tokens) then loaded
+    K0 only: 2 tokens (on the code before this rule was judged by the hash chain). Judged by
+    the chain, K1 at the queue's front is on B's chain: nothing is evicted, and A's prompt loads
+    K0 and K1, 4 tokens. vLLM's LRU: B's GPU hit refreshes K1, K0 to the back in that order,
+    K2 evicts K1, and the prompt loads 0."""
+    conn = cls(3, 2)
+    model = ko.ToyModel(1, 1, 2)
+    eng = ko.MiniEngine(20, 2, 64, model, conn, ko.SimpleCPUOffloadWorker(3), capture_kv=True)
+    a = list(range(100, 107))
+    eng.add_request(ko.Request("A", a, 2))
+    eng.run()
+    eng.add_request(ko.Request("B", a + [200, 201, 202, 203], 2))
+    assert eng.run()["B"].gpu_hit_tokens == 6
+    assert eng.reset_gpu_prefix_cache()
+    eng.add_request(ko.Request("A again", a, 2))
+    stats = eng.run()["A again"]
+    assert stats.cpu_hit_tokens == (4 if cls is ko.PrefixAwareCPUOffloadScheduler else 0)
+    assert torch.equal(stats.kv, model.expected_kv(a))
+    check_idle(eng)
+
+
+def test_prefix_aware_never_evicts_a_parent_whose_child_stays():
+    """Not in vLLM; found by an independent attack. Three requests with one 5-token prompt,
+    max_tokens=6 (so their chains grow to 5 blocks while they decode), blocks of 2, 2 usable
+    CPU blocks, budget 15, 10 GPU blocks. Before the chain rule, at step 6 a store of one
+    request evicted a block of the shared chain whose child stayed cached: at the end neither
+    cached block was a chain root, and the prompt loaded 0 tokens. Now no step leaves an
+    orphan, and the prompt loads its first 2 blocks (4 tokens; the 5th token is recomputed)."""
+    conn = ko.PrefixAwareCPUOffloadScheduler(3, 2)
+    model = ko.ToyModel(1, 1, 2)
+    eng = ko.MiniEngine(10, 2, 15, model, conn, ko.SimpleCPUOffloadWorker(3), capture_kv=True)
+    prompt = list(range(100, 105))
+    for i in range(3):
+        eng.add_request(ko.Request(f"r{i}", prompt, 2, max_tokens=6))
+    while eng.has_unfinished_work():
+        eng.step()
+        assert not _orphaned_cpu_blocks(conn), f"step {eng.num_steps}"
+    assert eng.reset_gpu_prefix_cache()
+    eng.add_request(ko.Request("again", prompt, 2))
+    stats = eng.run()["again"]
+    assert stats.cpu_hit_tokens == 4 and torch.equal(stats.kv, model.expected_kv(prompt))
+    check_idle(eng)
 
 
 @pytest.mark.parametrize("variant", ["fixed", "no_refresh"])
@@ -3213,6 +3277,36 @@ def max_blocks_needed(plan_ops, bases, bs: int = FUZZ_BS) -> int:
 FUZZ_MODEL = dict(num_layers=1, num_kv_heads=1, head_dim=4)
 
 
+def watch_prefix_aware_evictions(conn) -> None:
+    """PrefixAwareCPUOffloadScheduler's rule, checked at every CPU eviction (get_new_blocks is
+    the only place a cached block loses its keys, but reset): no block is evicted while a
+    cached block whose parent it is stays cached, and no store evicts a block of the chain of
+    the request it stores (which would strand the copies it makes)."""
+    pool = conn.cpu_block_pool
+    get_new_blocks = pool.get_new_blocks
+    allocate_cpu_blocks = conn._allocate_cpu_blocks
+
+    def checked_allocate_cpu_blocks(gpu_block_ids, request):
+        chain = {h for h in request.block_hashes}
+        taken = pool.free_block_queue.get_all_free_blocks()[:len(gpu_block_ids)]
+        own = [b.block_id for b in taken if b.block_hash is not None and b.block_hash[:-4] in chain]
+        assert not own, f"a store of {request.request_id} evicts its own prefix: {own}"
+        return allocate_cpu_blocks(gpu_block_ids, request)
+
+    conn._allocate_cpu_blocks = checked_allocate_cpu_blocks
+
+    def checked_get_new_blocks(num_blocks):
+        taken = pool.free_block_queue.get_all_free_blocks()[:num_blocks]
+        evicted = {b.block_hash for b in taken if b.block_hash is not None}
+        taken_ids = {b.block_id for b in taken}
+        stranded = [b.block_id for b in pool.blocks if b.block_hash is not None
+                    and b.block_id not in taken_ids and conn._cpu_parent_keys[b.block_id] in evicted]
+        assert not stranded, f"evicting {sorted(taken_ids)} strands cached children {stranded}"
+        return get_new_blocks(num_blocks)
+
+    pool.get_new_blocks = checked_get_new_blocks
+
+
 def build_plan_run(plan: Plan):
     """Engine, connector, workers and proxies for a plan."""
     log = RunLog()
@@ -3223,6 +3317,8 @@ def build_plan_run(plan: Plan):
         scheduler_cls = ko.PrefixAwareCPUOffloadScheduler
     conn = scheduler_cls(plan.num_cpu_blocks, FUZZ_BS, hash_block_size=plan.hash_block_size,
                          world_size=plan.world_size)
+    if plan.prefix_aware_eviction:
+        watch_prefix_aware_evictions(conn)
     proxy = FaultyConnector(conn, plan.faults, rng, log)
     workers = [FaultyWorker(make_worker(plan.num_cpu_blocks, plan.device,
                                            seed=plan.faults.seed + i),
@@ -6066,3 +6162,462 @@ def test_manager_speed_against_vllm(pytestconfig):
     lines.append("ratio = ours/vLLM: of the minima, of the medians, and the median of the "
                  "per-round ratios")
     print_now(pytestconfig, "\n".join(lines))
+
+
+# ---- 3.10 vLLM's own test_scheduler.py, run against this module ----------------------------------
+# vLLM 0.34's tests/v1/simple_kv_offload/test_scheduler.py, loaded at run time from vLLM's source
+# tree (never copied here). Underneath vLLM's Requests, KVCacheBlocks and SchedulerOutputs its test
+# bodies drive this module's SimpleCPUOffloadScheduler and BlockPool: vLLM's make_scheduler helper
+# is replaced, for the duration of a case, by one that builds ours behind VllmFacingScheduler, a
+# thin adapter that translates vLLM's message objects (requests and blocks need no translation:
+# our manager reads only the fields the two share).
+#
+#     KV_OFFLOAD_VLLM_SRC=path/to/vllm-0.34.0 python -m pytest -rs -k test_scheduler_py
+#
+# The folder is vLLM's unpacked source distribution (it holds vllm/ and tests/), and vLLM's Python
+# dependencies must import (README, "Comparing with vLLM"). Without the variable, one case skips
+# and says how to enable it. Cases, one per vLLM test and parameter set:
+#   ours-<test>      an in-scope test against SimpleCPUOffloadScheduler: must pass.
+#   pre-fix-<test>   PR #53532's seven tests against PreFixCPUOffloadScheduler (both bugs on):
+#                    five must fail inside vLLM's test body, two pass vacuously (nothing is queued).
+#   out-<category>-<test>  out of scope: skipped with the reason (-rs prints it).
+#   drift-<what>     vLLM's file is not the one this section was written for: fails, never skips.
+#                    For another vLLM version: re-read each changed test, re-run, update the pins.
+# At the end of the run one verdict line sums it up (a plugin registered by a session fixture,
+# so it counts whatever ran, with any -k, in any order).
+
+VLLM_SRC_ENV = "KV_OFFLOAD_VLLM_SRC"
+PINNED_VLLM_VERSION = "0.34.0"
+VLLM_TEST_MODULE = "tests.v1.simple_kv_offload.test_scheduler"
+HOW_TO_ENABLE = (f"vLLM's own test_scheduler.py not run: set {VLLM_SRC_ENV}=path/to/"
+                 f"vllm-{PINNED_VLLM_VERSION} (its unpacked sdist, with vllm/ and tests/)")
+
+# --- what is in scope, pinned to vLLM 0.34.0's sources ---------------------------------------
+# sha256(inspect.getsource(fn))[:16] of each in-scope test as written in vLLM 0.34.0. A changed
+# body may assert something new: re-read it, re-run, then update its line here.
+IN_SCOPE_SHA256 = {
+    "test_eager_store_and_load_roundtrip": "a36cb403f9f5ddb6",
+    "test_prompt_logprobs_skip_cpu_cache_lookup": "a183f018e0fe6c8d",
+    "test_eager_store_preserves_secondary_block_hashes": "a1ea6fe5116f9cb4",
+    "test_finished_eager_stores_are_batched": "5aecaa06ef6444ba",
+    "test_finished_eager_store_skips_existing_cpu_cache_entries": "703933381db2c5f4",
+    "test_finished_eager_store_is_reported_pending_before_metadata_build": "681348549ce521a6",
+    # vLLM's helper makes group 1 sliding-window; here every group is full attention
+    "test_finished_eager_store_caches_all_groups": "5016b6905f3af3f3",
+    "test_finished_eager_store_respects_cpu_capacity": "d1b57a721482f162",
+    "test_reset_releases_unsubmitted_finished_stores": "3f307c1547c0346b",
+    "test_max_hit_len_cap_drops_last_full_block": "fbf0768f3c47e2a1",
+    "test_eager_duplicate_store_skipped": "44885b0c0394c6b4",
+    "test_eager_in_flight_store_dedup_across_steps": "cfe45f5427205cea",
+    "test_lru_eviction_order": "e155be0c5494f03b",
+    "test_touched_blocks_survive_eviction": "f8576456db78f5aa",
+    "test_gpu_prefix_hit_refreshes_cpu_lru": "8d68b134832056fe",
+    "test_preemption_no_cpu_block_leak": "8cad96ec2b53a13e",
+    "test_eager_store_preemption_cleanup": "68107a4a6556163f",
+    "test_inflight_finish_deferred_cleanup": "11019226ea0e67c1",
+    "test_multi_group_null_blocks_skipped": "66ce8726ea0c3d7d",
+    "test_chunked_prefill_reads_live_block_ids": "10b3778fac6431a8",
+    "test_eager_store_resets_block_cursor_after_preemption": "351995fa5e52e9e2",
+    "test_eager_store_streaming_session_stores_new_chunks": "df33338a5476ef8e",
+    "test_partial_gpu_prefix_plus_cpu_load": "ae5328e1e2c46a0a",
+    "test_toctou_cpu_hit_evicted_between_phases_no_crash": "1dd293578b1cd883",
+    "test_reset_pending_eager_stores": "a20268665ff9b99d",
+    # lazy=False only (the lazy cases are out of scope); with 2 groups, group 1 is full attention
+    "test_reset_releases_pending_cpu_hits": "20ddb344f718b416",
+    "test_reset_pending_loads": "d030a11891d8fd6c",
+}
+# The helpers the in-scope bodies call: a change there changes what every body means.
+HELPER_SHA256 = {
+    "SchedulerFixture": "a970b88df401751c",
+    "make_scheduler": "4fda0bf2aca1c391",
+    "make_request": "414e5c27e3a1191f",
+    "make_scheduler_output": "334a827e426845df",
+    "simulate_store_completion": "4cb88d20b33c5202",
+    "simulate_load_completion": "ace9d80bb5749bad",
+    "get_cpu_free_blocks": "a9f29eb81faf6b5b",
+    "_allocate_gpu_blocks": "0746b2777fe4aaed",
+    "_alloc_and_register": "abf8090700bda852",
+}
+
+# PR #53532's seven tests (vLLM 0.34's names), and what each does on the pre-fix class: "fails"
+# (inside vLLM's body: the suite catches the bugs) or "passes" (vacuously: with the flush bug
+# nothing is ever queued, so there is nothing to skip or to release).
+PR_53532_ON_PRE_FIX = {
+    "test_eager_store_preserves_secondary_block_hashes": "fails",
+    "test_finished_eager_stores_are_batched": "fails",
+    "test_finished_eager_store_skips_existing_cpu_cache_entries": "passes",
+    "test_finished_eager_store_is_reported_pending_before_metadata_build": "fails",
+    "test_finished_eager_store_caches_all_groups": "fails",
+    "test_finished_eager_store_respects_cpu_capacity": "fails",
+    "test_reset_releases_unsubmitted_finished_stores": "passes",
+}
+
+assert set(PR_53532_ON_PRE_FIX) <= set(IN_SCOPE_SHA256)  # they run against ours too
+
+# why each category is left out: kv_offload does not have it (its docstring, "leaves out")
+OUT_OF_SCOPE_REASONS = {
+    "lazy": "no lazy offload mode",
+    "lookahead": "no lookahead (MTP) block hashing",
+    "config": "no connector config (CPU bytes, disk, cache source, worker sizing): sizes are "
+              "constructor arguments",
+    "non-full-attention": "every group is full attention (no scratch, chunked-local, sliding-"
+                          "window, QSA-ring or Mamba groups, no boundary hand-offs)",
+    "dcp-eagle": "no DCP/PCP or EAGLE drafts",
+}
+OUT_OF_SCOPE = {
+    "test_lazy_store_and_load_roundtrip": "lazy",
+    "test_lazy_duplicate_store_skipped": "lazy",
+    "test_lazy_walk_covers_bounded_replay_swa_groups": "lazy",
+    "test_lazy_store_returns_blocks_to_eviction_end": "lazy",
+    "test_lazy_walk_does_not_offload_past_eviction_window": "lazy",
+    "test_reset_pending_lazy_stores": "lazy",
+    "test_cp_lazy_target_blocks_scaling": "lazy",
+    "test_lazy_target_blocks_ignore_non_prefix_cacheable_groups": "lazy",
+    "test_lookahead_store_retries_block_when_hash_becomes_available": "lookahead",
+    "test_lookahead_mamba_partial_tail_survives_finish": "lookahead",
+    "test_connector_reports_configured_cache_source": "config",
+    "test_connector_explicit_cpu_blocks_align_uneven_stages": "config",
+    "test_connector_rejects_invalid_explicit_cpu_blocks": "config",
+    "test_scheduler_uses_worker_aligned_num_cpu_blocks": "config",
+    "test_scratch_group_excluded_from_store_and_load": "non-full-attention",
+    "test_chunked_local_cpu_lookup_requires_chunk_aligned_prefix": "non-full-attention",
+    "test_finished_eager_store_recovers_nulled_window_tail": "non-full-attention",
+    "test_qsa_ring_group_is_never_stored_or_loaded": "non-full-attention",
+    "test_hybrid_store_uses_resolved_group_block_sizes": "non-full-attention",
+    "test_finished_eager_store_caches_fa_partial_tail_for_hybrid_hit": "non-full-attention",
+    "test_finished_eager_store_does_not_duplicate_completed_partial_tail": "non-full-attention",
+    "test_gpu_prefix_hit_refreshes_cpu_mamba_boundary": "non-full-attention",
+    # a hybrid Mamba scheduler, and it reads a log line; kv_offload's (0, False) answer for a
+    # misaligned local hit is test_kv_offload.py's test_unaligned_local_hit_gets_no_cpu_hit
+    "test_external_lookup_rejects_misaligned_local_prefix": "non-full-attention",
+    "test_fine_grained_external_hits_require_eager_offload": "non-full-attention",
+    "test_eager_store_does_not_scan_mamba_blocks_positionally": "non-full-attention",
+    "test_boundary_handoff_dropped_for_departing_request": "non-full-attention",
+    "test_boundary_handoff_keeps_block_meta_index_parallel": "non-full-attention",
+    "test_cp_block_size_scaling": "dcp-eagle",
+    "test_cp_eager_store_and_load_roundtrip": "dcp-eagle",
+    "test_cp_effective_block_size_store_and_load": "dcp-eagle",
+    "test_dcp_mixed_cache_loads_fine_grained_external_hit": "dcp-eagle",
+    "test_eager_store_matches_gpu_cacheable_prefix": "dcp-eagle",
+}
+
+
+def _out_of_scope_category(name: str, kwargs: dict) -> str | None:
+    """The category of one case, or None when it is in scope. A lazy=True case of an in-scope
+    test (test_reset_releases_pending_cpu_hits) is out of scope on its own."""
+    if kwargs.get("lazy") is True:
+        return "lazy"
+    return OUT_OF_SCOPE.get(name)
+
+
+def _source_sha256(obj) -> str:
+    return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]
+
+
+# --- the adapter: vLLM's manager surface over kv_offload's -------------------------------------
+
+def to_ko_scheduler_output(so) -> ko.SchedulerOutput:
+    """vLLM 0.34's SchedulerOutput -> ours. vLLM's manager visits exactly what its
+    yield_req_data yields: new requests (whole tables) first, then cached ones (this step's
+    additions, maybe None); ours visits num_scheduled_tokens in order. So our dict lists those
+    requests in vLLM's order, each with vLLM's token count (0 when absent: visited, not stored).
+    A request only in vLLM's num_scheduled_tokens is left out, as vLLM's manager never sees it
+    (the real scheduler always sends one of the two records)."""
+    block_state = getattr(so, "kv_connector_block_state", None)
+    if block_state is not None and getattr(block_state, "boundary_state_offloads", None):
+        raise NotImplementedError("boundary-state hand-offs (Mamba align) are out of scope")
+    num_scheduled: dict[str, int] = {}
+    new_block_ids: dict[str, tuple[list[int], ...] | None] = {}
+    for new_req in so.scheduled_new_reqs:
+        num_scheduled[new_req.req_id] = so.num_scheduled_tokens.get(new_req.req_id, 0)
+        new_block_ids[new_req.req_id] = new_req.block_ids
+    cached = so.scheduled_cached_reqs
+    for req_id, ids in zip(cached.req_ids, cached.new_block_ids):
+        num_scheduled[req_id] = so.num_scheduled_tokens.get(req_id, 0)
+        if ids is not None:
+            new_block_ids[req_id] = ids
+    return ko.SchedulerOutput(
+        num_scheduled_tokens=num_scheduled,
+        new_block_ids=new_block_ids,
+        # vLLM 0.34: every NewRequestData carries the whole table (is_full_table)
+        resumed_req_ids={r.req_id for r in so.scheduled_new_reqs},
+        preempted_req_ids=set(so.preempted_req_ids or ()))
+
+
+def to_ko_connector_output(out) -> ko.KVConnectorOutput:
+    """vLLM's KVConnectorOutput (+ its SimpleCPUOffloadWorkerMetadata) -> ours."""
+    meta = out.kv_connector_worker_meta
+    ko_meta = None
+    if meta is not None:
+        ko_meta = ko.SimpleCPUOffloadWorkerMetadata(dict(meta.completed_store_events))
+    return ko.KVConnectorOutput(finished_recving=set(out.finished_recving or ()),
+                                kv_connector_worker_meta=ko_meta)
+
+
+class VllmFacingScheduler:
+    """What vLLM's tests call on vLLM's SimpleCPUOffloadScheduler, over a kv_offload manager.
+    Calls that take vLLM message objects are translated; everything else (the manager's
+    methods and its bookkeeping tables, which keep vLLM's names) is the manager's own."""
+
+    def __init__(self, manager: ko.SimpleCPUOffloadScheduler):
+        self.manager = manager
+
+    def __getattr__(self, name):  # only reached for names not defined on this class
+        return getattr(self.manager, name)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        # vLLM's KVCacheBlocks -> one list of (our) blocks per group
+        self.manager.update_state_after_alloc(request, tuple(blocks.blocks), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output):
+        # our SimpleCPUOffloadMetadata has vLLM's field names: returned as is
+        return self.manager.build_connector_meta(to_ko_scheduler_output(scheduler_output))
+
+    def update_connector_output(self, connector_output):
+        self.manager.update_connector_output(to_ko_connector_output(connector_output))
+
+    @property
+    def _expected_worker_count(self) -> int:  # vLLM's name for world_size
+        return self.manager.world_size
+
+
+def make_kv_offload_scheduler(manager_cls, vllm_make_scheduler, block_size, fixture_cls,
+                              *args, **kwargs):
+    """Stands in for vLLM's make_scheduler: the same arguments and defaults (read from vLLM's
+    signature), our GPU pool and manager, vLLM's SchedulerFixture around them. A request for a
+    lazy manager or a custom config means an out-of-scope path was reached: fail loudly."""
+    bound = inspect.signature(vllm_make_scheduler).bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    if a["lazy"] or a["kv_cache_config"] is not None or a["vllm_config"] is not None:
+        raise NotImplementedError(f"make_scheduler({kwargs}) asks for an out-of-scope setup")
+    num_groups = a["num_groups"]
+    gpu_pool = ko.BlockPool(a["num_gpu_blocks"], True, block_size)
+    # vLLM sizes the CPU pool from bytes: num_cpu_blocks * page * groups -> num_cpu_blocks
+    # blocks (its null block included), as here
+    manager = manager_cls(num_cpu_blocks=a["num_cpu_blocks"], block_size=block_size,
+                          hash_block_size=block_size, group_block_sizes=[block_size] * num_groups)
+    manager.bind_gpu_block_pool(gpu_pool)
+    return fixture_cls(scheduler=VllmFacingScheduler(manager), gpu_block_pool=gpu_pool,
+                       vllm_config=None, kv_cache_config=None, num_groups=num_groups)
+
+
+def _must_not_be_built(name):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"an in-scope test built vLLM's own {name}: it would test vLLM, "
+                             "not kv_offload; reclassify the test")
+    return refuse
+
+
+# --- loading vLLM's test module and listing its cases -----------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    kind: str            # "ours", "pre-fix", "out", "drift", "disabled"
+    name: str            # vLLM's test function name (or what drifted)
+    kwargs: tuple = ()   # its parameters, as (name, value) pairs
+    detail: str = ""     # out: the category; drift/disabled: the message
+
+    @property
+    def id(self) -> str:
+        params = "".join(f"-{k}={v}" for k, v in self.kwargs)
+        if self.kind == "out":
+            return f"out-{self.detail}-{self.name}{params}"
+        return f"{self.kind}-{self.name}{params}"
+
+
+def _expand_parametrize(func) -> list[tuple]:
+    """Every parameter set pytest would run `func` with: the product of its parametrize marks,
+    each set as a tuple of (name, value) pairs."""
+    axes = []
+    for mark in getattr(func, "pytestmark", []):
+        if mark.name != "parametrize":
+            continue
+        argnames, argvalues = mark.args[0], mark.args[1]
+        names = ([n.strip() for n in argnames.split(",")] if isinstance(argnames, str)
+                 else list(argnames))
+        axis = []
+        for values in argvalues:
+            if type(values).__name__ == "ParameterSet":  # a pytest.param(...): its values
+                values = values.values
+            values = values if len(names) > 1 else (values,)
+            axis.append(tuple(zip(names, values)))
+        axes.append(axis)
+    return [tuple(itertools.chain.from_iterable(combo)) for combo in itertools.product(*axes)]
+
+
+def _load_vllm_test_module(src: pathlib.Path):
+    """vLLM's test module, imported from `src` (its `tests` package, and its `vllm` unless one is
+    imported already). Raises on a missing file or another vLLM version."""
+    test_file = src / "tests" / "v1" / "simple_kv_offload" / "test_scheduler.py"
+    if not test_file.is_file() or not (src / "vllm").is_dir():
+        raise FileNotFoundError(f"{VLLM_SRC_ENV}={src}: no vllm/ or {test_file.relative_to(src)}")
+    if str(src) not in sys.path:
+        sys.path.insert(0, str(src))  # `tests.` imports inside vLLM's module need it
+    from vllm._version import __version__ as version
+    if version != PINNED_VLLM_VERSION:
+        raise RuntimeError(f"vLLM {version} imports, this section is written for "
+                           f"{PINNED_VLLM_VERSION}: point {VLLM_SRC_ENV} at vllm-"
+                           f"{PINNED_VLLM_VERSION} (and keep other vLLMs off the path)")
+    with warnings.catch_warnings():  # vLLM's own marks (cpu_test, ...) are unknown here
+        warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
+        module = importlib.import_module(VLLM_TEST_MODULE)
+    if pathlib.Path(module.__file__).resolve() != test_file.resolve():
+        raise RuntimeError(f"{VLLM_TEST_MODULE} came from {module.__file__}, not {test_file}: "
+                           "another `tests` package is on the path")
+    return module
+
+
+def _drift_cases(vmod) -> list[Case]:
+    """Where vLLM's file differs from the one the tables above were written for."""
+    drift = []
+    tests = {n for n, f in vars(vmod).items() if n.startswith("test_") and callable(f)}
+    classified = set(IN_SCOPE_SHA256) | set(OUT_OF_SCOPE)
+    for name in sorted(tests - classified):
+        drift.append(Case("drift", name, detail=f"{name}: a test not classified here"))
+    for name in sorted(classified - tests):
+        drift.append(Case("drift", name, detail=f"{name}: listed here, gone from vLLM"))
+    for name, pinned in {**IN_SCOPE_SHA256, **HELPER_SHA256}.items():
+        if hasattr(vmod, name) and _source_sha256(getattr(vmod, name)) != pinned:
+            drift.append(Case("drift", name, detail=(
+                f"{name} changed since vLLM {PINNED_VLLM_VERSION} (sha256 "
+                f"{_source_sha256(getattr(vmod, name))} != pinned {pinned}): re-read it")))
+    return drift
+
+
+def _all_cases() -> tuple[list[Case], object]:
+    """Every case of this section, and vLLM's test module (None when disabled or broken)."""
+    src = os.environ.get(VLLM_SRC_ENV)
+    if not src:
+        return [Case("disabled", "vllm-src", detail=HOW_TO_ENABLE)], None
+    try:
+        vmod = _load_vllm_test_module(pathlib.Path(src).expanduser().resolve())
+    except Exception as exc:  # noqa: BLE001 - the variable is set: any failure is reported loudly
+        return [Case("drift", "load", detail=f"{type(exc).__name__}: {exc}")], None
+    cases = _drift_cases(vmod)
+    for name, func in vars(vmod).items():
+        if not (name.startswith("test_") and callable(func)):
+            continue
+        for kwargs in _expand_parametrize(func):
+            category = _out_of_scope_category(name, dict(kwargs))
+            if category is not None:
+                cases.append(Case("out", name, kwargs, category))
+            elif name in IN_SCOPE_SHA256:
+                cases.append(Case("ours", name, kwargs))
+    cases += [Case("pre-fix", name) for name in PR_53532_ON_PRE_FIX]
+    return cases, vmod
+
+
+CASES, VLLM_TEST_MODULE_OBJ = _all_cases()
+
+
+# --- running one case ------------------------------------------------------------------------
+
+def _run_vllm_test(vmod, name, kwargs, manager_cls, monkeypatch) -> None:
+    """vLLM's test body, with make_scheduler building `manager_cls` (and vLLM's own manager and
+    pool refused, so a body can never silently test vLLM instead)."""
+    builder = functools.partial(make_kv_offload_scheduler, manager_cls, vmod.make_scheduler,
+                                vmod.BLOCK_SIZE, vmod.SchedulerFixture)
+    monkeypatch.setattr(vmod, "make_scheduler", builder)
+    monkeypatch.setattr(vmod, "BlockPool", _must_not_be_built("BlockPool"))
+    monkeypatch.setattr(vmod, "SimpleCPUOffloadScheduler",
+                        _must_not_be_built("SimpleCPUOffloadScheduler"))
+    getattr(vmod, name)(**dict(kwargs))
+
+
+def _failed_in_vllm_body(exc: BaseException, vmod) -> bool:
+    """True for an AssertionError raised by an assert of vLLM's test file itself (not by a
+    crash in our code or the adapter)."""
+    innermost = traceback.extract_tb(exc.__traceback__)[-1]
+    return (isinstance(exc, AssertionError)
+            and pathlib.Path(innermost.filename).resolve() == pathlib.Path(vmod.__file__).resolve())
+
+
+class _Verdict:
+    """Counts this section's outcomes; registered as a plugin so that pytest calls
+    pytest_terminal_summary on it once, after every case (whatever ran, in any order)."""
+
+    def __init__(self):
+        self.outcomes: list[tuple[Case, str]] = []
+
+    def record(self, case: Case, outcome: str) -> None:
+        self.outcomes.append((case, outcome))
+
+    def line(self) -> str:
+        """e.g. "vLLM 0.34.0 test_scheduler.py: 27 in scope (29 cases), 29 passed; PR #53532's
+        7 on PreFixCPUOffloadScheduler: 5 fail as expected, 2 pass vacuously; 80 out of scope
+        (config 14, ...)"; each part only for cases that ran (a -k run counts what it selected)."""
+        ours = [o for c, o in self.outcomes if c.kind == "ours"]
+        ours_tests = {c.name for c, _ in self.outcomes if c.kind == "ours"}
+        pre = Counter(o for c, o in self.outcomes if c.kind == "pre-fix")
+        out = Counter(c.detail for c, _ in self.outcomes if c.kind == "out")
+        drift = sum(1 for c, _ in self.outcomes if c.kind == "drift")
+        parts = []
+        if ours:
+            failed = len(ours) - ours.count("passed")
+            parts.append(f"{len(ours_tests)} in scope ({len(ours)} cases), "
+                         f"{ours.count('passed')} passed"
+                         + (f", {failed} FAILED" if failed else ""))
+        if pre:
+            parts.append(f"PR #53532's {sum(pre.values())} on PreFixCPUOffloadScheduler: "
+                         f"{pre['fails as expected']} fail as expected, "
+                         f"{pre['passes vacuously']} pass vacuously"
+                         + (f", {pre['unexpected']} UNEXPECTED" if pre["unexpected"] else ""))
+        if out:
+            parts.append(f"{sum(out.values())} out of scope ("
+                         + ", ".join(f"{k} {v}" for k, v in sorted(out.items())) + ")")
+        if drift:
+            parts.append(f"{drift} DRIFT (vLLM's file is not the pinned one: see the failures)")
+        return f"vLLM {PINNED_VLLM_VERSION} test_scheduler.py: " + "; ".join(parts)
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if self.outcomes and not all(c.kind == "disabled" for c, _ in self.outcomes):
+            terminalreporter.write_line(self.line())
+
+
+@pytest.fixture(scope="session")
+def vllm_verdict(pytestconfig):
+    verdict = _Verdict()
+    pytestconfig.pluginmanager.register(verdict, "kv_offload_vllm_verdict")
+    yield verdict
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_vllm_test_scheduler_py(case: Case, vllm_verdict: _Verdict, monkeypatch):
+    """One case of vLLM 0.34's test_scheduler.py against this module (the section's banner)."""
+    vmod = VLLM_TEST_MODULE_OBJ
+    if case.kind == "disabled":
+        pytest.skip(case.detail)
+    if case.kind == "drift":
+        vllm_verdict.record(case, "failed")
+        pytest.fail(f"vLLM's test_scheduler.py is not the one pinned here: {case.detail}",
+                    pytrace=False)
+    if case.kind == "out":
+        vllm_verdict.record(case, "skipped")
+        # the test's name in the reason, so that -rs lists every test (not one line per category)
+        pytest.skip(f"{case.name}: out of scope ({case.detail}): "
+                    f"{OUT_OF_SCOPE_REASONS[case.detail]}")
+    if case.kind == "ours":
+        try:
+            _run_vllm_test(vmod, case.name, case.kwargs, ko.SimpleCPUOffloadScheduler,
+                           monkeypatch)
+        except BaseException:
+            vllm_verdict.record(case, "failed")
+            raise
+        vllm_verdict.record(case, "passed")
+        return
+    # pre-fix: the test must fail inside vLLM's body, or pass vacuously, as PR_53532_ON_PRE_FIX
+    expected = PR_53532_ON_PRE_FIX[case.name]
+    try:
+        _run_vllm_test(vmod, case.name, case.kwargs, ko.PreFixCPUOffloadScheduler, monkeypatch)
+    except Exception as exc:  # noqa: BLE001 - classified just below
+        if expected == "fails" and _failed_in_vllm_body(exc, vmod):
+            vllm_verdict.record(case, "fails as expected")
+            return
+        vllm_verdict.record(case, "unexpected")
+        raise
+    if expected == "fails":
+        vllm_verdict.record(case, "unexpected")
+        pytest.fail(f"{case.name} passed on PreFixCPUOffloadScheduler: it no longer catches "
+                    "the bugs PR #53532 fixed")
+    vllm_verdict.record(case, "passes vacuously")
