@@ -42,15 +42,14 @@ logger = logging.getLogger(__name__)
 # -----------------------------------------------------------------------------
 # 1. Hashing and requests
 
-# Seed of every hash chain. A fixed constant (not Python's randomized hash()) so that the same
-# tokens give the same bytes in every process, as vLLM's sha256 default does.
+# Seed of every hash chain: fixed (not Python's randomized hash()), so all processes agree.
 NONE_HASH: bytes = hashlib.sha256(b"kv_offload-none-hash").digest()
 
 
 def hash_block_tokens(parent_block_hash: bytes | None, token_ids: Sequence[int],
                       extra_keys: Any = None) -> bytes:
-    """sha256(parent hash, the block's token ids, extra keys): 32 bytes that fingerprint the
-    whole prefix ending at this block, because the parent already fingerprints everything before."""
+    """sha256(parent hash, token ids, extra keys): 32 bytes that fingerprint the whole prefix
+    ending at this block, because the parent already fingerprints everything before it."""
     h = hashlib.sha256(parent_block_hash or NONE_HASH)
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))  # fixed width and byte order
     if extra_keys is not None:
@@ -59,8 +58,7 @@ def hash_block_tokens(parent_block_hash: bytes | None, token_ids: Sequence[int],
 
 
 def make_block_hash_with_group_id(block_hash: bytes, group_id: int) -> bytes:
-    """Key of the prefix-cache map: hash bytes + 4-byte big-endian KV-cache group id (no tuple,
-    so no extra Python object per key, as in vLLM)."""
+    """Prefix-cache key: hash + 4-byte big-endian group id (bytes, not a tuple, as in vLLM)."""
     return block_hash + group_id.to_bytes(4, "big")
 
 
@@ -73,14 +71,11 @@ def get_group_id(key: bytes) -> int:
 
 
 class RequestStatus(enum.IntEnum):
-    """vLLM's request states, those this project's engine uses. As in vLLM, anything after
-    PREEMPTED is finished."""
+    """vLLM's request states (those the engine uses); anything after PREEMPTED is finished."""
     WAITING = enum.auto()
-    # its CPU load is in flight: it holds GPU blocks but is not scheduled until the load lands
-    WAITING_FOR_REMOTE_KVS = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # its load is in flight: holds GPU blocks, not scheduled
     RUNNING = enum.auto()
-    # back in the waiting queue with its GPU blocks freed; resumed later (recomputed or loaded)
-    PREEMPTED = enum.auto()
+    PREEMPTED = enum.auto()  # GPU blocks freed, back in the waiting queue; resumed later
     FINISHED_LENGTH_CAPPED = enum.auto()  # max_tokens reached
     FINISHED_ABORTED = enum.auto()
 
@@ -91,11 +86,8 @@ class RequestStatus(enum.IntEnum):
 
 class Request:
     """The parts of vLLM's Request that the block pool and the connector read.
-
     `block_hashes[i]` covers tokens [0, (i+1) * hash_block_size): one hash per *full* chunk of
-    `all_token_ids`, kept up to date as output tokens are appended (vLLM's request_block_hasher).
-    `num_computed_tokens` is advanced by the engine after each forward pass.
-    """
+    `all_token_ids`, kept up to date as tokens are appended (vLLM's request_block_hasher)."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], hash_block_size: int,
                  max_tokens: int = 1):
@@ -112,10 +104,8 @@ class Request:
         # set by the engine (MiniEngine), as vLLM's scheduler sets them
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
-        # tokens scheduled but not yet produced (async scheduling); always 0 here
-        self.num_output_placeholders = 0
-        # vLLM: True when the request may not read KV from a connector (e.g. prompt logprobs)
-        self.skip_reading_external_kv = False
+        self.num_output_placeholders = 0  # scheduled, not yet produced (async scheduling): 0 here
+        self.skip_reading_external_kv = False  # vLLM: no connector reads (e.g. prompt logprobs)
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()
 
@@ -155,20 +145,14 @@ def cdiv(a: int, b: int) -> int:
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
     """Metadata of one KV-cache block (GPU or CPU: both pools use this class)."""
-    # index into the pool's KV tensors; 0 is the pool's null block
-    block_id: int
-    # number of holders: running requests, in-flight copies, lookup pins. 0 = in the free queue
-    ref_cnt: int = 0
-    # primary prefix-cache key (hash + group id), set only by BlockPool through set_block_hash().
-    # vLLM 0.29's offload code stamped it directly on CPU blocks (bug 1)
-    block_hash: bytes | None = None
-    # prefix tokens covered by block_hash (None when the registrar does not know, e.g. CPU copies)
-    block_hash_num_tokens: int | None = None
+    block_id: int  # index into the pool's KV tensors; 0 is the pool's null block
+    ref_cnt: int = 0  # holders: running requests, in-flight copies, pins; 0 = in the free queue
+    block_hash: bytes | None = None  # primary key (hash + group id); set_block_hash() only (bug 1)
+    block_hash_num_tokens: int | None = None  # prefix tokens it covers (None if unknown, e.g. CPU)
     # links of the free queue; only FreeKVCacheBlockQueue touches them
     prev_free_block: KVCacheBlock | None = None
     next_free_block: KVCacheBlock | None = None
-    # the placeholder block 0: never freed, touched, hashed or evicted
-    is_null: bool = False
+    is_null: bool = False  # the placeholder block 0: never freed, touched, hashed or evicted
 
     def set_block_hash(self, key: bytes, num_tokens: int | None = None) -> None:
         assert self.block_hash is None and self.block_hash_num_tokens is None, (
@@ -188,14 +172,10 @@ class KVCacheBlock:
 
 class FreeKVCacheBlockQueue:
     """Doubly linked list of free blocks, threaded through the blocks' own prev/next fields.
-
-    Front = evicted (reused) first. Starts in block-id order. Freed blocks without a hash go to
-    the front (reused first: they can never be a cache hit), freed cached blocks to the back, so
-    the front is the least recently used cached block (LRU).
+    Front = evicted (reused) first. Freed blocks without a hash go to the front (never a cache
+    hit), freed cached blocks to the back, so the front is the least recently used cached block.
     NOTE: not a deque, because touch() must take a cached block out of the *middle* in O(1) when
-    a new request hits it; and no Python list is built, so no allocation per operation.
-    Two sentinels (fake head, fake tail) remove the empty-list branches.
-    """
+    a new request hits it. Two sentinels (fake head, fake tail) remove the empty-list branches."""
 
     def __init__(self, blocks: list[KVCacheBlock]) -> None:
         self.num_free_blocks = len(blocks)
@@ -233,15 +213,13 @@ class FreeKVCacheBlockQueue:
         nxt = block.next_free_block
         if prev is None or nxt is None:
             raise RuntimeError(f"remove() of a block that is not in the free queue: {block}")
-        # O(1) unlink from the middle: why the queue is a linked list and not a deque
         prev.next_free_block = nxt
         nxt.prev_free_block = prev
         block.prev_free_block = None
         block.next_free_block = None
         self.num_free_blocks -= 1
 
-    # A sentinel that lost its link means the queue is corrupted (a caller wrote the links):
-    # fail before linking anything, with vLLM's exception types and messages.
+    # a sentinel without its link = a corrupted queue: fail before linking, as vLLM does
     def append(self, block: KVCacheBlock) -> None:
         if self.fake_free_list_tail.prev_free_block is None:
             raise RuntimeError("prev_free_block of fake_free_list_tail should always exist")
@@ -268,7 +246,6 @@ class FreeKVCacheBlockQueue:
             prev.next_free_block = b
             b.prev_free_block = prev
             prev = b
-        # close the chain: the last spliced block links to the old successor
         prev.next_free_block = nxt
         nxt.prev_free_block = prev
         self.num_free_blocks += len(blocks)
@@ -284,15 +261,13 @@ class FreeKVCacheBlockQueue:
 
 
 class BlockHashToBlockMap:
-    """Prefix-cache map: key (hash + group id) -> the blocks cached under it.
-
-    Several blocks may carry one key: vLLM does not de-duplicate (a block table must stay
-    append-only, so a block that becomes full keeps its id even if an identical one is cached).
-    get_one_block() returns the earliest inserted block still cached under the key.
+    """Prefix-cache map: key (hash + group id) -> the blocks cached under it. Several blocks may
+    carry one key: vLLM does not de-duplicate (a block table must stay append-only, so a block
+    that becomes full keeps its id even if an identical one is cached). get_one_block() returns
+    the earliest inserted block still cached under the key.
     NOTE: entries hold block *ids*, as in vLLM 0.34: the cyclic GC does not track a dict of only
-    bytes and ints, so a big cache costs no collection anything. `_dup_ids` holds the rare keys
-    cached by several blocks, kept apart so that `_cache` holds no containers.
-    """
+    bytes and ints. `_dup_ids` holds the rare keys cached by several blocks, so that `_cache`
+    holds no containers."""
 
     def __init__(self, blocks: list[KVCacheBlock]) -> None:
         self._blocks = blocks  # the pool's blocks: block id -> block
@@ -339,13 +314,10 @@ class BlockHashToBlockMap:
 
 class BlockPool:
     """Allocates, frees and prefix-caches KV blocks; the GPU pool and the CPU pool alike.
-
     Invariants: a block is in free_block_queue iff ref_cnt == 0 (the null block is in neither:
-    ref_cnt is not maintained for it). A block with a hash is findable through
-    cached_block_hash_to_block under its primary key and under every secondary key listed in
-    cached_block_hashes_by_block[block_id]. Eviction is lazy: a free cached block keeps its keys
-    (and stays a hit) until get_new_blocks() hands it out again.
-    """
+    ref_cnt is not maintained for it). A block with a hash is findable under its primary key and
+    every secondary key in cached_block_hashes_by_block[block_id]. Eviction is lazy: a free
+    cached block keeps its keys (and stays a hit) until get_new_blocks() hands it out again."""
 
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int):
         assert isinstance(num_gpu_blocks, int) and num_gpu_blocks > 0
@@ -380,9 +352,8 @@ class BlockPool:
     def cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock],
                           num_cached_blocks: int, num_full_blocks: int, block_size: int,
                           kv_cache_group_id: int) -> None:
-        """Register blocks[num_cached_blocks:num_full_blocks] (now full of computed KV) under
-        their block hashes. A block_size-block's hash is the last fine hash inside it, since every
-        fine hash chains over its whole prefix."""
+        """Register blocks[num_cached_blocks:num_full_blocks] (now full) under their hashes: the
+        last fine hash inside each block, since a fine hash chains over its whole prefix."""
         if num_cached_blocks >= num_full_blocks:
             return
         scale = block_size // self.hash_block_size
@@ -415,9 +386,7 @@ class BlockPool:
                   or self.cached_block_hash_to_block.contain(key, block.block_id))
         num_tokens_cached = block.block_hash_num_tokens
         if not cached and num_tokens_cached is not None and num_tokens_cached < num_tokens:
-            # a partial entry for a longer prefix replaces a shorter one (its hash is set, as a
-            # count is only ever set alongside a hash)
-            self._remove_cached_block_hashes(block)
+            self._remove_cached_block_hashes(block)  # a longer partial prefix replaces a shorter
         self._insert_block_hash(key, block, num_tokens)
         return key
 
@@ -438,10 +407,9 @@ class BlockPool:
             block.set_block_hash(key, num_tokens)
         elif (block.block_hash == key
               or self.cached_block_hash_to_block.contain(key, block.block_id)):
-            # Guard 1: the block carries this key as its primary -> assumed registered. A block
-            # *stamped* with the key (vLLM 0.29) but never inserted returns here, and the map
-            # never learns it: the trap the fix's first version had to reset_hash() around.
-            # Guard 2: already registered (as a secondary key) for this very block.
+            # Guard 1: this key is the block's primary -> assumed registered. A block *stamped*
+            # with it (vLLM 0.29) but never inserted returns here too: the trap the fix's first
+            # version had to reset_hash() around. Guard 2: already a secondary of this block.
             return
         else:
             self.cached_block_hashes_by_block.setdefault(block.block_id, set()).add(key)
@@ -468,8 +436,7 @@ class BlockPool:
         for block in blocks:
             if block.is_null:
                 continue
-            # ref_cnt=0 means this block is in the free list (i.e. eviction candidate), so
-            # remove it
+            # ref_cnt=0 means this block is in the free list (i.e. eviction candidate): remove it
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
@@ -495,9 +462,7 @@ class BlockPool:
                 else:
                     # FIFO reuse of cached blocks for LRU eviction behavior
                     blocks_to_evict_last.append(block)
-        # Blocks to reuse first are prepended to the front of the free queue
         self.free_block_queue.prepend_n(blocks_to_evict_first)
-        # Blocks to reuse last are appended to the end of the free queue
         self.free_block_queue.append_n(blocks_to_evict_last)
 
     def reset_prefix_cache(self) -> bool:
@@ -524,23 +489,20 @@ def find_longest_cache_hit(block_hashes: Sequence[bytes], max_length: int,
                            kv_cache_group_ids: list[int], block_pool: BlockPool, block_size: int,
                            alignment_tokens: int | None = None
                            ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-    """Longest cached prefix (full attention) of at most `max_length` tokens, for every group in
-    `kv_cache_group_ids` at once: (blocks per group, hit tokens), vLLM's
-    FullAttentionManager.find_longest_cache_hit. `block_hashes` is at hash_block_size
-    granularity; the hit is rounded down to `alignment_tokens` (default: hash_block_size)."""
+    """vLLM's FullAttentionManager.find_longest_cache_hit: the longest cached prefix of at most
+    `max_length` tokens for every group at once, as (blocks per group, hit tokens). Hashes are per
+    hash_block_size; the hit is rounded down to `alignment_tokens` (default: hash_block_size)."""
     hash_block_size = block_pool.hash_block_size
     if alignment_tokens is None:
         alignment_tokens = hash_block_size
-    # fine-grained mode: interior hash boundaries of a block can be probed
-    fine_grained = alignment_tokens < block_size
+    fine_grained = alignment_tokens < block_size  # interior hash boundaries can be probed
     if fine_grained and alignment_tokens != hash_block_size:
         raise ValueError(f"fine-grained alignment must equal hash_block_size "
                          f"({hash_block_size}), got {alignment_tokens}")
     scale_factor = block_size // hash_block_size
     full_block_hashes = itertools.islice(block_hashes, scale_factor - 1, None, scale_factor)
     computed_blocks: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
-    # Phase 1: longest run of cached full blocks from the start. A missing block implies every
-    # later block misses too (the hashes chain).
+    # Phase 1: cached full blocks from the start; the first miss ends it (the hashes chain)
     get_cached_block = block_pool.get_cached_block  # bound once: the CPU-hit hot path
     for block_hash in itertools.islice(full_block_hashes, max_length // block_size):
         cached_block = get_cached_block(block_hash, kv_cache_group_ids)
@@ -552,13 +514,11 @@ def find_longest_cache_hit(block_hashes: Sequence[bytes], max_length: int,
         for computed, cached in zip(computed_blocks, cached_block):
             computed.append(cached)
     hit_length = len(computed_blocks[0]) * block_size
-    # Phase 2 (fine-grained only): extend into the first block that missed by probing its
-    # interior hash boundaries high to low (longest hit first). Only a secondary key can hit
-    # there: a block's primary key is the hash at its end.
+    # Phase 2 (fine-grained): probe the first missed block's interior hash boundaries high to
+    # low (longest first). Only a secondary key can hit there: a primary is a block's end hash.
     if fine_grained:
         first_partial_idx = len(computed_blocks[0]) * scale_factor
-        max_partial_idx = min(first_partial_idx + scale_factor - 1,
-                              max_length // hash_block_size,
+        max_partial_idx = min(first_partial_idx + scale_factor - 1, max_length // hash_block_size,
                               len(block_hashes))
         for fine_idx in range(max_partial_idx - 1, first_partial_idx - 1, -1):
             cached_tail = block_pool.get_cached_block(block_hashes[fine_idx], kv_cache_group_ids)
@@ -568,8 +528,7 @@ def find_longest_cache_hit(block_hashes: Sequence[bytes], max_length: int,
                 computed.append(cached)
             hit_length = (fine_idx + 1) * hash_block_size
             break
-    # Round down to the alignment (a no-op when fine-grained: hits land on hash boundaries),
-    # then trim the blocks past the new end
+    # round down to the alignment (a no-op when fine-grained), then trim the blocks past it
     hit_length -= hit_length % alignment_tokens
     num_blocks = cdiv(hit_length, block_size)
     for computed in computed_blocks:
@@ -589,27 +548,21 @@ class TransferMeta:
 
 @dataclass
 class SchedulerOutput:
-    """The parts of vLLM's SchedulerOutput the connector reads, for one step. vLLM 0.34 sends new
-    and resumed requests whole (scheduled_new_reqs), then running ones (scheduled_cached_reqs,
-    which lost resumed_req_ids and all_token_ids in 0.34); here one dict holds both, in order."""
-    # req_id -> tokens the forward pass of this step computes. Its order (the docstring's)
-    # decides whose blocks are stored when CPU space runs short
+    """The parts of vLLM's SchedulerOutput the connector reads, for one step. vLLM 0.34 sends
+    new and resumed requests (whole tables) before running ones; here one dict holds both."""
+    # req_id -> tokens computed this step. Its order decides who is stored when the CPU is short
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    # req_id -> GPU block ids allocated to it this step, per KV-cache group (new or resumed
-    # request: its whole table)
+    # req_id -> GPU block ids allocated this step, per KV-cache group (whole table if resumed)
     new_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
-    # requests whose new_block_ids is a whole table replacing the one the connector holds: back
-    # after a preemption, or re-sent (vLLM 0.34 treats every NewRequestData this way)
+    # new_block_ids is a whole table replacing the connector's (after a preemption, or re-sent)
     resumed_req_ids: set[str] = field(default_factory=set)
-    # requests preempted this step: their blocks are freed and may be reused at once
-    preempted_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)  # its blocks may be reused at once
 
 
 def yield_req_data(scheduler_output: SchedulerOutput
                    ) -> Iterator[tuple[str, tuple[list[int], ...] | None, bool]]:
-    """(req_id, new block ids or None, resumed) for every request of the step, in the order of
-    num_scheduled_tokens, then any request given blocks but no tokens. `resumed` is vLLM's
-    is_full_table: the ids are the request's whole table, not this step's additions."""
+    """(req_id, new block ids or None, resumed) in num_scheduled_tokens' order, then requests
+    given blocks but no tokens. `resumed` is vLLM's is_full_table: the ids are a whole table."""
     for req_id in scheduler_output.num_scheduled_tokens:
         yield (req_id, scheduler_output.new_block_ids.get(req_id),
                req_id in scheduler_output.resumed_req_ids)
@@ -620,20 +573,16 @@ def yield_req_data(scheduler_output: SchedulerOutput
 
 @dataclass
 class SimpleCPUOffloadMetadata:
-    """Scheduler -> worker, once per step. The worker never sees request ids except through
-    load_event_to_reqs (to say which requests' loads finished)."""
-    # -1 = nothing to load this step; else a monotonically growing event index
-    load_event: int = -1
+    """Scheduler -> worker, once per step; request ids appear only in load_event_to_reqs."""
+    load_event: int = -1  # -1 = nothing to load this step; else a monotonically growing index
     load_gpu_blocks: list[int] = field(default_factory=list)  # destinations
     load_cpu_blocks: list[int] = field(default_factory=list)  # sources, index-parallel
-    # every outstanding load event -> its requests (not only this step's: completions of
-    # earlier events are reported against the latest metadata)
+    # every outstanding load event -> its requests (completions report against the latest)
     load_event_to_reqs: dict[int, list[str]] = field(default_factory=dict)
     store_event: int = -1
     store_gpu_blocks: list[int] = field(default_factory=list)  # sources
     store_cpu_blocks: list[int] = field(default_factory=list)  # destinations
-    # a request was preempted: its GPU blocks may be reused, so wait for every copy first
-    need_flush: bool = False
+    need_flush: bool = False  # a preemption: its GPU blocks may be reused, so finish all copies
 
 
 @dataclass
@@ -650,8 +599,7 @@ class SimpleCPUOffloadWorkerMetadata:
 
 @dataclass
 class KVConnectorOutput:
-    # requests whose CPU->GPU load finished (they may now be scheduled to compute)
-    finished_recving: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)  # loads done: these may now compute
     kv_connector_worker_meta: SimpleCPUOffloadWorkerMetadata | None = None
 
 
@@ -662,23 +610,17 @@ class KVConnectorOutput:
 class LoadRequestState:
     request: Request
     transfer_meta: TransferMeta  # CPU sources -> GPU destinations, both sides pinned
-    # event index once sent to the worker; None = not sent yet (no copy can be running)
-    load_event: int | None = None
-    # the request finished while its load was in flight: clean up when the load completes
-    finished: bool = False
+    load_event: int | None = None  # None = not sent to the worker yet (no copy can be running)
+    finished: bool = False  # finished with its load in flight: clean up when it completes
 
 
 @dataclass
 class StoreRequestState:
     request: Request
-    # the request's GPU block table per group, accumulated from each step's new_block_ids
-    block_ids: tuple[list[int], ...]
-    # per-group cursor: blocks of the table already stored or skipped (cached, in flight)
-    num_stored_blocks: list[int]
-    # store events still in flight that carry this request's blocks
-    store_events: set[int] = field(default_factory=set)
-    # finished while store_events were in flight: clean up when the last one completes
-    finished: bool = False
+    block_ids: tuple[list[int], ...]  # GPU table per group, from each step's new_block_ids
+    num_stored_blocks: list[int]  # per-group cursor: blocks stored or skipped (cached, in flight)
+    store_events: set[int] = field(default_factory=set)  # in flight, carrying its blocks
+    finished: bool = False  # finished with store_events in flight: clean up after the last
 
 
 class _StoreAdmission(enum.Enum):
@@ -692,19 +634,13 @@ class _StoreAdmission(enum.Enum):
 
 class SimpleCPUOffloadScheduler:
     """Scheduler side of the CPU offload connector, eager mode (vLLM's manager.py).
-
-    Stores: every step, each scheduled request's blocks whose KV is *confirmed* (computed by a
-    forward pass that has finished, i.e. num_computed_tokens) and not yet on CPU get a CPU block
-    and are copied GPU->CPU; the GPU block is pinned (touch) until the copy completes, then the
-    CPU block is registered in the CPU prefix cache. A step's blocks are stored one step late,
-    and a finished request's last ones by the final flush (PR #53532).
-    Loads: a new request's prefix beyond its GPU hit is looked up in the CPU cache; hit blocks
-    are pinned and copied CPU->GPU before the request computes.
-    Ref-count contract: every ref this class takes on either pool is dropped exactly once, by a
-    completion, by request_finished(), or by reset() -- the reliability tests check this.
-    Hooks (not in vLLM, at the end of the class): four one-line methods whose bodies are vLLM's
-    own calls, so that a subclass changes one step and nothing else.
-    """
+    Stores: a scheduled request's *confirmed* blocks (computed by a finished forward pass) not
+    yet on CPU are copied GPU->CPU, pinned until the copy completes, then join the CPU prefix
+    cache: one step late, a finished request's last ones by the final flush (PR #53532).
+    Loads: a new request's prefix past its GPU hit is looked up on CPU; hits are pinned and
+    copied CPU->GPU before the request computes.
+    Ref counts: each ref taken on a pool is dropped exactly once (completion, finish or reset).
+    Hooks (not in vLLM, at the end): vLLM's own calls, so a subclass changes one step only."""
 
     def __init__(self, num_cpu_blocks: int, block_size: int, hash_block_size: int | None = None,
                  group_block_sizes: list[int] | None = None, world_size: int = 1):
@@ -722,42 +658,32 @@ class SimpleCPUOffloadScheduler:
         self.hash_block_size = hash_block_size
         self.group_block_sizes = list(group_block_sizes)
         self.num_cpu_blocks = num_cpu_blocks  # counts the CPU pool's null block
-        # workers that must report a store before it counts (vLLM: _expected_worker_count)
-        self.world_size = world_size
+        self.world_size = world_size  # reports a store needs (vLLM: _expected_worker_count)
         self.cpu_block_pool = BlockPool(num_cpu_blocks, True, hash_block_size)
         self._gpu_block_pool: BlockPool | None = None
         # groups of one block size are looked up together (vLLM's SpecGroup); dict keeps order
         self._group_ids_by_block_size: dict[int, list[int]] = {}
         for g, size in enumerate(self.group_block_sizes):
             self._group_ids_by_block_size.setdefault(size, []).append(g)
-        # loads
         self._reqs_to_load: dict[str, LoadRequestState] = {}
-        # load event -> its requests: the worker reports events, not requests
-        self._load_event_to_reqs: dict[int, list[str]] = {}
-        # req -> (CPU hit blocks per group, hit tokens, the local hit it starts after), the
-        # blocks pinned until update_state_after_alloc()
+        self._load_event_to_reqs: dict[int, list[str]] = {}  # workers report events, not requests
+        # req -> (CPU hit blocks per group, hit tokens, local hit tokens), pinned until allocation
         self._pending_cpu_hits: dict[str, tuple[tuple[list[KVCacheBlock], ...], int, int]] = {}
-        # req -> its local (GPU) hit in tokens, for the CPU LRU refresh
-        self._pending_local_hits: dict[str, int] = {}  # vLLM 0.34
+        self._pending_local_hits: dict[str, int] = {}  # vLLM 0.34: local hits, for the LRU refresh
         self._abandoned_reqs_to_load: dict[str, LoadRequestState] = {}
-        # stores
         self._reqs_to_store: dict[str, StoreRequestState] = {}
         self._store_event_to_blocks: dict[int, TransferMeta] = {}
         self._store_event_to_reqs: dict[int, list[str]] = {}
         self._abandoned_store_event_to_blocks: dict[int, TransferMeta] = {}
-        # GPU blocks being copied to CPU: never copy one block twice at once
-        self._in_flight_store_gpu_blocks: set[int] = set()
-        # finish flushes, sent with the next build_connector_meta()
-        self._pending_finished_stores: list[TransferMeta] = []  # PR #53532
-        # store event -> workers that reported it so far (it completes at world_size)
-        self._store_event_pending_counts: dict[int, int] = {}
+        self._in_flight_store_gpu_blocks: set[int] = set()  # never copy one block twice at once
+        self._pending_finished_stores: list[TransferMeta] = []  # PR #53532: finish flushes
+        self._store_event_pending_counts: dict[int, int] = {}  # reports so far (done at world_size)
         # monotonic, never reset: the workers' high-water marks must never see an index twice
         self._load_event_counter = 0
         self._store_event_counter = 0
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
-        """Bind the GPU pool that stores read from and loads write to (vLLM: the scheduler calls
-        it once its KV-cache manager exists)."""
+        """The GPU pool stores read and loads write (vLLM: once its KV-cache manager exists)."""
         # not in vLLM: a pool keyed at another granularity would serve another prefix's KV
         assert gpu_block_pool.hash_block_size == self.hash_block_size, (
             f"GPU pool hash_block_size {gpu_block_pool.hash_block_size} != connector's "
@@ -765,13 +691,10 @@ class SimpleCPUOffloadScheduler:
         self._gpu_block_pool = gpu_block_pool
 
     # --- lookup and load ------------------------------------------------------
-
     def _find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_length: int
                                 ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """vLLM's cpu_coordinator.find_longest_cache_hit, for full-attention groups."""
-        # vLLM's hybrid coordinator repeats the per-size lookups until the length is stable;
-        # full attention is downward-closed (a prefix of a hit is a hit), so one pass is that
-        # fixed point. Alignment = scheduler block: loads move whole blocks.
+        # vLLM's hybrid coordinator loops to a fixed point; full attention reaches it in one pass
         hits: list[list[KVCacheBlock]] = [[] for _ in self.group_block_sizes]
         hit_length = max_length
         for size, group_ids in self._group_ids_by_block_size.items():
@@ -787,31 +710,26 @@ class SimpleCPUOffloadScheduler:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
-        """Tokens beyond the local (GPU) hit that the CPU cache holds, and True if they will be
-        loaded asynchronously. Pins the hit CPU blocks until update_state_after_alloc()."""
-        # a retry (e.g. after a failed allocation) drops the earlier pin first
-        if stale := self._pending_cpu_hits.pop(request.request_id, None):
+        """CPU-cached tokens beyond the local hit, and True (loaded async); pins the hit blocks."""
+        if stale := self._pending_cpu_hits.pop(request.request_id, None):  # retry: drop old pin
             self._free_pending_cpu_hit(stale)
         self._pending_local_hits.pop(request.request_id, None)  # vLLM 0.34
         if request.skip_reading_external_kv:  # vLLM 0.30
             return 0, False
         if num_computed_tokens:  # vLLM 0.34
-            # Refreshed at admission: a request waiting for blocks repeats this lookup every step
             self._pending_local_hits[request.request_id] = num_computed_tokens
         if num_computed_tokens % self.block_size != 0:  # vLLM 0.30
-            # loads copy whole blocks: the external part must start on a block boundary
-            return 0, False
+            return 0, False  # loads copy whole blocks: they must start on a block boundary
         num_skipped_hashes = num_computed_tokens // self.hash_block_size
         remaining_hashes = request.block_hashes[num_skipped_hashes:]
         if not remaining_hashes:
             return 0, False
-        # Must recompute at least the last token (its logits are needed)
-        max_hit_len = request.num_tokens - 1 - num_computed_tokens
+        max_hit_len = request.num_tokens - 1 - num_computed_tokens  # the last token is recomputed
         if max_hit_len <= 0:
             return 0, False
         cpu_hit_blocks, hit_length = self._find_longest_cache_hit(remaining_hashes, max_hit_len)
         if hit_length > 0:
-            # pin: LRU eviction between the two scheduler calls must not take these blocks
+            # pinned: LRU eviction between the two scheduler calls must not take them
             pin_blocks = [blk for grp in cpu_hit_blocks for blk in grp if not blk.is_null]
             self.cpu_block_pool.touch(pin_blocks)
             self._pending_cpu_hits[request.request_id] = (
@@ -821,13 +739,9 @@ class SimpleCPUOffloadScheduler:
 
     def update_state_after_alloc(self, request: Request, blocks: tuple[list[KVCacheBlock], ...],
                                  num_external_tokens: int) -> None:
-        """The scheduler allocated `blocks` (the request's GPU table per group) and accepted
-        `num_external_tokens` of the offered hit (maybe fewer). Registers the request for eager
-        stores and sets up its load: GPU blocks right after the local hit <- CPU hit blocks."""
+        """Registers eager stores, and loads the accepted part of the hit after the local hit."""
         req_id = request.request_id
         num_groups = len(blocks)
-        # Store tracking: register the request (also with 0 external tokens: it will be
-        # stored); its block ids accumulate from each step's scheduler output
         if req_id not in self._reqs_to_store:
             self._reqs_to_store[req_id] = StoreRequestState(
                 request, tuple([] for _ in range(num_groups)), [0] * num_groups)
@@ -837,12 +751,10 @@ class SimpleCPUOffloadScheduler:
             prefix_hit, _ = self._find_longest_cache_hit(request.block_hashes, num_local_tokens)
             prefix_blocks = [b for grp in prefix_hit for b in grp if not b.is_null]
             self._refresh_cpu_lru(prefix_blocks)  # not in vLLM: a hook (vLLM's touch + free)
-        # the hit get_num_new_matched_tokens() pinned, to survive LRU eviction until now
         pending = self._pending_cpu_hits.pop(req_id, None)
         if num_external_tokens == 0:
             if pending is not None:
-                # the scheduler declined the hit (vLLM logs a warning): drop the pin
-                self._free_pending_cpu_hit(pending)
+                self._free_pending_cpu_hit(pending)  # hit declined (vLLM warns): drop the pin
             return
         if pending is None:
             logger.warning("update_state_after_alloc: req_id=%s accepted %d external tokens "
@@ -863,22 +775,16 @@ class SimpleCPUOffloadScheduler:
         cpu_block_ids: list[int] = []
         cpu_blocks_to_touch: list[KVCacheBlock] = []
         for g, g_block_size in enumerate(self.group_block_sizes):
-            # the scheduler may accept fewer tokens than offered: the leading blocks only
             n_take_g = cdiv(num_external_tokens, g_block_size)
-            # the load lands right after the local hit, counted in this group's blocks
-            gpu_ext_start = num_computed_tokens // g_block_size
+            gpu_ext_start = num_computed_tokens // g_block_size  # right after the local hit
             for i, cpu_blk in enumerate(cpu_hit_blocks_full[g][:n_take_g]):
-                # a null slot (e.g. sliding window padding) has nothing to copy
-                if cpu_blk.is_null:
+                if cpu_blk.is_null:  # a null slot (sliding-window padding): nothing to copy
                     continue
                 gpu_block_ids.append(blocks[g][gpu_ext_start + i].block_id)
                 cpu_block_ids.append(cpu_blk.block_id)
                 cpu_blocks_to_touch.append(cpu_blk)
-        # pin the CPU sources for the copy, so that LRU eviction cannot take them
         self.cpu_block_pool.touch(cpu_blocks_to_touch)
-        # then drop the lookup pin (after the pin above: a source never drops to 0 refs between)
-        self._free_pending_cpu_hit(pending)
-        # pin the GPU destinations, so that they are not freed while the copy writes them
+        self._free_pending_cpu_hit(pending)  # only now: no source drops to 0 refs in between
         assert self._gpu_block_pool is not None
         self._gpu_block_pool.touch([self._gpu_block_pool.blocks[b] for b in gpu_block_ids])
         assert self._reqs_to_load.get(req_id) is None
@@ -886,10 +792,8 @@ class SimpleCPUOffloadScheduler:
             request, TransferMeta(gpu_block_ids, cpu_block_ids))
 
     # --- one step: build the worker's metadata -----------------------------------
-
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> SimpleCPUOffloadMetadata:
-        """At most one store event (this step's confirmed blocks + queued finish flushes) and one
-        load event (every load not yet sent) per step."""
+        """At most one store event (confirmed blocks + finish flushes) and one load event a step."""
         # --- Stores ---
         store_event = -1
         store_gpu, store_cpu, store_req_ids = self._prepare_eager_store_specs(scheduler_output)
@@ -932,9 +836,7 @@ class SimpleCPUOffloadScheduler:
 
     def _prepare_eager_store_specs(self, scheduler_output: SchedulerOutput
                                    ) -> tuple[list[int], list[int], list[str]]:
-        """This step's stores: for each scheduled request, its confirmed blocks not yet on CPU
-        (GPU source ids, CPU destination ids, the requests they belong to). Sources are pinned
-        until the copy completes; CPU destinations are allocated (may evict LRU CPU blocks)."""
+        """This step's stores (GPU ids, CPU ids, req ids); GPU sources pinned until copied."""
         merged_gpu_block_ids: list[int] = []
         merged_cpu_block_ids: list[int] = []
         req_ids: list[str] = []
@@ -962,8 +864,7 @@ class SimpleCPUOffloadScheduler:
                 continue
             gpu_block_ids, advanced_per_group = (  # PR #53532: the selection the flush shares
                 self._select_eager_blocks_to_store(state, state.block_ids))
-            # Batch allocate the CPU destinations
-            n_to_alloc = len(gpu_block_ids)
+            n_to_alloc = len(gpu_block_ids)  # Batch allocate the CPU destinations
             if n_to_alloc > 0:
                 # not in vLLM: a hook; vLLM 0.29 stamped the blocks here, PR #53532 stopped it
                 cpu_blocks_alloc = self._allocate_cpu_blocks(gpu_block_ids, state.request)
@@ -975,26 +876,20 @@ class SimpleCPUOffloadScheduler:
                 merged_gpu_block_ids.extend(gpu_block_ids)
                 merged_cpu_block_ids.extend(cpu_block_ids)
                 self._in_flight_store_gpu_blocks.update(gpu_block_ids)
-                # pinned until the copy completes
                 gpu_block_pool.touch([gpu_block_pool.blocks[b] for b in gpu_block_ids])
-            # advance the cursors past the stored blocks and the skipped ones
-            for g in range(num_groups):
+            for g in range(num_groups):  # past the stored blocks and the skipped ones
                 state.num_stored_blocks[g] += advanced_per_group[g]
-        # one entry per request, in first-seen order
         return merged_gpu_block_ids, merged_cpu_block_ids, list(dict.fromkeys(req_ids))
 
     def _select_eager_blocks_to_store(self, state: StoreRequestState,  # PR #53532
                                       block_ids_by_group: tuple[list[int], ...]
                                       ) -> tuple[list[int], list[int]]:
-        """Confirmed blocks past the request's cursors that are worth storing, up to the CPU
-        pool's free blocks, over every group; and how far each cursor may advance (skipped
-        blocks count). Pure: allocates, pins and advances nothing. Shared by the per-step scan
-        and the finish flush, so both skip exactly the same blocks."""
+        """Confirmed blocks past the cursors worth storing (up to the CPU's free blocks), and how
+        far each cursor advances. Pure; the finish flush shares it, so both skip the same blocks."""
         assert self._gpu_block_pool is not None
         gpu_block_ids: list[int] = []
         advanced_per_group = [0] * len(self.group_block_sizes)
         request = state.request
-        # confirmed = computed by a forward pass that has finished
         confirmed_tokens = request.num_computed_tokens - request.num_output_placeholders
         num_free = self._num_free_for_store(state)  # not in vLLM: a hook (vLLM asks the pool)
         for g, group_gpu_ids in enumerate(block_ids_by_group):
@@ -1020,8 +915,8 @@ class SimpleCPUOffloadScheduler:
                 if self._classify_store_candidate(gpu_block) is not _StoreAdmission.READY:
                     advanced_per_group[g] += 1
                     continue
-                if len(gpu_block_ids) >= num_free:  # CPU full: the cursor stays, a later step
-                    break                            # retries
+                if len(gpu_block_ids) >= num_free:  # CPU full: a later step retries from here
+                    break
                 gpu_block_ids.append(gpu_block.block_id)
                 advanced_per_group[g] += 1
         return gpu_block_ids, advanced_per_group
@@ -1038,10 +933,8 @@ class SimpleCPUOffloadScheduler:
         return _StoreAdmission.READY
 
     # --- completions ------------------------------------------------------------
-
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Loads complete per request (finished_recving); stores per event, once all
-        world_size workers reported it (counts accumulate across steps)."""
+        """Loads complete per request; stores per event, once all world_size workers reported."""
         # --- Load completions ---
         for req_id in list(connector_output.finished_recving or []):
             self._cleanup_load_request(req_id)
@@ -1065,8 +958,7 @@ class SimpleCPUOffloadScheduler:
             transfer = self._abandoned_store_event_to_blocks.pop(event, None)
             if transfer is None:
                 return  # stale (from before a reset) or a duplicate report
-            # sent before a reset(): release the pins, cache nothing
-            self._release_transfer_refs(transfer)
+            self._release_transfer_refs(transfer)  # sent before a reset(): cache nothing
             return
         self._in_flight_store_gpu_blocks.difference_update(transfer.gpu_block_ids)
         self._process_store_completion(transfer.gpu_block_ids, transfer.cpu_block_ids)
@@ -1078,10 +970,8 @@ class SimpleCPUOffloadScheduler:
             if state.finished and not state.store_events:
                 self._cleanup_store_request(req_id)
 
-    def _process_store_completion(self, gpu_block_ids: list[int],
-                                  cpu_block_ids: list[int]) -> None:
-        """Register the copied CPU blocks in the CPU prefix cache, then drop both pins. The
-        keys come from the still pinned GPU source, primary and secondaries (PR #53532)."""
+    def _process_store_completion(self, gpu_block_ids: list[int], cpu_block_ids: list[int]) -> None:
+        """Register the CPU copies under the GPU source's keys (PR #53532), then unpin both."""
         assert len(cpu_block_ids) == len(gpu_block_ids)
         cpu_blocks = [self.cpu_block_pool.blocks[b] for b in cpu_block_ids]
         assert self._gpu_block_pool is not None
@@ -1089,10 +979,9 @@ class SimpleCPUOffloadScheduler:
             gpu_block = self._gpu_block_pool.blocks[gpu_block_id]  # PR #53532
             primary_hash = gpu_block.block_hash  # PR #53532
             assert primary_hash is not None  # PR #53532
-            # not in vLLM (PR #53532's first version had it): reset_hash() first, because
-            # _insert_block_hash() returns at its guard on a block stamped with the key (0.29
-            # stamped at allocation). The merged fix dropped the stamp and this line; kept as a
-            # no-op on an unstamped block, so that a stamp can never silently come back.
+            # not in vLLM (PR #53532's first version had it): reset_hash() first, or guard 1
+            # returns on a block stamped with the key (0.29 stamped at allocation). The merged
+            # fix dropped the stamp and this line; a no-op kept so a stamp cannot come back.
             cpu_block.reset_hash()
             self.cpu_block_pool._insert_block_hash(  # PR #53532: through the pool's guards
                 primary_hash, cpu_block, num_tokens=gpu_block.block_hash_num_tokens)
@@ -1122,37 +1011,30 @@ class SimpleCPUOffloadScheduler:
                     or self._abandoned_store_event_to_blocks)
 
     def has_pending_loads(self) -> bool:
-        """not in vLLM: True while an accepted load is not yet reported done, an aborted
-        request's included (vLLM's scheduler tracks its WAITING_FOR_REMOTE_KVS requests)."""
+        """not in vLLM: True while an accepted load (an aborted one's too) is not reported done."""
         return bool(self._reqs_to_load or self._abandoned_reqs_to_load)
 
     def has_pending_push_work(self) -> bool:  # PR #53532
-        """The connector's has_pending_transfers, renamed by the fix: an engine keeps stepping
-        while this is True, even with no request left, so queued finish flushes get sent."""
+        """has_pending_transfers, renamed by the fix: engines step while True, to send flushes."""
         return self.has_pending_stores()
 
     # --- finish and reset ----------------------------------------------------------
-
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
-        """(False, None): the GPU blocks may be freed at once; in-flight copies hold their own
-        refs."""
+        """(False, None): free the GPU blocks at once; in-flight copies hold their own refs."""
         req_id = request.request_id
-        # aborted between lookup and allocation: drop the lookup pin
-        pending = self._pending_cpu_hits.pop(req_id, None)
+        pending = self._pending_cpu_hits.pop(req_id, None)  # aborted before allocation: unpin
         if pending is not None:
             self._free_pending_cpu_hit(pending)
         self._pending_local_hits.pop(req_id, None)  # vLLM 0.34
-        # a load in flight is cleaned up when it completes
-        load_state = self._reqs_to_load.get(req_id)
+        load_state = self._reqs_to_load.get(req_id)  # in flight: cleaned up when it completes
         if load_state is not None:
             if load_state.load_event is not None:
                 load_state.finished = True
             else:
                 self._cleanup_load_request(req_id)
-        # stores in flight complete (and cache) on their own; clean up after the last one
         store_state = self._reqs_to_store.get(req_id)
         if store_state is not None:
-            if store_state.store_events:
+            if store_state.store_events:  # in-flight stores cache on their own; clean up after
                 store_state.finished = True
             else:
                 self._cleanup_store_request(req_id)
@@ -1165,9 +1047,7 @@ class SimpleCPUOffloadScheduler:
 
     def _queue_finished_eager_store(self, request: Request,  # PR #53532
                                     block_ids: tuple[list[int], ...]) -> None:
-        """The final flush: blocks confirmed in the request's last step(s) would never be seen
-        by a later per-step scan. Select them the same way, from the table the scheduler passes
-        (`block_ids`), allocate and pin now, send with the next build_connector_meta()."""
+        """The final flush: the blocks confirmed in the last step(s), which no later scan sees."""
         state = self._reqs_to_store.get(request.request_id)
         gpu_pool = self._gpu_block_pool
         if state is None or gpu_pool is None:
@@ -1179,7 +1059,6 @@ class SimpleCPUOffloadScheduler:
         self._pending_finished_stores.append(
             TransferMeta(gpu_ids, [b.block_id for b in cpu_blocks]))
         self._in_flight_store_gpu_blocks.update(gpu_ids)
-        # pinned until the copy completes, as a per-step store
         gpu_pool.touch([gpu_pool.blocks[b] for b in gpu_ids])
 
     def _free_pending_cpu_hit(self, pending: tuple) -> None:
@@ -1194,16 +1073,14 @@ class SimpleCPUOffloadScheduler:
             state = self._abandoned_reqs_to_load.pop(req_id, None)
         if state is None:
             return  # a duplicate or stale report
-        # remove this request (not the whole event) from the event's list
-        if state.load_event is not None:
+        if state.load_event is not None:  # drop this request, not the whole event
             reqs = self._load_event_to_reqs.get(state.load_event)
             if reqs is not None:
                 if req_id in reqs:
                     reqs.remove(req_id)
                 if not reqs:
                     del self._load_event_to_reqs[state.load_event]
-        # free the CPU touch refs, then the GPU ones
-        cpu_pool = self.cpu_block_pool
+        cpu_pool = self.cpu_block_pool  # CPU refs first, then the GPU ones
         self._free_cpu_blocks([cpu_pool.blocks[b] for b in state.transfer_meta.cpu_block_ids])
         assert self._gpu_block_pool is not None
         self._gpu_block_pool.free_blocks(
@@ -1224,10 +1101,8 @@ class SimpleCPUOffloadScheduler:
         state.store_events.clear()
 
     def reset(self) -> bool:
-        """Drop the CPU prefix cache (e.g. after a weight update). Transfers no worker has seen are
-        released now; sent ones are *abandoned*: their completions release the refs and cache
-        nothing. Returns True only once the CPU cache was actually reset (nothing abandoned
-        left)."""
+        """Drop the CPU prefix cache. Unsent transfers are released now, sent ones *abandoned*
+        (their completions release the refs, cache nothing). True once the cache was reset."""
         for pending in self._pending_cpu_hits.values():  # vLLM 0.32
             self._free_pending_cpu_hit(pending)
         self._pending_cpu_hits.clear()  # vLLM 0.32
@@ -1255,7 +1130,6 @@ class SimpleCPUOffloadScheduler:
         return self.cpu_block_pool.reset_prefix_cache()
 
     # --- hooks (not in vLLM): each body is vLLM's own call -------------------------
-
     def _allocate_cpu_blocks(self, gpu_block_ids: list[int], request: Request
                              ) -> list[KVCacheBlock]:
         """CPU destinations for a selection of GPU blocks (may evict LRU CPU blocks)."""
@@ -1270,9 +1144,7 @@ class SimpleCPUOffloadScheduler:
         return self.cpu_block_pool.get_num_free_blocks()
 
     def _refresh_cpu_lru(self, prefix_blocks: list[KVCacheBlock]) -> None:
-        """Move a GPU hit's CPU copies to the MRU end: touch + free takes the ref-0 ones out of
-        the free queue and appends them (pinned ones stay out); reversed, so the prefix's tail
-        is evicted before its head, as a request frees."""
+        """Move a GPU hit's CPU copies to the MRU end (touch + free); reversed: tail goes first."""
         self.cpu_block_pool.touch(prefix_blocks)
         self.cpu_block_pool.free_blocks(reversed(prefix_blocks))
 
@@ -1285,13 +1157,11 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
     bug back on; with both on, a differential test drives this class in lockstep with vLLM
     0.29's own manager. `skip_reset_hash` is not a release: it is the fix's first version
     *without* its reset_hash() line, the trap that the fix's comment warns about.
-
     registration_bug: stamp at allocation, insert the stamped primary key straight into the map
         at completion. Whole-block lookups hit; fine-grained secondary keys are never copied.
     skip_reset_hash: stamp at allocation, then register through _insert_block_hash() without
         reset_hash(): guard 1 returns early, so the primary key never reaches the map.
-    flush_bug: blocks confirmed in a request's last step(s) are never stored.
-    """
+    flush_bug: blocks confirmed in a request's last step(s) are never stored."""
 
     def __init__(self, *args: Any, registration_bug: bool = True, flush_bug: bool = True,
                  skip_reset_hash: bool = False, **kwargs: Any):
@@ -1309,15 +1179,13 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         cpu_blocks = super()._allocate_cpu_blocks(gpu_block_ids, request)
         if self.stamps:
             # vLLM 0.29, _prepare_eager_store_specs: `cpu_blk._block_hash = bhash` right after
-            # get_new_blocks(), around the pool (0.34 made the field plain: block_hash). The
-            # key is on the block, not in the map yet.
+            # get_new_blocks(), around the pool: on the block, not in the map yet.
             assert self._gpu_block_pool is not None
             for gpu_id, cpu_block in zip(gpu_block_ids, cpu_blocks):
                 cpu_block.block_hash = self._gpu_block_pool.blocks[gpu_id].block_hash
         return cpu_blocks
 
-    def _process_store_completion(self, gpu_block_ids: list[int],
-                                  cpu_block_ids: list[int]) -> None:
+    def _process_store_completion(self, gpu_block_ids: list[int], cpu_block_ids: list[int]) -> None:
         if not self.stamps:
             return super()._process_store_completion(gpu_block_ids, cpu_block_ids)
         cpu_blocks = [self.cpu_block_pool.blocks[b] for b in cpu_block_ids]
@@ -1325,13 +1193,11 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         for gpu_block_id, cpu_block in zip(gpu_block_ids, cpu_blocks):
             if self.registration_bug:
                 # vLLM 0.29: `cached_block_hash_to_block.insert(bhash, cpu_block)`, the stamped
-                # primary key straight into the map; the GPU block's secondary keys
-                # (cached_block_hashes_by_block) are never looked at
+                # primary key straight into the map; the GPU block's secondaries are never read
                 self.cpu_block_pool.cached_block_hash_to_block.insert(cpu_block.block_hash,
                                                                       cpu_block)
                 continue
-            # the trap: the fix's calls without its reset_hash(). The stamped primary stops at
-            # guard 1 and never reaches the map; the secondaries are still inserted.
+            # the trap: the fix's calls without its reset_hash(); the stamp stops at guard 1
             gpu_block = self._gpu_block_pool.blocks[gpu_block_id]
             self.cpu_block_pool._insert_block_hash(gpu_block.block_hash, cpu_block,
                                                    gpu_block.block_hash_num_tokens)
@@ -1342,9 +1208,7 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
 
     def _release_transfer_refs(self, transfer: TransferMeta) -> None:
         if self.stamps:
-            # vLLM 0.29: an uncached store's CPU blocks drop their stamps
-            # (`cpu_block.reset_hash()`), so that they return to the free queue unhashed
-            for cpu_id in transfer.cpu_block_ids:
+            for cpu_id in transfer.cpu_block_ids:  # vLLM 0.29: uncached blocks drop their stamps
                 self.cpu_block_pool.blocks[cpu_id].reset_hash()
         super()._release_transfer_refs(transfer)
 
@@ -1353,9 +1217,8 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
                                       ) -> tuple[list[int], list[int]]:
         if not self.flush_bug:
             return super()._select_eager_blocks_to_store(state, block_ids_by_group)
-        # vLLM 0.29's per-step scan, which PR #53532 replaced by the selection the finish flush
-        # shares. With the CPU pool full, 0.29 still walks past blocks it skips anyway and stops
-        # at the first one that needs a CPU block: only the cursor (num_stored_blocks) differs.
+        # vLLM 0.29's per-step scan (PR #53532 replaced it). With the CPU pool full it walks past
+        # blocks it skips anyway, stopping at the first that needs one: only the cursor differs.
         req = state.request
         confirmed_tokens = req.num_computed_tokens - req.num_output_placeholders
         aligned_tokens = confirmed_tokens // self.block_size * self.block_size
@@ -1386,8 +1249,7 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
 # -----------------------------------------------------------------------------
 # 6. Copy worker (vLLM's worker.py + copy_backend.py)
 
-# CPU runs of at least this many bytes go through torch's threaded copy_ (see _launch)
-_TORCH_COPY_MIN_BYTES = 1 << 20
+_TORCH_COPY_MIN_BYTES = 1 << 20  # CPU runs this large go through torch's threaded copy_
 
 
 def _coalesce_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -1408,22 +1270,18 @@ def _byte_rows(t: torch.Tensor):
 
 class SimpleCPUOffloadWorker:
     """Worker side: owns the CPU mirrors and runs the copies the metadata asks for.
-
     CUDA: loads (CPU->GPU) run on `load_stream`, stores (GPU->CPU) on `store_stream`, both at
-    priority_range()[0] as in vLLM: the lowest, which is also the default stream's (0), so they
-    do not yield to compute on it. A store waits on a compute-done event recorded on the compute
-    stream: it must not read KV a kernel has not finished writing. A load waits for the compute
-    stream's earlier work (not in vLLM, whose loads wait for nothing): its GPU destination may
-    be a block that a finished request's kernels still read. Completion is polled
-    (event.query(), never a sync) in FIFO order, one high-water mark per direction: event i
-    done => every event <= i of that stream done.
-    So event indices must grow per direction; an event with nothing to copy is complete at once.
-    CPU: the same calls, copies done synchronously (events are None = already complete). With
-    a `copy_engine` (torch.cuda's Stream/Event/current_stream/stream names, e.g. the tests'
-    DeferredCopyEngine), the CUDA branch itself runs on CPU caches.
+    priority_range()[0] as in vLLM: the lowest, also the default stream's (0), so they do not
+    yield to compute on it. A store waits on a compute-done event recorded on the compute stream:
+    it must not read KV a kernel has not finished writing. A load waits for the compute stream's
+    earlier work (not in vLLM): its GPU destination may be a block that a finished request's
+    kernels still read. Completion is polled (event.query(), never a sync) in FIFO order, one
+    high-water mark per direction (event i done => every event <= i done): indices must grow.
+    CPU: the same calls, copies done synchronously (events are None). With a `copy_engine`
+    (torch.cuda's Stream/Event/current_stream/stream names, e.g. the tests' DeferredCopyEngine),
+    the CUDA branch itself runs on CPU caches.
     NOTE: register_kv_caches() is once per worker: new mirrors would hold zeros under hashes the
-    manager keeps serving (and, on CUDA, free pinned memory that queued copies still use).
-    """
+    manager keeps serving (and, on CUDA, free pinned memory that queued copies still use)."""
 
     def __init__(self, num_cpu_blocks: int, copy_engine: Any = None):
         self.num_cpu_blocks = num_cpu_blocks
@@ -1432,38 +1290,31 @@ class SimpleCPUOffloadWorker:
         self.cpu_kv_caches: dict[str, torch.Tensor] = {}  # region -> [num_cpu_blocks, ...]
         self.device = torch.device("cpu")
         self.copy_engine = copy_engine  # None: torch.cuda on CUDA, synchronous copies on CPU
-        # set by register_kv_caches() on CUDA (or with a copy_engine); None: synchronous copies
-        self.load_stream = None
+        self.load_stream = None  # set on CUDA or with a copy_engine; None: synchronous copies
         self.store_stream = None
-        # (event index, torch.cuda.Event | None) per direction, FIFO
-        self._load_events: list[tuple[int, Any]] = []
+        self._load_events: list[tuple[int, Any]] = []  # (event index, Event | None), FIFO
         self._store_events: list[tuple[int, Any]] = []
-        # highest completed event per direction (the high-water mark)
-        self._load_hwm = -1
+        self._load_hwm = -1  # highest completed event per direction (the high-water mark)
         self._store_hwm = -1
-        # not in vLLM: highest event bound per direction (a new one must be above it)
-        self._last_load_event = -1
+        self._last_load_event = -1  # not in vLLM: highest event bound (a new one must be above)
         self._last_store_event = -1
         self._pending_load_event_indices: set[int] = set()
         self._pending_store_event_indices: set[int] = set()
-        # not in vLLM: loads with nothing to copy, done at bind, reported by get_finished()
-        self._finished_recving: set[str] = set()
+        self._finished_recving: set[str] = set()  # not in vLLM: empty loads, done at bind
         self._completed_store_events: dict[int, int] = {}
         self._connector_metadata: SimpleCPUOffloadMetadata | None = None
         self._store_compute_done = None  # reused: copies are FIFO per stream
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_gpu_blocks: int,
                            block_dim: int) -> None:
-        """Mirror the GPU KV caches in CPU memory. `block_dim` (vLLM reads it from the KV-cache
-        spec): 0 for [num_gpu_blocks, ...], 1 for FlashAttention's (2, num_gpu_blocks, ...),
-        split into a K and a V region. All or nothing: after an error the worker is still fresh
-        (a failed pinned allocation too), so a retry can succeed."""
+        """Mirror the GPU KV caches in CPU memory. `block_dim` (from vLLM's KV-cache spec): 0 for
+        [num_gpu_blocks, ...], 1 for FlashAttention's (2, num_gpu_blocks, ...), split into K and
+        V regions. All or nothing: after an error (a failed pin too) a retry can succeed."""
         # not in vLLM: new mirrors would hold zeros under hashes the manager keeps serving
         assert not self.cpu_kv_caches, "register_kv_caches: once per worker"
         regions: dict[str, torch.Tensor] = {}
         seen: set[tuple[int, tuple[int, ...]]] = set()
         for name, t in kv_caches.items():
-            # (2, N, ...): K and V are two regions, each [num_gpu_blocks, ...]
             if block_dim and t.shape[0] != 2:  # not in vLLM: a third part would not be copied
                 raise ValueError(f"KV cache {name!r} of shape {tuple(t.shape)} is not "
                                  "(2, num_gpu_blocks, ...)")
@@ -1476,16 +1327,13 @@ class SimpleCPUOffloadWorker:
                 # not in vLLM: a name used twice would leave one region without a mirror
                 if key in regions or (key != name and key in kv_caches):
                     raise ValueError(f"KV cache region name {key!r} is used twice")
-                # layers that share storage (same address and shape) are copied once
-                ident = (region.data_ptr(), tuple(region.shape))
+                ident = (region.data_ptr(), tuple(region.shape))  # shared storage: copied once
                 if ident not in seen:
                     seen.add(ident)
                     regions[key] = region
         device = next(iter(regions.values())).device
-        # CUDA caches get pinned host mirrors: DMA reads and writes them directly, async
-        pin = device.type == "cuda"
-        # one CPU mirror per region: the same row layout, num_cpu_blocks rows
-        cpu_kv_caches = {}
+        pin = device.type == "cuda"  # pinned host mirrors: DMA reads and writes them, async
+        cpu_kv_caches = {}  # one CPU mirror per region: the same row layout, num_cpu_blocks rows
         for key, region in regions.items():
             mirror_shape = (self.num_cpu_blocks, *region.shape[1:])
             cpu_kv_caches[key] = torch.zeros(mirror_shape, dtype=region.dtype, pin_memory=pin)
@@ -1495,18 +1343,15 @@ class SimpleCPUOffloadWorker:
             low_priority = torch.cuda.Stream.priority_range()[0] if pin else 0
             self.load_stream = dev.Stream(device, priority=low_priority)
             self.store_stream = dev.Stream(device, priority=low_priority)
-        # nothing can fail any more: register
-        self.device = device
+        self.device = device  # nothing can fail any more: register
         self.num_gpu_blocks = num_gpu_blocks
         self.gpu_kv_caches = regions
         self.cpu_kv_caches = cpu_kv_caches
 
     # --- per step ---------------------------------------------------------------
-
     def bind_connector_metadata(self, metadata: SimpleCPUOffloadMetadata) -> None:
         # not in vLLM: an event that does not grow would be reported done by an earlier one's
-        # high-water mark (a block cached before its copy ran); copies under event -1 would
-        # never be reported (their pins leak); unpaired lists would pair the wrong blocks
+        # high-water mark; copies under event -1 never reported; unpaired lists mispair blocks
         assert metadata.load_event < 0 or metadata.load_event > self._last_load_event, (
             f"load_event {metadata.load_event} after {self._last_load_event}: must grow")
         assert metadata.store_event < 0 or metadata.store_event > self._last_store_event, (
@@ -1557,8 +1402,7 @@ class SimpleCPUOffloadWorker:
                          event_idx=metadata.store_event)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[None, set[str] | None]:
-        """Non-blocking. (None, requests whose loads completed); store completions are reported
-        through build_connector_worker_meta() instead (stores have no request)."""
+        """Non-blocking: (None, requests whose loads completed); stores report as worker meta."""
         metadata = self._connector_metadata
         finished_recving = self._finished_recving
         self._finished_recving = set()
@@ -1584,7 +1428,6 @@ class SimpleCPUOffloadWorker:
         return meta
 
     # --- copies -----------------------------------------------------------------
-
     def _launch(self, src_ids: list[int], dst_ids: list[int], is_store: bool,
                 event_idx: int) -> None:
         if is_store:
@@ -1595,8 +1438,7 @@ class SimpleCPUOffloadWorker:
             dst = self.gpu_kv_caches
         runs = _coalesce_runs(src_ids, dst_ids)
         event = None
-        # CUDA, or a copy_engine standing in for torch.cuda (the tests' simulated device)
-        if self.load_stream is not None:
+        if self.load_stream is not None:  # CUDA, or a copy_engine (the tests' simulated device)
             dev = self.copy_engine or torch.cuda
             stream = self.store_stream if is_store else self.load_stream
             compute = dev.current_stream(self.device)
@@ -1616,8 +1458,7 @@ class SimpleCPUOffloadWorker:
             event.record(stream)
         else:
             # CPU: numpy slice assignment is a plain memcpy, without torch's per-call dispatch
-            # (several µs, which dominates for scattered ids: see --bench). But it uses one core:
-            # a large run goes through torch's copy_, which splits it over torch's threads.
+            # (µs: see --bench); but on one core, so large runs go through torch's threaded copy_
             min_bytes = _TORCH_COPY_MIN_BYTES if torch.get_num_threads() > 1 else math.inf
             for name, s in src.items():
                 d = dst[name]
@@ -1634,8 +1475,7 @@ class SimpleCPUOffloadWorker:
     def _poll_stream_events(self, is_store: bool) -> int:
         """Non-blocking: pop the completed events in FIFO order; returns the high-water mark."""
         events = self._store_events if is_store else self._load_events
-        # None = a CPU copy, done when issued
-        while events and (events[0][1] is None or events[0][1].query()):
+        while events and (events[0][1] is None or events[0][1].query()):  # None: CPU copy, done
             event_idx, _ = events.pop(0)
             self._set_hwm(is_store, event_idx)
         return self._store_hwm if is_store else self._load_hwm
@@ -1794,13 +1634,14 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
 
 
 def run_rotation(num_prompts: int = 3, prompt_blocks: int = 64, num_cpu_blocks: int = 160,
-                 rounds: int = 4, scheduler_cls: type = SimpleCPUOffloadScheduler, block_size: int = 16,
-                 max_num_batched_tokens: int = 1024, seed: int = 0) -> dict:
-    """The rotation case of prefix-aware eviction (LRU with the default scheduler_cls). `num_prompts` distinct prompts
-    of `prompt_blocks` blocks, requested one after another, round-robin, for `rounds` rounds;
-    the GPU prefix cache is dropped before each request (as in run_story), so every reuse must
-    come from the CPU pool. Returns the tokens loaded from CPU per round, the ideal (the pool's
-    capacity spread over the prompts, each capped at its hit limit), and the checks."""
+                 rounds: int = 4, scheduler_cls: type = SimpleCPUOffloadScheduler,
+                 block_size: int = 16, max_num_batched_tokens: int = 1024, seed: int = 0) -> dict:
+    """The rotation case of prefix-aware eviction (LRU with the default scheduler_cls).
+    `num_prompts` distinct prompts of `prompt_blocks` blocks, requested one after another,
+    round-robin, for `rounds` rounds; the GPU prefix cache is dropped before each request (as in
+    run_story), so every reuse must come from the CPU pool. Returns the tokens loaded from CPU
+    per round, the ideal (the pool's capacity spread over the prompts, each capped at its hit
+    limit), and the checks."""
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 32000, (prompt_blocks * block_size,), generator=gen).tolist()
                for _ in range(num_prompts)]
@@ -1833,12 +1674,10 @@ def run_rotation(num_prompts: int = 3, prompt_blocks: int = 64, num_cpu_blocks: 
 # 8. Toy model and MiniEngine
 
 class ToyModel:
-    """Deterministic stand-in for a transformer's KV writes. Each token's K and V depend on
-    (token id, position) only, through `rounds` integer mixing rounds per layer, chained across
-    layers: real work that grows linearly with tokens. Integer arithmetic, so the values are
-    bit-identical whatever the batch, chunking or device: recompute and CPU load must agree
-    exactly, and expected_kv() is the oracle. (A real model's KV would also depend on earlier
-    tokens; for offload only "same prefix -> same KV" matters, and this has it.)"""
+    """Deterministic stand-in for a transformer's KV writes: each token's K and V depend on
+    (token id, position) only (offload needs only "same prefix -> same KV"), through `rounds`
+    integer mixing rounds per layer. Integer arithmetic, so the values are bit-identical whatever
+    the batch, chunking or device: recompute and CPU load must agree exactly (expected_kv())."""
 
     # a prime < 2**31 and an LCG multiplier: every product fits in int64, no overflow
     _MOD = 2_147_483_629
@@ -1854,13 +1693,11 @@ class ToyModel:
         self.device = torch.device(device)
         self.rounds = rounds
         self.vocab_size = vocab_size
-        # per-feature offsets: K and V of every head get different streams
-        num_features = 2 * num_kv_heads * head_dim
+        num_features = 2 * num_kv_heads * head_dim  # K and V of every head: different streams
         self._feature = torch.arange(num_features, device=self.device, dtype=torch.int64)
 
     def compute_kv(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[num_layers, 2, n, num_kv_heads, head_dim] for n tokens at the given positions."""
-        # one integer per (token, feature), from the token id and its position only
         x = token_ids[:, None] * 7919 + positions[:, None] * 104_729 + self._feature[None, :] * 31
         x.remainder_(self._MOD)
         shifted = torch.empty_like(x)  # in place throughout: no new tensor per round
@@ -1911,18 +1748,18 @@ class RequestStats:
 class MiniEngine:
     """A one-group engine that drives the connector the way vLLM's scheduler does, per step:
     schedule -> build_connector_meta -> each worker (one per rank): preemption flush, loads ->
-    forward -> each worker: stores, completions -> finished requests
-    (request_finished_all_groups, then their GPU blocks are freed) -> update_connector_output.
-    A request with a CPU hit waits (WAITING_FOR_REMOTE_KVS) until every worker reported its
-    load, and only then computes the rest. Running out of GPU blocks preempts the last running
-    request (its blocks freed, reported to the connector, recomputed or loaded later).
-    """
+    forward -> each worker: stores, completions -> finished requests (request_finished_all_groups,
+    then their GPU blocks are freed) -> update_connector_output. A request with a CPU hit waits
+    (WAITING_FOR_REMOTE_KVS) until every worker reported its load. Running out of GPU blocks
+    preempts the last running request (recomputed or loaded later)."""
 
     def __init__(self, num_gpu_blocks: int, block_size: int, max_num_batched_tokens: int,
                  model: ToyModel, connector: SimpleCPUOffloadScheduler | None = None,
                  worker: SimpleCPUOffloadWorker | list[SimpleCPUOffloadWorker] | None = None,
                  capture_kv: bool = False):
-        workers = worker if isinstance(worker, list) else [worker] if worker else []
+        workers = [worker] if worker else []
+        if isinstance(worker, list):
+            workers = worker
         if connector is not None:
             # a store completes on world_size reports: with fewer workers it never does (the
             # engine would step forever), with more it completes while a copy is still queued
@@ -1932,9 +1769,7 @@ class MiniEngine:
             if connector.group_block_sizes != [block_size]:
                 raise ValueError(f"block_size {block_size}: the connector's group block sizes "
                                  f"are {connector.group_block_sizes}")
-            # its transfers and CPU cache name another engine's blocks, and its bytes live in
-            # that engine's workers
-            if connector._gpu_block_pool is not None:
+            if connector._gpu_block_pool is not None:  # it names another engine's blocks
                 raise ValueError("connector: it serves another engine")
         self.hash_block_size = connector.hash_block_size if connector is not None else block_size
         self.block_size = block_size
@@ -1944,7 +1779,6 @@ class MiniEngine:
         self.workers = workers
         self.capture_kv = capture_kv
         self.gpu_block_pool = BlockPool(num_gpu_blocks, True, self.hash_block_size)
-        # FlashAttention layout per layer: (2, num_blocks, block_size, num_kv_heads, head_dim)
         cache_shape = (2, num_gpu_blocks, block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = {f"layers.{i}": torch.zeros(cache_shape, dtype=model.dtype,
                                                       device=model.device)
@@ -1953,26 +1787,20 @@ class MiniEngine:
             connector.bind_gpu_block_pool(self.gpu_block_pool)
         for w in workers:
             w.register_kv_caches(self.kv_caches, num_gpu_blocks, block_dim=1)
-        # FIFO; a preempted request goes back to the front; a loading one waits here
-        self.waiting: list[Request] = []
+        self.waiting: list[Request] = []  # FIFO; preempted ones go back to the front
         self.running: list[Request] = []
-        # every request added and not yet finished or aborted, by id (vLLM's scheduler.requests)
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # added, not finished (vLLM's scheduler.requests)
         self.num_steps = 0
-        # request id -> its GPU block table (one group), and how much of it is cached
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.num_cached_blocks: dict[str, int] = {}
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}  # request id -> GPU block table
+        self.num_cached_blocks: dict[str, int] = {}  # request id -> its table's cached blocks
         self.stats: dict[str, RequestStats] = {}
         self._t_arrival: dict[str, float] = {}
-        # request id -> workers that reported its load done (vLLM's KVOutputAggregator)
-        self._recving_counts: dict[str, int] = {}
-        # reset_connector_cache() was refused: retried after every step, no CPU lookup until done
-        self._connector_reset_pending = False
+        self._recving_counts: dict[str, int] = {}  # ranks that reported a load (KVOutputAggregator)
+        self._connector_reset_pending = False  # a refused reset: retried each step, no CPU lookup
 
     def add_request(self, request: Request) -> None:
         req_id = request.request_id
-        # not in vLLM's engine core: a reused id would mix two requests' blocks and stats
-        if req_id in self.stats:
+        if req_id in self.stats:  # not in vLLM's engine core: a reused id would mix two requests
             raise ValueError(f"request id {req_id!r} is already in use")
         # vLLM refuses such a request up front too: it could never be scheduled
         max_num_tokens = request.num_prompt_tokens + request.max_tokens - 1
@@ -1984,9 +1812,7 @@ class MiniEngine:
         self._t_arrival[req_id] = time.perf_counter()
 
     def abort_request(self, request_id: str) -> None:
-        """Drop a request wherever it is (waiting, loading, running), as vLLM's abort does: the
-        connector hears request_finished_all_groups, then the GPU blocks are freed. Copies in
-        flight keep their own refs until they complete."""
+        """Drop a request wherever it is, as vLLM's abort: connector first, then the GPU blocks."""
         req = self.requests.pop(request_id)
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
@@ -2000,16 +1826,12 @@ class MiniEngine:
         return self.gpu_block_pool.reset_prefix_cache()
 
     def reset_connector_cache(self) -> bool:
-        """Drop the CPU prefix cache (vLLM's Scheduler.reset_connector_cache). True once done.
-        While copies it sent are in flight the connector refuses (False) and, as in vLLM 0.34,
-        keeps serving its entries; vLLM leaves the retry to the caller. This engine retries
-        after every step and, until it succeeds, looks nothing up on CPU."""
+        """vLLM's Scheduler.reset_connector_cache; refused (False) while sent copies are running."""
         self._connector_reset_pending = not self.connector.reset()
         return not self._connector_reset_pending
 
     def has_unfinished_work(self) -> bool:
-        """Requests to run, or copies the connector still owes: the engine steps until every
-        pool is free again (an aborted request's load or store still has to complete)."""
+        """Requests to run, or copies the connector still owes (an aborted request's too)."""
         if self.waiting or self.running or self._connector_reset_pending:
             return True
         connector = self.connector
@@ -2024,25 +1846,18 @@ class MiniEngine:
         return self.stats
 
     # --- scheduling ---------------------------------------------------------------
-
     def _schedule(self) -> SchedulerOutput:
-        """One pass in vLLM's order (nano-vllm's schedule(), with chunked prefill).
-
-        Running requests first, each its next chunk (a decode step is a chunk of one token)
-        and the blocks for it; when the GPU pool is short, the last running request is
-        preempted (possibly this one). Then, if nobody was preempted, the waiting queue in
-        order while the budget lasts. Requests whose CPU load has landed go first: they hold
-        GPU blocks (vLLM 0.34 drains its kv_holding_waiting queue first too). A request that
-        cannot start (its load is in flight, or the pool is short) keeps its place and the
-        queue moves on (not in vLLM, which stops at the first failed allocation: stopping can
-        stall for good when a landed load waits for blocks that the request behind it holds).
-        """
+        """One pass in vLLM's order (nano-vllm's schedule(), with chunked prefill): running
+        requests first, each its next chunk, preempting the last running one when the pool is
+        short; then, if nobody was preempted, the waiting queue while the budget lasts, landed
+        loads first (vLLM 0.34's kv_holding_waiting). A request that cannot start keeps its place
+        and the queue moves on (not in vLLM, which stops at the first failed allocation: that can
+        stall for good when a landed load waits for blocks the request behind it holds)."""
         scheduler_output = SchedulerOutput()
         token_budget = self.max_num_batched_tokens
         running_tokens: dict[str, int] = {}
         for req in list(self.running):
-            # a request preempted earlier in this loop is no longer running
-            if token_budget == 0 or req.status != RequestStatus.RUNNING:
+            if token_budget == 0 or req.status != RequestStatus.RUNNING:  # preempted in this loop
                 continue
             num_new_tokens = min(req.num_tokens - req.num_computed_tokens, token_budget)
             num_tokens = req.num_computed_tokens + num_new_tokens
@@ -2070,8 +1885,7 @@ class MiniEngine:
                 del self.waiting[i]
                 self.running.append(req)
                 self._cache_blocks(req, req.num_computed_tokens + num_new_tokens)
-                # a new or resumed request is sent with its whole block table
-                req_id = req.request_id
+                req_id = req.request_id  # a new or resumed request: sent with its whole table
                 scheduler_output.new_block_ids[req_id] = (
                     [b.block_id for b in self.req_to_blocks[req_id]],)
                 if req.status == RequestStatus.PREEMPTED:
@@ -2079,31 +1893,25 @@ class MiniEngine:
                 req.status = RequestStatus.RUNNING
                 scheduler_output.num_scheduled_tokens[req_id] = num_new_tokens
                 token_budget -= num_new_tokens
-        # listed as vLLM 0.34 sends them: new and resumed requests (whole tables) before
-        # running ones, although the running ones were scheduled first
+        # as vLLM 0.34 lists them: new and resumed requests before running ones (scheduled first)
         scheduler_output.num_scheduled_tokens.update(running_tokens)
         return scheduler_output
 
     def _admit(self, req: Request, token_budget: int) -> int | None:
-        """The tokens a waiting request computes this step (0 while a CPU load is pending), or
-        None, with nothing changed, if it cannot start. A request without blocks looks its
-        prefix up (GPU prefix cache, then the connector for the tokens after it), allocates and
-        tells the connector (update_state_after_alloc); one whose load landed allocates the
-        rest of its prompt."""
+        """Tokens a waiting request computes this step (0 while its CPU load is pending), or None,
+        with nothing changed, if it cannot start: a new request looks up its prefix (GPU, then
+        the connector), allocates and calls update_state_after_alloc; a landed one just starts."""
         req_id = req.request_id
         if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             return None  # its load is in flight (vLLM skips past it too)
-        if req_id in self.req_to_blocks:  # its load landed: the table exists
+        if req_id in self.req_to_blocks:  # its load landed: the whole prompt has its blocks
             num_new_tokens = min(req.num_tokens - req.num_computed_tokens, token_budget)
-            if self._allocate(req, req.num_computed_tokens + num_new_tokens) is None:
-                return None
             return num_new_tokens
         # the last token is always recomputed: look up at most num_tokens - 1
         (hit_blocks,), num_local_tokens = find_longest_cache_hit(
             req.block_hashes, req.num_tokens - 1, [0], self.gpu_block_pool, self.block_size)
         num_external_tokens = 0
         if self.connector is not None and not self._connector_reset_pending:
-            # loads are always asynchronous here: the second value is True on every hit
             num_external_tokens, _ = self.connector.get_num_new_matched_tokens(
                 req, num_local_tokens)
         if num_external_tokens:
@@ -2129,16 +1937,14 @@ class MiniEngine:
         if self.connector is not None:
             self.connector.update_state_after_alloc(req, (self.req_to_blocks[req_id],),
                                                     num_external_tokens)
-        # as vLLM: counted as computed already, although the loaded KV is not there yet; the
-        # request is not scheduled until the load lands, so nothing reads it before
+        # as vLLM: counted as computed before the load lands; nothing reads it until then
         req.num_computed_tokens = num_local_tokens + num_external_tokens
         if num_external_tokens:
             req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         return num_new_tokens
 
     def _allocate(self, req: Request, num_tokens: int) -> list[KVCacheBlock] | None:
-        """Grow the request's table to cover num_tokens; None (nothing taken) if the pool is
-        short."""
+        """Grow the request's table to cover num_tokens; None (nothing taken) if it is short."""
         blocks = self.req_to_blocks.setdefault(req.request_id, [])
         num_new_blocks = cdiv(num_tokens, self.block_size) - len(blocks)
         if num_new_blocks > self.gpu_block_pool.get_num_free_blocks():
@@ -2163,22 +1969,19 @@ class MiniEngine:
         self.num_cached_blocks.pop(req.request_id, None)
 
     def _preempt(self, scheduler_output: SchedulerOutput) -> Request:
-        """Preempt the last running request (vLLM's policy for FCFS): free its blocks, send it
-        to the front of the waiting queue, recompute it later from scratch (or from a hit)."""
+        """vLLM's FCFS policy: free the last running request, back to the waiting queue's front."""
         victim = self.running.pop()
         self._free(victim)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.waiting.insert(0, victim)
-        # the connector hears it (its blocks may be reused at once); it was not scheduled
+        # the connector hears it (its blocks may be reused at once); only requests after the
+        # one being scheduled are victims, so none was scheduled in this step yet
         scheduler_output.preempted_req_ids.add(victim.request_id)
-        scheduler_output.num_scheduled_tokens.pop(victim.request_id, None)
-        scheduler_output.new_block_ids.pop(victim.request_id, None)
         return victim
 
     # --- one step -------------------------------------------------------------------
-
     def step(self) -> None:
         """One scheduler step + one forward pass, in vLLM's order (see the class docstring)."""
         self.num_steps += 1
@@ -2196,8 +1999,7 @@ class MiniEngine:
         for w in self.workers:
             w.wait_for_save()  # stores read blocks confirmed by earlier steps (and finish flushes)
             _, recv = w.get_finished(set())
-            # a load is done once every worker (TP rank) reported it
-            for req_id in recv or ():
+            for req_id in recv or ():  # a load is done once every worker (TP rank) reported it
                 self._recving_counts[req_id] = self._recving_counts.get(req_id, 0) + 1
                 if self._recving_counts[req_id] == len(self.workers):
                     del self._recving_counts[req_id]
@@ -2211,13 +2013,11 @@ class MiniEngine:
         # as vLLM's update_from_output: finished requests first, then the completions
         self._update_from_output(scheduler_output)
         if self.connector is not None:
-            self.connector.update_connector_output(KVConnectorOutput(finished_recving,
-                                                                     worker_meta))
+            self.connector.update_connector_output(KVConnectorOutput(finished_recving, worker_meta))
         if self._connector_reset_pending:  # the reports above may have drained what refused it
             self._connector_reset_pending = not self.connector.reset()
         for req_id in finished_recving:
-            req = self.requests.get(req_id)
-            # an aborted request's load also reports: the connector released it already
+            req = self.requests.get(req_id)  # None: aborted (the connector released it already)
             if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 # the loaded blocks become GPU prefix-cache hits; it waits to compute the rest
                 # (as PREEMPTED if it was preempted before: it is sent as resumed)
@@ -2237,8 +2037,7 @@ class MiniEngine:
         return slots.to(self.model.device)
 
     def _forward(self, scheduler_output: SchedulerOutput) -> None:
-        # positions continue from num_computed_tokens: a loaded or GPU-hit prefix is not recomputed
-        for req in self.running:
+        for req in self.running:  # from num_computed_tokens: hit prefixes are not recomputed
             num_new_tokens = scheduler_output.num_scheduled_tokens.get(req.request_id, 0)
             if not num_new_tokens:
                 continue

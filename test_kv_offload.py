@@ -59,6 +59,7 @@ import dataclasses
 import functools
 import inspect
 import textwrap
+import time
 import gc
 import hashlib
 import importlib
@@ -844,68 +845,192 @@ def test_deferred_engine_models_a_dma_engine():
     assert e.query() is True  # never recorded: done, as in CUDA
 
 
-def _frozen_worker(num_gpu_blocks=6):
-    """A worker on a DeferredCopyEngine that runs nothing until the test calls run(); one layer
-    (2, num_gpu_blocks, 4, 8) of zeros, 4 CPU blocks."""
-    dev = DeferredCopyEngine(max_ops_per_call=0)
-    w = ko.SimpleCPUOffloadWorker(4, copy_engine=dev)
-    cache = torch.zeros(2, num_gpu_blocks, 4, 8, dtype=torch.float16)
+# The ordering races, made certain. On "deferred" nothing runs until the test runs it; on "cuda"
+# the compute stream is kept busy for about 100 ms (torch.cuda._sleep: about 2e8 cycles at an
+# H100/H200's ~2 GHz) before the copy is issued, so a copy that skips its wait runs first. Each
+# scenario runs on the real worker and on a subclass with one wait removed, which it must catch.
+BUSY_CYCLES = 200_000_000
+BUSY_S = 0.1
+
+
+class _NoStoreWait(ko.SimpleCPUOffloadWorker):
+    """Planted bug: the store stream does not wait on the compute-done event."""
+
+    def register_kv_caches(self, *args, **kwargs):
+        super().register_kv_caches(*args, **kwargs)
+        self.store_stream.wait_event = lambda event: None
+
+
+class _NoLoadWait(ko.SimpleCPUOffloadWorker):
+    """Planted bug: the load stream does not wait for the compute stream's earlier work."""
+
+    def register_kv_caches(self, *args, **kwargs):
+        super().register_kv_caches(*args, **kwargs)
+        self.load_stream.wait_stream = lambda stream: None
+
+
+class _BlockingPoll(ko.SimpleCPUOffloadWorker):
+    """Planted bug: the poll waits for the oldest copy (event.synchronize()) instead of asking."""
+
+    def _poll_stream_events(self, is_store: bool) -> int:
+        for _, event in (self._store_events if is_store else self._load_events)[:1]:
+            event.synchronize()
+        return super()._poll_stream_events(is_store)
+
+
+class _NoPreemptionWait(ko.SimpleCPUOffloadWorker):
+    """Planted bug: need_flush forgets the copies in flight instead of waiting for them."""
+
+    def handle_preemptions(self, metadata) -> None:
+        if metadata.need_flush:
+            self._load_events.clear()
+            self._store_events.clear()
+
+
+def _race_worker(device, worker_cls=ko.SimpleCPUOffloadWorker, num_gpu_blocks=6):
+    """A worker with one layer (2, num_gpu_blocks, 4, 8) of zeros and 4 CPU blocks, and its copy
+    engine: a DeferredCopyEngine that runs nothing until the test runs it, or None on CUDA."""
+    dev = DeferredCopyEngine(max_ops_per_call=0) if device == "deferred" else None
+    w = worker_cls(4, copy_engine=dev)
+    cache = torch.zeros(2, num_gpu_blocks, 4, 8, dtype=torch.float16,
+                        device="cuda" if dev is None else "cpu")
     w.register_kv_caches({"l0": cache}, num_gpu_blocks, block_dim=1)
+    if dev is None:
+        torch.cuda.synchronize()
     return dev, w, cache
 
 
-def _store_right_after_a_forward(plant_bug: bool) -> torch.Tensor:
-    dev, w, cache = _frozen_worker()
-    if plant_bug:  # the store stream does not wait on the compute-done event
-        w.store_stream.wait_event = lambda event: None
-    with dev.stream(dev.compute):  # the forward writes block 3 (queued: it has not run yet)
-        cache[:, 3].copy_(torch.full((2, 4, 8), 7.0, dtype=torch.float16))
+def _on_compute(dev, write):
+    """A forward's work (a copy_) on the compute stream: queued on the deferred engine; on CUDA
+    after ~100 ms of busy kernel time, so that it has not run when the step's copies are issued.
+    Returns an event recorded after it: its query() says, without waiting, whether it ran."""
+    if dev is None:
+        torch.cuda._sleep(BUSY_CYCLES)
+        write()
+        done = torch.cuda.Event()
+        done.record()
+        return done
+    with dev.stream(dev.compute):
+        write()
+    done = dev.Event()
+    done.record(dev.compute)
+    return done
+
+
+def _run_device(dev, first_stream) -> None:
+    """Let the device run everything queued: the copy stream first whenever it may."""
+    if dev is None:
+        torch.cuda.synchronize()
+    else:
+        dev.run(first_stream)
+
+
+def _store_right_after_a_forward(device, worker_cls) -> torch.Tensor:
+    dev, w, cache = _race_worker(device, worker_cls)
+    seven = torch.full_like(cache[:, 3], 7.0)
+    _on_compute(dev, lambda: cache[:, 3].copy_(seven))  # the forward writes block 3
     w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(store_event=0, store_gpu_blocks=[3],
                                                           store_cpu_blocks=[1]))
     w.wait_for_save()
-    assert w.get_finished(set()) == (None, None) and w.build_connector_worker_meta() is None
-    dev.run(w.store_stream)  # the copy engine first, whenever it may
+    _run_device(dev, w.store_stream)
     w.get_finished(set())
     assert w.build_connector_worker_meta().completed_store_events == {0: 1}
     return torch.stack([w.cpu_kv_caches["l0.k"][1], w.cpu_kv_caches["l0.v"][1]])
 
 
-def test_async_store_right_after_a_forward_copies_the_written_bytes():
-    """A forward writes 7.0 into GPU block 3; the step's store copies block 3 to CPU block 1;
-    the store stream runs first whenever it may. The store waits on the compute-done event, so
-    CPU block 1 holds 7.0. Planted bug: the store stream skips that wait -> the copy runs before
-    the forward and CPU block 1 keeps block 3's old bytes (0.0), which the manager would then
-    register as that prefix's KV."""
-    assert bool((_store_right_after_a_forward(plant_bug=False) == 7.0).all())
-    assert bool((_store_right_after_a_forward(plant_bug=True) == 0.0).all())
+@pytest.mark.parametrize("device", ["deferred", CUDA])
+def test_async_store_right_after_a_forward_copies_the_written_bytes(device):
+    """A forward writes 7.0 into GPU block 3; the step's store copies block 3 to CPU block 1,
+    issued while the forward has not run. The store waits on the compute-done event, so CPU
+    block 1 holds 7.0. Planted bug (_NoStoreWait): the copy runs before the forward and CPU
+    block 1 keeps block 3's old bytes (0.0), which the manager would register as its KV."""
+    assert bool((_store_right_after_a_forward(device, ko.SimpleCPUOffloadWorker) == 7.0).all())
+    assert bool((_store_right_after_a_forward(device, _NoStoreWait) == 0.0).all())
 
 
-def _load_into_a_block_a_forward_reads(plant_bug: bool) -> torch.Tensor:
-    dev, w, cache = _frozen_worker()
+def _load_into_a_block_a_forward_reads(device, worker_cls) -> torch.Tensor:
+    dev, w, cache = _race_worker(device, worker_cls)
     cache[:, 2] = 1.0                      # block 2's KV, which a forward still reads
-    w.cpu_kv_caches["l0.k"][1] = 9.0          # CPU block 1: the KV of another request's prefix
+    w.cpu_kv_caches["l0.k"][1] = 9.0       # CPU block 1: the KV of another request's prefix
     w.cpu_kv_caches["l0.v"][1] = 9.0
-    if plant_bug:  # the load stream does not wait for the compute stream's earlier work
-        w.load_stream.wait_stream = lambda stream: None
-    read = torch.zeros(2, 4, 8, dtype=torch.float16)
-    with dev.stream(dev.compute):  # the running forward's read of block 2 (queued)
-        read.copy_(cache[:, 2])
+    read = torch.zeros(2, 4, 8, dtype=torch.float16, device=cache.device)
+    _on_compute(dev, lambda: read.copy_(cache[:, 2]))  # the running forward's read of block 2
     w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(load_event=0, load_cpu_blocks=[1],
                                                           load_gpu_blocks=[2],
                                                           load_event_to_reqs={0: ["r"]}))
     w.start_load_kv()
-    dev.run(w.load_stream)
+    _run_device(dev, w.load_stream)
     assert w.get_finished(set()) == (None, {"r"}) and bool((cache[:, 2] == 9.0).all())
-    return read
+    return read.cpu()
 
 
-def test_async_load_does_not_land_in_a_block_a_running_forward_reads():
+@pytest.mark.parametrize("device", ["deferred", CUDA])
+def test_async_load_does_not_land_in_a_block_a_running_forward_reads(device):
     """GPU block 2 (KV 1.0) was freed and handed to a new request, whose load brings CPU block 1
-    (KV 9.0) into it, while a forward queued earlier still reads block 2. The load waits for the
-    compute stream's earlier work: the forward reads 1.0. Planted bug: the load stream skips
-    that wait -> it lands first and the forward reads 9.0, another request's KV."""
-    assert bool((_load_into_a_block_a_forward_reads(plant_bug=False) == 1.0).all())
-    assert bool((_load_into_a_block_a_forward_reads(plant_bug=True) == 9.0).all())
+    (KV 9.0) into it, while a forward issued earlier still reads block 2. The load waits for
+    the compute stream's earlier work: the forward reads 1.0. Planted bug (_NoLoadWait): the
+    load lands first and the forward reads 9.0, another request's KV."""
+    read = _load_into_a_block_a_forward_reads(device, ko.SimpleCPUOffloadWorker)
+    assert bool((read == 1.0).all())
+    assert bool((_load_into_a_block_a_forward_reads(device, _NoLoadWait) == 9.0).all())
+
+
+def _issue_and_poll_while_compute_is_busy(device, worker_cls) -> tuple[float, bool]:
+    """A store and a load issued, then polled, behind a forward that has not run. Returns the
+    host seconds the three calls took, and whether the forward had run when they returned."""
+    dev, w, cache = _race_worker(device, worker_cls)
+    seven = torch.full_like(cache[:, 3], 7.0)
+    forward = _on_compute(dev, lambda: cache[:, 3].copy_(seven))
+    start = time.perf_counter()
+    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(
+        store_event=0, store_gpu_blocks=[3], store_cpu_blocks=[1], load_event=0,
+        load_cpu_blocks=[2], load_gpu_blocks=[4], load_event_to_reqs={0: ["r"]}))
+    w.start_load_kv()
+    w.wait_for_save()
+    finished = w.get_finished(set())
+    seconds = time.perf_counter() - start
+    ran = forward.done() if dev is not None else forward.query()  # done(): a look, no time
+    _run_device(dev, w.store_stream)
+    if worker_cls is ko.SimpleCPUOffloadWorker:
+        assert finished == (None, None), "reported before the forward ran"
+    return seconds, ran
+
+
+@pytest.mark.parametrize("device", ["deferred", CUDA])
+def test_issue_and_poll_never_block(device):
+    """Issuing the step's copies and polling return at once while the compute stream is busy:
+    on CUDA well inside the ~100 ms the forward takes, before it ran; on the deferred engine
+    without running any of its ops. Planted bug (_BlockingPoll): the poll waits for the oldest
+    copy, so it returns only after the forward ran."""
+    seconds, ran = _issue_and_poll_while_compute_is_busy(device, ko.SimpleCPUOffloadWorker)
+    assert not ran and (device != "cuda" or seconds < BUSY_S / 2), seconds
+    seconds, ran = _issue_and_poll_while_compute_is_busy(device, _BlockingPoll)
+    assert ran and (device != "cuda" or seconds > BUSY_S / 2), seconds
+
+
+def _preempt_while_a_store_is_in_flight(device, worker_cls) -> torch.Tensor:
+    """A store of block 3 issued behind a forward that writes it; then a preemption: the freed
+    blocks may be reused at once. Returns CPU block 1 right after handle_preemptions()."""
+    dev, w, cache = _race_worker(device, worker_cls)
+    seven = torch.full_like(cache[:, 3], 7.0)
+    _on_compute(dev, lambda: cache[:, 3].copy_(seven))
+    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(store_event=0, store_gpu_blocks=[3],
+                                                          store_cpu_blocks=[1]))
+    w.wait_for_save()
+    w.handle_preemptions(ko.SimpleCPUOffloadMetadata(need_flush=True))
+    copied = torch.stack([w.cpu_kv_caches["l0.k"][1], w.cpu_kv_caches["l0.v"][1]]).clone()
+    _run_device(dev, w.store_stream)
+    return copied
+
+
+@pytest.mark.parametrize("device", ["deferred", CUDA])
+def test_handle_preemptions_waits_for_an_in_flight_store(device):
+    """need_flush: handle_preemptions() returns only once the store in flight has copied block 3
+    (7.0), so the block may be reused. Planted bug (_NoPreemptionWait): it returns at once and
+    CPU block 1 still holds 0.0 (the copy would then read whatever the reuse writes)."""
+    assert bool((_preempt_while_a_store_is_in_flight(device, ko.SimpleCPUOffloadWorker)
+                 == 7.0).all())
+    assert bool((_preempt_while_a_store_is_in_flight(device, _NoPreemptionWait) == 0.0).all())
 
 
 def _one_of_two_workers_reports(plant_bug: bool) -> str | None:
@@ -1881,9 +2006,16 @@ def test_stale_completions_after_reset_are_ignored():
 
 
 # ---- 1.13 The seven tests PR #53532 added --------------------------------------------------------
+# Under vLLM 0.34's names, each run on the fixed class and on every pre-fix variant (the variant
+# with the bug must fail it: assert_variant). `pytest -m pr53532` runs the seven on the fixed class
+# only, as the PR ran them. The other tests here are ours: the flush skips in-flight blocks, a
+# queued flush counts as in flight, and registration survives a stamped destination (the trap).
+# No config file registers the marker (the repository keeps none): its warning is silenced here.
+warnings.filterwarnings("ignore", "Unknown pytest.mark.pr53532", pytest.PytestUnknownMarkWarning)
+PR_VARIANTS = [pytest.param("fixed", marks=pytest.mark.pr53532), *VARIANTS[1:]]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", PR_VARIANTS)
 def test_eager_store_preserves_secondary_block_hashes(variant):
     """A stored block is found under its primary key and its fine-grained secondaries. vLLM 0.29
     inserted the primary only: whole blocks hit (64), the fine-grained probe misses (0). The
@@ -1911,7 +2043,7 @@ def test_eager_store_preserves_secondary_block_hashes(variant):
                    skip_reset_hash=({cpu0: {sec[0]}, cpu1: {sec[1]}}, 16, 16))
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", PR_VARIANTS)
 def test_finished_eager_stores_are_batched(variant):
     """Two finish-time flushes and a running request's store go out as one store event."""
     h = Harness(variant)
@@ -1935,7 +2067,7 @@ def test_finished_eager_stores_are_batched(variant):
     assert [blk.ref_cnt for blk in ta[0] + tb[0]] == [0] * 6
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", PR_VARIANTS)
 def test_finished_eager_store_skips_existing_cpu_cache_entries(variant):
     """The flush skips blocks already in the CPU cache
     (the trap: the empty map makes it copy them again)."""
@@ -1999,7 +2131,7 @@ def test_registration_survives_stamped_destination(variant):
     assert_variant(variant, h.in_cpu(req), [True, True], skip_reset_hash=[False, False])
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", PR_VARIANTS)
 def test_finished_eager_store_is_reported_pending_before_metadata_build(variant):
     """has_pending_stores / has_pending_push_work are True
     from the finish until the flush completes."""
@@ -2018,7 +2150,7 @@ def test_finished_eager_store_is_reported_pending_before_metadata_build(variant)
                    flush_bug=([(False, False)] * 3, 0))
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", PR_VARIANTS)
 def test_finished_eager_store_caches_all_groups(variant):
     """The flush stores the remaining confirmed blocks of every KV-cache group."""
     h = Harness(variant, num_cpu_blocks=8, block_size=32, hash_block_size=16,
@@ -2035,7 +2167,7 @@ def test_finished_eager_store_caches_all_groups(variant):
                    skip_reset_hash=(sorted(g0[:4] + g1[:2]), 0), flush_bug=([], 0))
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", PR_VARIANTS)
 def test_finished_eager_store_respects_cpu_capacity(variant):
     """The flush stops at CPU capacity instead of raising: 2 usable CPU blocks -> 2 of 4 blocks."""
     h = Harness(variant, num_cpu_blocks=3)
@@ -2046,7 +2178,7 @@ def test_finished_eager_store_respects_cpu_capacity(variant):
                    (g[:2], 0), flush_bug=([], 2))
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", PR_VARIANTS)
 def test_reset_releases_unsubmitted_finished_stores(variant):
     """reset() releases a queued (never sent) flush at once:
     GPU and CPU refs back, reset succeeds."""
@@ -2062,6 +2194,49 @@ def test_reset_releases_unsubmitted_finished_stores(variant):
     assert (len(h.cpu.cached_block_hash_to_block), h.sched.has_pending_push_work()) == (0, False)
     assert h.gpu.reset_prefix_cache()
     assert h.step().store_event == -1  # nothing left to send
+
+
+# The names the fix introduced or touched in the manager: every line that uses one is tagged
+# `# PR #53532`, or lies in a function whose `def` line carries the tag (the whole function is the
+# fix's), so that `grep -n "PR #53532" kv_offload.py` gives a porter the whole fix.
+FIX_NAMES = re.compile(r"_pending_finished_stores|_queue_finished_eager_store|"
+                       r"_select_eager_blocks_to_store|has_pending_push_work|"
+                       r"cached_block_hashes_by_block|_insert_block_hash|"
+                       r"primary_hash|secondary_hashes")
+
+
+def fix_lines_untagged(lines: list[str]) -> list[str]:
+    """Lines of a class's source (`lines`) that use a FIX_NAMES name and are neither tagged (on
+    some line of their statement) nor in a tagged function."""
+    tree = ast.parse(textwrap.dedent("".join(lines)))
+    tagged_ranges, statements = [], []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and "# PR #53532" in lines[node.lineno - 1]:
+            tagged_ranges.append(range(node.lineno, node.end_lineno + 1))
+        elif isinstance(node, ast.stmt) and not isinstance(node, ast.ClassDef):
+            # a compound statement's own lines end where its body starts
+            body = getattr(node, "body", None)
+            end = body[0].lineno - 1 if isinstance(body, list) and body else node.end_lineno
+            statements.append(range(node.lineno, end + 1))
+    untagged = []
+    for i, line in enumerate(lines, start=1):
+        if not FIX_NAMES.search(line.split("#")[0]) or any(i in r for r in tagged_ranges):
+            continue
+        statement = min((r for r in statements if i in r), key=len)
+        if not any("PR #53532" in lines[j - 1] for j in statement):
+            untagged.append(line.strip())
+    return untagged
+
+
+def test_pr_53532_tags_give_the_whole_fix():
+    """Every line of the manager that uses a name of the fix is tagged (or in a tagged function),
+    and the check can fail: the secondary-key loop without its tag is found."""
+    lines, _ = inspect.getsourcelines(ko.SimpleCPUOffloadScheduler)
+    assert fix_lines_untagged(lines) == []
+    loop = "for block_hash in secondary_hashes:  # PR #53532"
+    planted = [line.replace(loop, "for block_hash in secondary_hashes:") for line in lines]
+    assert planted != lines
+    assert fix_lines_untagged(planted) == ["for block_hash in secondary_hashes:"]
 
 
 # ---- 1.14 End to end: toy model and engine -------------------------------------------------------
@@ -2280,17 +2455,30 @@ STEP_CALLS = ("bind_connector_metadata", "start_load_kv", "wait_for_save", "get_
               "build_connector_worker_meta", "clear_connector_metadata")
 
 
+def _refuse_blocking_wait(*args, **kwargs):
+    raise RuntimeError("synchronizing call: a blocking wait inside a worker step")
+
+
+# what sync-debug mode does not see: the explicit waits (on the deferred engine, its event's)
+BLOCKING_WAITS = [(torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize"),
+                  (torch.cuda.Stream, "synchronize"), (_SimEvent, "synchronize")]
+
+
 def sync_checked(worker, set_mode=None):
     """Run the worker's per-step calls under torch.cuda.set_sync_debug_mode("error"), so that a
-    hidden CPU-GPU sync in any of them raises. handle_preemptions is left out: a need_flush
-    waits for every copy by design."""
+    hidden CPU-GPU sync in any of them raises, and with the explicit waits sync-debug mode does
+    not see (torch.cuda.synchronize, Event/Stream.synchronize) refused. handle_preemptions is
+    left out: a need_flush waits for every copy by design."""
     set_mode = set_mode or torch.cuda.set_sync_debug_mode
 
     def checked(call):
         def run(*args):
             set_mode("error")
             try:
-                return call(*args)
+                with pytest.MonkeyPatch.context() as mp:
+                    for owner, name in BLOCKING_WAITS:
+                        mp.setattr(owner, name, _refuse_blocking_wait)
+                    return call(*args)
             finally:
                 set_mode("default")
         return run
@@ -2317,9 +2505,11 @@ def _collect_cuda_cases() -> str:
     return _pytest_here("--collect-only", "-k", "cuda", env=env)
 
 
-def _story_with_sync_check(device, set_mode=None, plant_sync=False):
+def _story_with_sync_check(device, set_mode=None, plant_sync=False, worker_cls=None):
     eng, conn, model = _story_engine(device=device)
     w = eng.workers[0]
+    if worker_cls is not None:  # a planted bug in the worker: the same worker, another class
+        w.__class__ = worker_cls
     if plant_sync:  # planted: the worker reads KV on the host, a sync, before each store
         store = w.wait_for_save
 
@@ -2333,14 +2523,49 @@ def _story_with_sync_check(device, set_mode=None, plant_sync=False):
     assert b.cpu_hit_tokens == 992 and torch.equal(b.kv, model.expected_kv(prompt).cpu())
 
 
+def test_copy_calls_per_block_of_the_story():
+    """How many copies the worker issues for the demo's 8192-token story (block 16, chunks of
+    1024, 4 layers: 8 regions, K and V). Each run of ids consecutive on both sides is one slice
+    copy per region. A is stored chunk by chunk: 8 chunks of 64 blocks, each a run (GPU and CPU
+    ids both ascending) -> 8 runs, 64 copies for 512 blocks. B's table: the GPU free queue after
+    A holds the 63 blocks A never used (513 is A's partial last block, prepended; 514-575), then
+    A's blocks tail first (vLLM's free order), except those of A's last two chunks, which their
+    stores still pinned when A finished (the step-late store, then the final flush) and which
+    rejoin ascending as the stores complete: 513-575, 384 down to 1, 385-448. Against CPU sources
+    1-511 ascending: a run of 63, 384 single blocks, a run of 64 -> 386 runs, 3,088 copies for 511
+    blocks (6.04 a block). On CPU each is a memcpy; on CUDA each is one copy_ call (vLLM 0.34
+    issues one cuMemcpyBatchAsync per launch instead)."""
+    launches = []
+    coalesce = ko._coalesce_runs
+
+    def spy(src_ids, dst_ids):
+        runs = coalesce(src_ids, dst_ids)
+        launches.append((len(src_ids), runs))
+        return runs
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ko, "_coalesce_runs", spy)
+        story = ko.run_story(ko.SimpleCPUOffloadScheduler, 8192)
+    assert story["kv_exact"] and story["cpu_hit_tokens"] == 511 * 16
+    *stores, (num_loaded, load_runs) = launches
+    num_regions = 4 * 2
+    assert sum(n for n, _ in stores) == 512 and sum(len(r) for _, r in stores) * num_regions == 64
+    assert num_loaded == 511 and len(load_runs) * num_regions == 3088
+    assert [n for _, _, n in load_runs] == [63] + [1] * 384 + [64]
+
+
 @pytest.mark.parametrize("device", [CUDA])
 def test_worker_step_has_no_hidden_sync(device):
     """The story (1000 tokens: 62 blocks stored, then loaded) with every per-step worker call
-    under set_sync_debug_mode("error"): stores, loads and polls never make the CPU wait for the
-    GPU. The check is live: a planted `.item()` before each store raises."""
+    under set_sync_debug_mode("error") and the explicit waits refused: stores, loads and polls
+    never make the CPU wait for the GPU. The check is live: a planted `.item()` before each
+    store raises, and so does a poll that waits for its oldest copy (_BlockingPoll), which
+    sync-debug mode alone does not see."""
     _story_with_sync_check(device)
     with pytest.raises(RuntimeError, match="synchronizing"):
         _story_with_sync_check(device, plant_sync=True)
+    with pytest.raises(RuntimeError, match="synchronizing"):
+        _story_with_sync_check(device, worker_cls=_BlockingPoll)
 
 
 def test_sync_check_covers_every_copy_and_poll():
@@ -2363,6 +2588,8 @@ def test_sync_check_covers_every_copy_and_poll():
         mp.setattr(ko.SimpleCPUOffloadWorker, "_poll_stream_events", spy_poll)
         _story_with_sync_check("deferred", set_mode=lambda m: mode.__setitem__(0, m))
     assert set(seen) == {("copy", "error"), ("poll", "error")} and mode == ["default"]
+    with pytest.raises(RuntimeError, match="synchronizing call"):
+        _story_with_sync_check("deferred", set_mode=lambda m: None, worker_cls=_BlockingPoll)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU answer")
