@@ -2366,13 +2366,19 @@ def test_engine_lists_resumed_requests_first_under_preemption():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_two_workers_world_size_2(device):
-    """Two TP workers: a store completes only once both reported it; the story still holds."""
+    """Two TP workers, each with its own GPU caches (as two ranks): a store completes only once
+    both reported it; the story still holds, and both ranks end with the same bytes in every
+    block (the same forward writes and the same loads, each from its own CPU mirror)."""
     eng, conn, model = _story_engine(workers=2, world_size=2, device=device)
     prompt = _prompt(1000)
     stats = _run_a_then_b(eng, prompt)
     assert stats["B"].cpu_hit_tokens == 992
     assert torch.equal(stats["B"].kv, model.expected_kv(prompt).cpu())
     _assert_all_free(eng, conn)
+    rank0, rank1 = eng.rank_kv_caches
+    for name in rank0:
+        assert rank0[name].data_ptr() != rank1[name].data_ptr()
+        assert torch.equal(rank0[name], rank1[name])
 
 
 def test_engine_request_states_follow_vllm():
@@ -2523,7 +2529,8 @@ def _story_with_sync_check(device, set_mode=None, plant_sync=False, worker_cls=N
     assert b.cpu_hit_tokens == 992 and torch.equal(b.kv, model.expected_kv(prompt).cpu())
 
 
-def test_copy_calls_per_block_of_the_story():
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_copy_calls_per_block_of_the_story(device, pytestconfig):
     """How many copies the worker issues for the demo's 8192-token story (block 16, chunks of
     1024, 4 layers: 8 regions, K and V). Each run of ids consecutive on both sides is one slice
     copy per region. A is stored chunk by chunk: 8 chunks of 64 blocks, each a run (GPU and CPU
@@ -2533,25 +2540,40 @@ def test_copy_calls_per_block_of_the_story():
     stores still pinned when A finished (the step-late store, then the final flush) and which
     rejoin ascending as the stores complete: 513-575, 384 down to 1, 385-448. Against CPU sources
     1-511 ascending: a run of 63, 384 single blocks, a run of 64 -> 386 runs, 3,088 copies for 511
-    blocks (6.04 a block). On CPU each is a memcpy; on CUDA each is one copy_ call (vLLM 0.34
-    issues one cuMemcpyBatchAsync per launch instead)."""
-    launches = []
-    coalesce = ko._coalesce_runs
+    blocks (6.04 a block). On CPU each is a memcpy; on CUDA one copy_ call each (vLLM 0.34 issues
+    one cuMemcpyBatchAsync per launch instead). On CUDA it prints the load's GB/s, timed by CUDA
+    events, and the host µs per copy_ call."""
+    launches, timings = [], []
+    launch = ko.SimpleCPUOffloadWorker._launch
 
-    def spy(src_ids, dst_ids):
-        runs = coalesce(src_ids, dst_ids)
-        launches.append((len(src_ids), runs))
-        return runs
+    def spy(self, src_ids, dst_ids, is_store, event_idx):
+        launches.append((len(src_ids), ko._coalesce_runs(src_ids, dst_ids)))
+        if self.device.type != "cuda" or is_store:
+            return launch(self, src_ids, dst_ids, is_store, event_idx)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        host_start = time.perf_counter()
+        launch(self, src_ids, dst_ids, is_store, event_idx)
+        timings.append((start, end, time.perf_counter() - host_start,
+                        sum(t[0].nbytes for t in self.cpu_kv_caches.values()) * len(src_ids)))
+        end.record(self.load_stream)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ko, "_coalesce_runs", spy)
-        story = ko.run_story(ko.SimpleCPUOffloadScheduler, 8192)
+        mp.setattr(ko.SimpleCPUOffloadWorker, "_launch", spy)
+        story = ko.run_story(ko.SimpleCPUOffloadScheduler, 8192, device=device)
     assert story["kv_exact"] and story["cpu_hit_tokens"] == 511 * 16
     *stores, (num_loaded, load_runs) = launches
     num_regions = 4 * 2
     assert sum(n for n, _ in stores) == 512 and sum(len(r) for _, r in stores) * num_regions == 64
     assert num_loaded == 511 and len(load_runs) * num_regions == 3088
     assert [n for _, _, n in load_runs] == [63] + [1] * 384 + [64]
+    if device == "cuda":
+        (start, end, host_s, nbytes), = timings
+        end.synchronize()
+        print_now(pytestconfig, f"story load on CUDA as issued: 511 blocks, 386 runs, 3,088 "
+                  f"copy_ calls, {nbytes / (start.elapsed_time(end) / 1e3) / 1e9:.2f} GB/s; host "
+                  f"{host_s / 3088 * 1e6:.2f} µs per copy_ call")
 
 
 @pytest.mark.parametrize("device", [CUDA])
@@ -2597,28 +2619,57 @@ def test_gpu_check_fails_without_a_gpu(capsys):
     """No GPU: --gpu-check must not pass by skipping everything."""
     with pytest.raises(SystemExit) as exit_:
         ko.main(["--gpu-check"])
-    assert exit_.value.code == 2 and "no CUDA device" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert exit_.value.code == 2 and out.splitlines()[-1].startswith("GPU CHECK: FAIL (torch sees")
 
 
-def test_gpu_check_runs_the_gpu_cases_then_the_gpu_bench(monkeypatch):
-    """With a stand-in GPU: the check runs pytest -k cuda on this file with 200 fuzz examples and
-    skips turned into failures, prints the CUDA bench rows, and exits with pytest's status."""
-    calls = []
+@pytest.mark.parametrize("outcome, code, verdict", [
+    ("pass", 0, "GPU CHECK: PASS"),
+    ("fail", 1, "GPU CHECK: FAIL (a CUDA test failed)"),
+    ("timeout", 1, "GPU CHECK: FAIL (the CUDA tests ran past 300 s)"),
+    ("slow bench", 1, "GPU CHECK: FAIL (past the 360 s limit)"),
+    ("goal missed", 0, "GPU CHECK: PASS")], ids=lambda v: str(v).split()[0])  # -k cuda: not here
+def test_gpu_check_plumbing(outcome, code, verdict, monkeypatch, capsys):
+    """With a stand-in GPU: --gpu-check runs `pytest -k cuda` on this file with CUDA cases that
+    fail instead of skip, the fixed fuzz seed (printed) and 200 schedules, under the time limit
+    less a minute for the bench; then the CUDA bench rows. The last line is the verdict, and the
+    exit status follows it: a failed or timed-out test run, or a whole check past its limit,
+    fails; a missed bandwidth goal is printed but does not (yet)."""
+    runs = []
+
+    def fake_run(argv, env, timeout):
+        runs.append((argv, env, timeout))
+        if outcome == "timeout":
+            raise subprocess.TimeoutExpired(argv, timeout)
+        return subprocess.CompletedProcess(argv, 1 if outcome == "fail" else 0)
+
+    clock = iter([0.0, 400.0 if outcome == "slow bench" else 100.0])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(subprocess, "call", lambda argv, env: calls.append((argv, env)) or 1)
-    monkeypatch.setattr(ko, "_print_copy_rows", lambda devices: calls.append(devices))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "stand-in")
+    monkeypatch.setattr(ko.subprocess, "run", fake_run)
+    monkeypatch.setattr(ko.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(ko, "_print_copy_rows", lambda device: (
+        ["per-layer scattered store 0.20"] if outcome == "goal missed" else []))
+    monkeypatch.delenv("KV_OFFLOAD_FUZZ_SEED", raising=False)
     with pytest.raises(SystemExit) as exit_:
         ko.main(["--gpu-check"])
-    (argv, env), devices = calls
-    assert exit_.value.code == 1 and devices == ["cuda"]
+    (argv, env, timeout), = runs
+    out = capsys.readouterr().out.splitlines()
+    assert exit_.value.code == code and out[-1] == verdict, out
+    assert f"fuzz seed {ko.GPU_CHECK_SEED}" in out[0] and timeout == ko.GPU_CHECK_LIMIT_S - 60
     assert argv[argv.index("-k") + 1] == "cuda" and argv[-1].endswith("test_kv_offload.py")
-    assert env["KV_OFFLOAD_REQUIRE_CUDA"] == "1" and env["KV_OFFLOAD_FUZZ_EXAMPLES"] == "200"
+    assert (env["KV_OFFLOAD_REQUIRE_CUDA"], env["KV_OFFLOAD_FUZZ_EXAMPLES"],
+            env["KV_OFFLOAD_FUZZ_SEED"]) == ("1", "200", str(ko.GPU_CHECK_SEED))
+    goal_line = [line for line in out if line.startswith("bandwidth goal")]
+    assert goal_line == ["bandwidth goal missed: per-layer scattered store 0.20"
+                         if outcome == "goal missed" else "bandwidth goal: met"]
 
 
 def test_gpu_check_selects_every_gpu_case():
     """What `-k cuda` collects under KV_OFFLOAD_REQUIRE_CUDA: the CUDA parameter of every device-
-    parametrized test (worker copies, end to end, two workers, reliability scenarios, the fuzz,
-    the sync check) and nothing else; and a selected case fails, not skips, without a GPU."""
+    parametrized test (worker copies, the races and their planted bugs, end to end, two
+    workers, reliability scenarios, the fuzz, the sync check, the story's load as issued) and
+    nothing else; and a selected case fails, not skips, without a GPU."""
     env = dict(os.environ, KV_OFFLOAD_REQUIRE_CUDA="1")
     out = _collect_cuda_cases()
     ids = [line for line in out.splitlines() if "::" in line]
@@ -2628,7 +2679,11 @@ def test_gpu_check_selects_every_gpu_case():
             "test_worker_step_has_no_hidden_sync",
             "test_abort_while_its_load_is_in_flight",
             "test_reset_while_a_store_and_a_load_are_in_flight",
-            "test_world_size_2_one_worker_lags"} <= names
+            "test_world_size_2_one_worker_lags",
+            "test_async_store_right_after_a_forward_copies_the_written_bytes",
+            "test_async_load_does_not_land_in_a_block_a_running_forward_reads",
+            "test_issue_and_poll_never_block", "test_handle_preemptions_waits_for_an_in_flight_store",
+            "test_copy_calls_per_block_of_the_story"} <= names
     assert all("cuda" in i.split("[")[1] for i in ids), ids
     if not torch.cuda.is_available():
         one = _pytest_here("-k", "cuda and worker_copies and flash and contiguous", env=env)
@@ -4414,11 +4469,11 @@ BAD_CALLS = [
      _engine(), _V, r"connector: it serves another engine"),
     ("engine", "offload_prompt(the live connector)",
      lambda w: ko.offload_prompt(w.conn, list(range(1, 14)), FUZZ_BS),
-     _V, r"scheduler: it serves another engine"),
+     _V, r"scheduler: it serves another engine or more than one worker"),
     # a store waits for a second report that never comes: its pins leak
     ("engine", "offload_prompt(a connector of world_size 2)",
      lambda w: ko.offload_prompt(w.spare_conn, list(range(1, 14)), FUZZ_BS),
-     _V, r"scheduler: world_size 2, offload_prompt plays one worker"),
+     _V, r"scheduler: it serves another engine or more than one worker"),
     ("engine", "Request(empty prompt)", lambda w: ko.Request("e", [], FUZZ_BS),
      _V, r"request 'e': prompt_token_ids is empty"),
 ]
