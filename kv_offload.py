@@ -34,6 +34,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -1528,29 +1529,19 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
 
     def _allocate_cpu_blocks(self, gpu_block_ids: list[int], request: Request
                              ) -> list[KVCacheBlock]:
-        """Also record each destination's parent key: in a run of one group, the previous
-        source's key; else cache_full_blocks' formula (the fine hash at the parent's end + the
-        group id)."""
+        """Also record each destination's parent key, by cache_full_blocks' formula: the fine
+        hash at the parent's end + the group id (None for a chain's root)."""
         cpu_blocks = super()._allocate_cpu_blocks(gpu_block_ids, request)
         assert self._gpu_block_pool is not None
-        gpu_blocks = self._gpu_block_pool.blocks
-        one_group = len(self.group_block_sizes) == 1
-        prev_block = None  # the previous source: in a run of one group, the parent
         for gpu_block_id, cpu_block in zip(gpu_block_ids, cpu_blocks):
-            gpu_block = gpu_blocks[gpu_block_id]
-            num_tokens = gpu_block.block_hash_num_tokens or 0
-            size = self.group_block_sizes[get_group_id(gpu_block.block_hash)]
-            parent_num_tokens = num_tokens - size
-            if one_group and prev_block is not None and (
-                    prev_block.block_hash_num_tokens == parent_num_tokens):
-                parent_key = prev_block.block_hash  # no hashing
-            elif parent_num_tokens > 0:
-                parent_fine_idx = parent_num_tokens // self.hash_block_size - 1
-                parent_key = request.block_hashes[parent_fine_idx] + gpu_block.block_hash[-4:]
-            else:
-                parent_key = None  # a chain's root
+            key = self._gpu_block_pool.blocks[gpu_block_id].block_hash
+            num_tokens = self._gpu_block_pool.blocks[gpu_block_id].block_hash_num_tokens or 0
+            parent_num_tokens = num_tokens - self.group_block_sizes[get_group_id(key)]
+            parent_key = None
+            if parent_num_tokens > 0:
+                parent_key = request.block_hashes[parent_num_tokens // self.hash_block_size - 1]
+                parent_key += key[-4:]
             self._cpu_parent_keys[cpu_block.block_id] = parent_key
-            prev_block = gpu_block
         return cpu_blocks
 
     def _num_free_for_store(self, state: StoreRequestState) -> int:
@@ -1639,12 +1630,10 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
 def run_rotation(num_prompts: int = 3, prompt_blocks: int = 64, num_cpu_blocks: int = 160,
                  rounds: int = 4, scheduler_cls: type = SimpleCPUOffloadScheduler,
                  block_size: int = 16, max_num_batched_tokens: int = 1024, seed: int = 0) -> dict:
-    """The rotation case of prefix-aware eviction (LRU with the default scheduler_cls).
-    `num_prompts` distinct prompts of `prompt_blocks` blocks, requested one after another,
-    round-robin, for `rounds` rounds; the GPU prefix cache is dropped before each request (as in
-    run_story), so every reuse must come from the CPU pool. Returns the tokens loaded from CPU
-    per round, the ideal (the pool's capacity spread over the prompts, each capped at its hit
-    limit), and the checks."""
+    """Prompts in rotation: `num_prompts` distinct prompts of `prompt_blocks` blocks requested
+    round-robin for `rounds` rounds, the GPU prefix cache dropped before each (every reuse comes
+    from CPU). The tokens loaded per round, the ideal (the pool's capacity over the prompts,
+    each capped at its hit limit), and the checks. LRU with the default scheduler_cls."""
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 32000, (prompt_blocks * block_size,), generator=gen).tolist()
                for _ in range(num_prompts)]
@@ -1653,15 +1642,14 @@ def run_rotation(num_prompts: int = 3, prompt_blocks: int = 64, num_cpu_blocks: 
     connector = scheduler_cls(num_cpu_blocks, block_size)
     engine = MiniEngine(num_blocks, block_size, max_num_batched_tokens, model, connector,
                         SimpleCPUOffloadWorker(num_cpu_blocks), capture_kv=True)
-    loaded_per_round = []
+    loaded_per_round = [0] * rounds
     kv_exact = True
     for r in range(rounds):
-        loaded_per_round.append(0)
         for k, prompt in enumerate(prompts):
             assert engine.reset_gpu_prefix_cache(), "GPU blocks still in use after run()"
             engine.add_request(Request(f"round{r}-prompt{k}", prompt, block_size, max_tokens=1))
             stats = engine.run()[f"round{r}-prompt{k}"]
-            loaded_per_round[-1] += stats.cpu_hit_tokens
+            loaded_per_round[r] += stats.cpu_hit_tokens
             kv_exact = kv_exact and torch.equal(stats.kv, model.expected_kv(prompt).cpu())
     # each prompt can load all its blocks but the last token's; the pool holds num_cpu_blocks - 1
     max_hit_blocks = (prompt_blocks * block_size - 1) // block_size
@@ -1685,17 +1673,17 @@ class ToyModel:
     # a prime < 2**31 and an LCG multiplier: every product fits in int64, no overflow
     _MOD = 2_147_483_629
     _MUL = 1_103_515_245
+    VOCAB_SIZE = 32000
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float16, device: str | torch.device = "cpu",
-                 rounds: int = 4, vocab_size: int = 32000):
+                 rounds: int = 4):
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
         self.rounds = rounds
-        self.vocab_size = vocab_size
         num_features = 2 * num_kv_heads * head_dim  # K and V of every head: different streams
         self._feature = torch.arange(num_features, device=self.device, dtype=torch.int64)
 
@@ -1710,9 +1698,7 @@ class ToyModel:
                 x.mul_(self._MUL).add_(12_345 + layer).remainder_(self._MOD)
                 torch.bitwise_right_shift(x, 11, out=shifted)
                 x.bitwise_xor_(shifted)
-            # k/256 with |k| <= 512: exact in float16
-            kv[layer] = ((x % 1024) - 512).to(torch.float32).div_(256)
-        # [L, n, 2*H*D] -> [L, n, 2, H, D]
+            kv[layer] = ((x % 1024) - 512).to(torch.float32).div_(256)  # exact in float16
         kv = kv.view(self.num_layers, -1, 2, self.num_kv_heads, self.head_dim)
         return kv.permute(0, 2, 1, 3, 4)
 
@@ -1722,8 +1708,7 @@ class ToyModel:
 
     def forward(self, kv_caches: dict[str, torch.Tensor], token_ids: Sequence[int],
                 positions: Sequence[int], slot_mapping: torch.Tensor) -> None:
-        """Write the KV of the given tokens into the paged caches at `slot_mapping`
-        (slot = block_id * block_size + offset); caches are (2, num_blocks, block_size, H, D)."""
+        """Write the tokens' KV into the paged (2, num_blocks, block_size, H, D) caches."""
         token_tensor = torch.as_tensor(token_ids, dtype=torch.int64, device=self.device)
         position_tensor = torch.as_tensor(positions, dtype=torch.int64, device=self.device)
         kv = self.compute_kv(token_tensor, position_tensor)
@@ -1739,7 +1724,7 @@ class ToyModel:
         """Greedy 'sampling' that reads the sequence's KV back from the paged cache, so a wrong
         load changes the output. Sum of multiples of 1/256 in float64: exact, order-independent."""
         last_layer = self.read_kv(kv_caches, slots)[-1]
-        return int(last_layer.double().sum().item() * 256) % self.vocab_size
+        return int(last_layer.double().sum().item() * 256) % self.VOCAB_SIZE
 
 
 @dataclass
@@ -1778,7 +1763,7 @@ class MiniEngine:
                                  f"are {connector.group_block_sizes}")
             if connector._gpu_block_pool is not None:  # it names another engine's blocks
                 raise ValueError("connector: it serves another engine")
-        self.hash_block_size = connector.hash_block_size if connector is not None else block_size
+        self.hash_block_size = connector.hash_block_size if connector else block_size
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.model = model
@@ -1794,7 +1779,7 @@ class MiniEngine:
                                 for i in range(model.num_layers)}
                                for _ in range(max(len(workers), 1))]
         self.kv_caches = self.rank_kv_caches[0]  # what sampling and capture_kv read
-        if connector is not None:
+        if connector:
             connector.bind_gpu_block_pool(self.gpu_block_pool)
         for w, kv_caches in zip(workers, self.rank_kv_caches):
             w.register_kv_caches(kv_caches, num_gpu_blocks, block_dim=1)
@@ -1807,7 +1792,7 @@ class MiniEngine:
         self.num_cached_blocks: dict[str, int] = {}  # request id -> its table's cached blocks
         self.stats: dict[str, RequestStats] = {}
         self._t_arrival: dict[str, float] = {}
-        self._recving_counts: dict[str, int] = {}  # ranks that reported a load (KVOutputAggregator)
+        self._recving_counts: Counter[str] = Counter()  # ranks that reported a load, per request
         self._connector_reset_pending = False  # a refused reset: retried each step, no CPU lookup
 
     def add_request(self, request: Request) -> None:
@@ -1961,14 +1946,14 @@ class MiniEngine:
         return new_blocks
 
     def _cache_blocks(self, req: Request, num_tokens: int) -> None:
-        # vLLM hashes blocks at scheduling time, for tokens this step will have computed
-        num_hashed_tokens = len(req.block_hashes) * self.hash_block_size
-        num_full_blocks = min(num_tokens, num_hashed_tokens) // self.block_size
-        req_id = req.request_id
-        num_cached_blocks = self.num_cached_blocks.get(req_id, 0)
-        self.gpu_block_pool.cache_full_blocks(req, self.req_to_blocks[req_id], num_cached_blocks,
-                                              num_full_blocks, self.block_size, 0)
-        self.num_cached_blocks[req_id] = max(num_full_blocks, num_cached_blocks)
+        """Cache the full blocks of [0, num_tokens): at scheduling time, as vLLM does."""
+        num_full_blocks = min(num_tokens, len(req.block_hashes) * self.hash_block_size)
+        num_full_blocks //= self.block_size
+        num_cached_blocks = self.num_cached_blocks.get(req.request_id, 0)
+        self.gpu_block_pool.cache_full_blocks(req, self.req_to_blocks[req.request_id],
+                                              num_cached_blocks, num_full_blocks,
+                                              self.block_size, 0)
+        self.num_cached_blocks[req.request_id] = max(num_full_blocks, num_cached_blocks)
 
     def _free(self, req: Request, finished: bool = True) -> None:
         """A finished (or aborted) request: the connector hears it first, as in vLLM. Then its
@@ -1987,8 +1972,7 @@ class MiniEngine:
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.waiting.insert(0, victim)
-        # the connector hears it (its blocks may be reused at once); only requests after the
-        # one being scheduled are victims, so none was scheduled in this step yet
+        # the connector hears it: its blocks may be reused at once (it was not scheduled yet)
         scheduler_output.preempted_req_ids.add(victim.request_id)
         return victim
 
@@ -1998,7 +1982,7 @@ class MiniEngine:
         self.num_steps += 1
         scheduler_output = self._schedule()
         meta = None
-        if self.connector is not None:
+        if self.connector:
             meta = self.connector.build_connector_meta(scheduler_output)
             self.num_stored_blocks += len(meta.store_gpu_blocks)
         for w in self.workers:  # each worker = one TP rank with its own CPU mirror
@@ -2006,25 +1990,23 @@ class MiniEngine:
             w.handle_preemptions(meta)  # before the forward reuses a preempted request's blocks
             w.start_load_kv()           # loads target requests that do not compute this step
         self._forward(scheduler_output)
-        finished_recving: set[str] = set()
         worker_meta = None
         for w in self.workers:
             w.wait_for_save()  # stores read blocks confirmed by earlier steps (and finish flushes)
-            _, recv = w.get_finished(set())
-            for req_id in recv or ():  # a load is done once every worker (TP rank) reported it
-                self._recving_counts[req_id] = self._recving_counts.get(req_id, 0) + 1
-                if self._recving_counts[req_id] == len(self.workers):
-                    del self._recving_counts[req_id]
-                    finished_recving.add(req_id)
+            self._recving_counts.update(w.get_finished(set())[1] or ())
             this_worker_meta = w.build_connector_worker_meta()
-            if worker_meta is None:
-                worker_meta = this_worker_meta
-            elif this_worker_meta:
+            if worker_meta is None or this_worker_meta is None:
+                worker_meta = worker_meta or this_worker_meta
+            else:
                 worker_meta = worker_meta.aggregate(this_worker_meta)
             w.clear_connector_metadata()
+        # a load is done once every worker (TP rank) reported it (vLLM's KVOutputAggregator)
+        finished_recving = {r for r, n in self._recving_counts.items() if n == len(self.workers)}
+        for req_id in finished_recving:
+            del self._recving_counts[req_id]
         # as vLLM's update_from_output: finished requests first, then the completions
         self._update_from_output(scheduler_output)
-        if self.connector is not None:
+        if self.connector:
             self.connector.update_connector_output(KVConnectorOutput(finished_recving, worker_meta))
         if self._connector_reset_pending:  # the reports above may have drained what refused it
             self._connector_reset_pending = not self.connector.reset()
@@ -2034,10 +2016,8 @@ class MiniEngine:
                 # the loaded blocks become GPU prefix-cache hits; it waits to compute the rest
                 # (as PREEMPTED if it was preempted before: it is sent as resumed)
                 self._cache_blocks(req, req.num_computed_tokens)
-                if req.num_preemptions:
-                    req.status = RequestStatus.PREEMPTED
-                else:
-                    req.status = RequestStatus.WAITING
+                resumed = req.num_preemptions > 0
+                req.status = RequestStatus.PREEMPTED if resumed else RequestStatus.WAITING
 
     def _slots(self, req_id: str, start: int, end: int) -> torch.Tensor:
         """Flat KV slots (block_id * block_size + offset) of the request's tokens [start, end)."""
@@ -2120,12 +2100,10 @@ def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: in
     cpu_all_free = connector.cpu_block_pool.get_num_free_blocks() == num_cpu_blocks - 1
     # vLLM's kv_offload_store_bytes_total counts every store event's bytes (one rank's here)
     bytes_per_block = sum(t[0].nbytes for t in workers[0].cpu_kv_caches.values())
-    return dict(max_hit_blocks=(prompt_tokens - 1) // block_size,
-                cpu_blocks_registered=stored_per_step[-1],
+    return dict(cpu_blocks_registered=stored_per_step[-1],
                 stored_bytes=engine.num_stored_blocks * bytes_per_block,
                 cpu_hit_tokens=b.cpu_hit_tokens,
                 recomputed_tokens=b.computed_tokens,
-                ttft_a_s=a.ttft_s,
                 ttft_b_s=b.ttft_s,
                 same_output=a.output_token_ids == b.output_token_ids,
                 kv_exact=torch.equal(b.kv, model.expected_kv(prompt).cpu()),
@@ -2198,7 +2176,7 @@ def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_cop
     """The worker's copies of n_copy blocks against one plain copy of the same bytes (CUDA: a
     device<->pinned-host copy_, timed by CUDA events; CPU: torch's copy_), interleaved rep by rep
     so that a neighbour's load hits both alike. Per layout, ids and direction: GB/s (median),
-    ratio = t_plain / t_worker (median, min), host µs to issue one copy (one per run and region)."""
+    ratio = t_plain / t_worker (median, min), host µs to issue a copy (one per run and region)."""
     def timed(fn, stream=None) -> tuple[float, float]:  # (copies' seconds, host seconds)
         if device == "cuda":
             torch.cuda.synchronize()
@@ -2276,7 +2254,8 @@ def _print_copy_rows(device: str) -> list[str]:
             missed.append(f"{r['layout']} {r['ids']} {r['direction']} {r['ratio']:.2f}")
         print(f"{r['device']:7}{r['layout']:24}{r['ids']:12}{r['direction']:7}"
               f"{r['block_kib']:>8}{r['worker_gbps']:>13.2f}{r['plain_gbps']:>12.2f}"
-              f"{r['ratio']:>8.2f} ({r['ratio_min']:.2f}){r['us_per_copy']:>9.2f}{goal}", flush=True)
+              f"{r['ratio']:>8.2f} ({r['ratio_min']:.2f}){r['us_per_copy']:>9.2f}{goal}",
+              flush=True)
     return missed
 
 
@@ -2329,11 +2308,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     torch.set_num_threads(1)  # torch's default (one per core) slows the toy model 10-50x
     headline(args.prompt_tokens)
-    print("\nBug 2 (no final flush): 0.29 never stores the blocks of a request's last forward\n"
-          "pass: all of a one-step prompt, the last chunk of a chunked one. Bug 1 (registration):\n"
-          "0.29 copies a block's primary key only: a lookup ending inside a block misses. A CPU\n"
-          "pool smaller than a chunked prompt serves nothing in any version: LRU evicts the\n"
-          "prefix's first blocks. Why, step by step: walkthrough.ipynb.")
+    print("\nBug 2 (no final flush) loses the blocks of a request's last forward pass; bug 1 (the\n"
+          "registration) costs only lookups that end inside a block. Why: walkthrough.ipynb.")
 
 
 if __name__ == "__main__":

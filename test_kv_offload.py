@@ -3082,7 +3082,7 @@ def expected_outputs(model: ko.ToyModel, prompt: list[int], n: int) -> list[int]
     toks, out = list(prompt), []
     for _ in range(n):
         last = model.expected_kv(toks)[-1]  # [2, len(toks), H, D]
-        out.append(int(last.double().sum().item() * 256) % model.vocab_size)
+        out.append(int(last.double().sum().item() * 256) % model.VOCAB_SIZE)
         toks.append(out[-1])
     return out
 
