@@ -1529,19 +1529,34 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
 
     def _allocate_cpu_blocks(self, gpu_block_ids: list[int], request: Request
                              ) -> list[KVCacheBlock]:
-        """Also record each destination's parent key, by cache_full_blocks' formula: the fine
-        hash at the parent's end + the group id (None for a chain's root)."""
+        """Also record each destination's parent key. In a run of one group, the previous
+        source's key; else cache_full_blocks' formula (the fine hash at the parent's end + the
+        group id); None for a chain's root. Bound locals: this is the store path's loop."""
         cpu_blocks = super()._allocate_cpu_blocks(gpu_block_ids, request)
         assert self._gpu_block_pool is not None
+        gpu_blocks = self._gpu_block_pool.blocks
+        parent_keys = self._cpu_parent_keys
+        one_group = len(self.group_block_sizes) == 1
+        prev_block = None  # the previous source: in a run of one group, the parent
         for gpu_block_id, cpu_block in zip(gpu_block_ids, cpu_blocks):
-            key = self._gpu_block_pool.blocks[gpu_block_id].block_hash
-            num_tokens = self._gpu_block_pool.blocks[gpu_block_id].block_hash_num_tokens or 0
-            parent_num_tokens = num_tokens - self.group_block_sizes[get_group_id(key)]
-            parent_key = None
-            if parent_num_tokens > 0:
-                parent_key = request.block_hashes[parent_num_tokens // self.hash_block_size - 1]
-                parent_key += key[-4:]
-            self._cpu_parent_keys[cpu_block.block_id] = parent_key
+            gpu_block = gpu_blocks[gpu_block_id]
+            num_tokens = gpu_block.block_hash_num_tokens or 0
+            if one_group:
+                parent_num_tokens = num_tokens - self.block_size
+            else:
+                group_id = get_group_id(gpu_block.block_hash)
+                parent_num_tokens = num_tokens - self.group_block_sizes[group_id]
+            if one_group and prev_block is not None and (
+                    prev_block.block_hash_num_tokens == parent_num_tokens):
+                parent_keys[cpu_block.block_id] = prev_block.block_hash  # no hashing
+            elif parent_num_tokens > 0:
+                parent_fine_idx = parent_num_tokens // self.hash_block_size - 1
+                group_suffix = gpu_block.block_hash[-4:]
+                parent_key = request.block_hashes[parent_fine_idx] + group_suffix
+                parent_keys[cpu_block.block_id] = parent_key
+            else:
+                parent_keys[cpu_block.block_id] = None  # a chain's root
+            prev_block = gpu_block
         return cpu_blocks
 
     def _num_free_for_store(self, state: StoreRequestState) -> int:
@@ -1560,7 +1575,7 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
             if key is not None and num_tokens is not None:
                 fine_idx = num_tokens // self.hash_block_size - 1
                 # on this request's chain, wherever its cursor is
-                if fine_idx < len(block_hashes) and block_hashes[fine_idx] == key[:-4]:
+                if fine_idx < len(block_hashes) and key.startswith(block_hashes[fine_idx]):
                     return i
             block = block.next_free_block
         return num_free

@@ -6267,10 +6267,12 @@ def test_real_vllm_mamba_align_report_scale(prompt_len, expected):
 
 
 # ---- 3.9 Speed against vLLM's manager (prints, asserts no time) ----------------------------------
-# kv_offload.bench_manager's trace, call for call, on our manager and on vLLM's, interleaved in one
-# run. Only the managers' own calls are timed, as bench_manager times them (hashing, GPU allocation
-# and caching, and building each side's call arguments are not). Against vLLM 0.29 our side is the
-# pre-fix variant: 0.29 has no finish flush, so both store the prompt less its last chunk.
+# One trace (bench_trace: a 65,536-token prompt stored in 4,096-token chunks, its final flush, then
+# an identical request's lookup and load), call for call, on our manager and on vLLM's, interleaved
+# in one run; and on PrefixAwareCPUOffloadScheduler against ours (no vLLM needed). Only the
+# managers' own calls are timed (hashing, GPU allocation and caching, and building each side's
+# call arguments are not). Against vLLM 0.29 our side is the pre-fix variant: 0.29 has no finish
+# flush, so both store the prompt less its last chunk.
 
 BENCH_PROMPT_TOKENS, BENCH_CHUNK, BENCH_BLOCK_SIZE = 65536, 4096, 16  # bench_manager's defaults
 BENCH_ROUNDS = int(os.environ.get("KV_OFFLOAD_BENCH_ROUNDS") or 7)
@@ -6380,7 +6382,18 @@ def bench_trace(mgr, gpu, req_a, req_b, side) -> tuple[float, float, int, int]:
             stored, loaded)
 
 
-def bench_ours_manager(cls=ko.SimpleCPUOffloadScheduler) -> tuple[float, float, int, int]:
+class BenchSideAlone(BenchSideOurs):
+    """Our call shapes, built without vLLM (ManagerTrace builds both sides' from vLLM's)."""
+
+    @staticmethod
+    def output(new_ids):
+        if not new_ids:
+            return ko.SchedulerOutput()
+        return ko.SchedulerOutput({"a": BENCH_CHUNK}, {"a": (new_ids,)})
+
+
+def bench_ours_manager(cls=ko.SimpleCPUOffloadScheduler, side=BenchSideOurs
+                       ) -> tuple[float, float, int, int]:
     """The trace once on a fresh manager of ours (inputs built before the clock starts)."""
     bs, num_blocks = BENCH_BLOCK_SIZE, BENCH_PROMPT_TOKENS // BENCH_BLOCK_SIZE
     gpu = ko.BlockPool(2 * num_blocks + 2, True, bs)
@@ -6388,7 +6401,53 @@ def bench_ours_manager(cls=ko.SimpleCPUOffloadScheduler) -> tuple[float, float, 
     mgr.bind_gpu_block_pool(gpu)
     req_a = ko.Request("a", list(range(BENCH_PROMPT_TOKENS)), bs)
     req_b = ko.Request("b", list(range(BENCH_PROMPT_TOKENS)), bs)
-    return bench_trace(mgr, gpu, req_a, req_b, BenchSideOurs)
+    return bench_trace(mgr, gpu, req_a, req_b, side)
+
+
+def interleaved_rounds(run: dict, rounds: int) -> dict[str, list]:
+    """Each runner once to warm up, then `rounds` rounds of all, the order alternating."""
+    samples: dict[str, list] = {name: [] for name in run}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for fn in run.values():
+            fn()
+        for r in range(rounds):
+            for name in (list(run) if r % 2 == 0 else list(run)[::-1]):
+                samples[name].append(run[name]())
+    finally:
+        torch.set_num_threads(threads)
+    return samples
+
+
+def speed_lines(samples: dict[str, list], names: tuple[str, str]) -> list[str]:
+    """min and median µs/block per phase of two runners, and their ratios (a / b)."""
+    import statistics
+    a, b = names
+    lines = [f"{'phase':8}{a + ' min':>14}{a + ' med':>14}{b + ' min':>14}{b + ' med':>14}"
+             f"{'ratio min':>11}{'ratio med':>11}"]
+    for i, phase in enumerate(("store", "hit")):
+        x = [s[i] for s in samples[a]]
+        y = [s[i] for s in samples[b]]
+        lines.append(f"{phase:8}{min(x):14.3f}{statistics.median(x):14.3f}{min(y):14.3f}"
+                     f"{statistics.median(y):14.3f}{min(x) / min(y):11.2f}"
+                     f"{statistics.median(x) / statistics.median(y):11.2f}")
+    return lines
+
+
+def test_prefix_aware_eviction_cost(pytestconfig):
+    """Prints what PrefixAwareCPUOffloadScheduler costs over vLLM's class on the trace (no vLLM
+    needed), min and median of KV_OFFLOAD_BENCH_ROUNDS interleaved rounds; asserts only that
+    both went through the same trace (every block stored, every block but the last loaded)."""
+    run = {"aware": lambda: bench_ours_manager(ko.PrefixAwareCPUOffloadScheduler,
+                                               BenchSideAlone),
+           "ours": lambda: bench_ours_manager(ko.SimpleCPUOffloadScheduler, BenchSideAlone)}
+    samples = interleaved_rounds(run, BENCH_ROUNDS)
+    num_blocks = BENCH_PROMPT_TOKENS // BENCH_BLOCK_SIZE
+    assert {s[2:] for ss in samples.values() for s in ss} == {(num_blocks, num_blocks - 1)}
+    print_now(pytestconfig, "\n".join(
+        [f"prefix-aware eviction's cost, µs/block, {BENCH_ROUNDS} rounds (ratio = aware/ours):"]
+        + speed_lines(samples, ("aware", "ours"))))
 
 
 def bench_vllm_manager() -> tuple[float, float, int, int]:
