@@ -2695,7 +2695,8 @@ def test_gpu_check_selects_every_gpu_case():
 
 
 # ---- 1.16 The notebook and the README ------------------------------------------------------------
-# The notebook executes headless, and its key claims hold through kv_offload
+# The notebook executes headless, its pictures stay inside their axes (also with other values in
+# its parameter cells), and every number its prose states is in its outputs or quoted on purpose
 NOTEBOOK = pathlib.Path(ko.__file__).resolve().parent / "walkthrough.ipynb"
 
 
@@ -2710,26 +2711,162 @@ def _nb_text(cell) -> str:
     return "".join(parts)
 
 
+def _nb_tagged_cells(nb, tag: str) -> list:
+    return [c for c in nb.cells
+            if c.cell_type == "code" and tag in c.get("metadata", {}).get("tags", [])]
+
+
 def _nb_tagged(nb, tag: str) -> str:
-    cells = [c for c in nb.cells
-             if c.cell_type == "code" and tag in c.get("metadata", {}).get("tags", [])]
+    cells = _nb_tagged_cells(nb, tag)
     assert len(cells) == 1, f"expected exactly one notebook cell tagged {tag!r}, found {len(cells)}"
     return _nb_text(cells[0])
 
 
+# Every figure the notebook shows is checked before it is drawn, by a cell the tests put in front
+# of the notebook (never committed): a plotted point, a bar, a marker or an annotation's target
+# outside its axes' limits, or a text outside the figure, prints an "AXES CHECK:" line.
+_AXES_CHECK_HOOK = r'''
+import matplotlib.pyplot as _plt
+import numpy as _np
+from matplotlib._pylab_helpers import Gcf as _Gcf
+from matplotlib.collections import PathCollection as _PathCollection
+from matplotlib.text import Annotation as _Annotation
+_AXES_CHECKED = []
+
+
+def _axes_check(fig, tol=2.0):
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    titles = [fig._suptitle.get_text() if fig._suptitle else ""]
+    titles += [ax.get_title() for ax in fig.axes]
+    name = next((t for t in titles if t), "untitled")[:50]
+    found = []
+
+    def outside(x0, y0, x1, y1, box):
+        return x0 < box.x0 - tol or x1 > box.x1 + tol or y0 < box.y0 - tol or y1 > box.y1 + tol
+
+    for i, ax in enumerate(fig.axes):
+        box = ax.get_window_extent(renderer)
+        where = f"figure {name!r}, axes {i} (xlim {ax.get_xlim()}, ylim {ax.get_ylim()})"
+        for line in ax.get_lines():
+            xy = _np.asarray(line.get_xydata(), dtype=float).reshape(-1, 2)
+            xy = xy[_np.isfinite(xy).all(axis=1)]
+            bad = [p for p, (x, y) in zip(xy, line.get_transform().transform(xy))
+                   if outside(x, y, x, y, box)]
+            if bad and line.get_visible():
+                found.append(f"{where}: line {line.get_label()!r} has {len(bad)} points "
+                             f"outside, e.g. {tuple(bad[0])}")
+        bad = [p for p in ax.patches if p.get_visible()
+               and outside(*p.get_window_extent(renderer).extents, box)]
+        if bad:
+            found.append(f"{where}: {len(bad)} bars/patches outside, e.g. {bad[0]}")
+        for coll in ax.collections:
+            if isinstance(coll, _PathCollection) and coll.get_visible():
+                offsets = _np.asarray(coll.get_offsets(), dtype=float).reshape(-1, 2)
+                xy = coll.get_offset_transform().transform(offsets)
+                if any(outside(x, y, x, y, box) for x, y in xy):
+                    found.append(f"{where}: markers {coll.get_label()!r} outside")
+        for text in ax.texts:
+            if isinstance(text, _Annotation) and text.xycoords == "data":
+                x, y = ax.transData.transform(text.xy)
+                if outside(x, y, x, y, box):
+                    found.append(f"{where}: annotation {text.get_text()[:30]!r} points at "
+                                 f"{text.xy}, outside")
+    texts = [t for ax in fig.axes for t in (*ax.texts, ax.title)] + list(fig.texts)
+    texts += [fig._suptitle] if fig._suptitle else []
+    for text in texts:
+        if text.get_visible() and text.get_text().strip():
+            extents = text.get_window_extent(renderer).extents
+            if outside(*extents, fig.bbox):
+                found.append(f"figure {name!r}: text {text.get_text()[:30]!r} at "
+                             f"{tuple(round(e) for e in extents)} px, outside the figure "
+                             f"{tuple(round(e) for e in fig.bbox.extents)}")
+    for line in found:
+        print("AXES CHECK:", line)
+    _AXES_CHECKED.append(name)
+
+
+def _check_open_figures(*args, **kwargs):
+    for manager in _Gcf.get_all_fig_managers():
+        fig = manager.canvas.figure
+        if not getattr(fig, "_axes_checked", False):
+            fig._axes_checked = True
+            _axes_check(fig)
+
+
+def _show(*args, _show=_plt.show, **kwargs):
+    _check_open_figures()
+    return _show(*args, **kwargs)
+
+
+_plt.show = _show
+get_ipython().events.register("post_execute", _check_open_figures)  # figures never show()n
+'''
+_AXES_CHECK_SUMMARY = 'print(f"AXES CHECKED: {len(_AXES_CHECKED)} figures")'
+
+# The parameter cells (tag `params`): each starts with one line `name = value  # parameter: ...`.
+# test_notebook_pictures_survive_changed_parameters runs them, with these values, after the setup
+# cell (tag `setup`) and before the cells that draw their results (tag `params-plot`).
+NOTEBOOK_CHANGED_PARAMETERS = {
+    "sizes": "[4, 16, 26]",  # step 6: pools where no vLLM version hits (a message, not a crash)
+    "budget_blocks": "5",  # step 8: 44 steps, a last chunk of 2 blocks (was an empty chart)
+    "story_tokens": "1000",  # step 9: one step: 0.29 stores nothing, B loads 0
+}
+_PARAMETER_LINE = re.compile(r"(\w+) = (.+?)  # parameter\b")
+
+
+def _with_axes_check(nb):
+    import nbformat
+    nb.cells.insert(0, nbformat.v4.new_code_cell(_AXES_CHECK_HOOK,
+                                                 metadata={"tags": ["axes-check"]}))
+    nb.cells.append(nbformat.v4.new_code_cell(_AXES_CHECK_SUMMARY,
+                                              metadata={"tags": ["axes-check"]}))
+    return nb
+
+
+def _notebook_with_changed_parameters(nb):
+    """The setup cell, the parameter cells with NOTEBOOK_CHANGED_PARAMETERS, their pictures."""
+    keep, changed = [], set()
+    for cell in nb.cells:
+        tags = set(cell.get("metadata", {}).get("tags", []))
+        if cell.cell_type != "code" or not tags & {"setup", "params", "params-plot"}:
+            continue
+        if "params" in tags:
+            first, _, rest = cell.source.partition("\n")
+            m = _PARAMETER_LINE.match(first)
+            assert m and m.group(1) in NOTEBOOK_CHANGED_PARAMETERS, (
+                f"a params cell must start with `name = value  # parameter`: {first!r}")
+            value = NOTEBOOK_CHANGED_PARAMETERS[m.group(1)]
+            cell.source = f"{m.group(1)} = {value}  # parameter (changed by the test)\n{rest}"
+            changed.add(m.group(1))
+        keep.append(cell)
+    assert changed == set(NOTEBOOK_CHANGED_PARAMETERS), (changed, NOTEBOOK_CHANGED_PARAMETERS)
+    nb.cells = keep
+    return nb
+
+
 # The notebook runs in a process of its own (nbclient and its Jupyter kernel), started when this
 # module's first test starts: the kernel computes on a second core while this process runs the
-# tests before this section (on one torch thread). executed_notebook waits for it.
+# tests before this section (on one torch thread). It executes the whole notebook ("full"), then,
+# if selected, the changed-parameter cells ("params"); each fixture waits for its own.
 _NOTEBOOK_RUN = """\
 import os, signal, sys
 import nbclient, nbformat
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stopped early: shut the kernel down too
-notebook, executed = sys.argv[1:]
-nb = nbformat.read(notebook, as_version=4)
-# raises CellExecutionError (naming the cell and the traceback) as soon as a cell fails
-nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
-                        resources={"metadata": {"path": os.path.dirname(notebook)}}).execute()
-nbformat.write(nb, executed)
+repo, folder, *names = sys.argv[1:]
+failed = False
+for name in names:  # <name>.ipynb -> <name>.run.ipynb, or the error in the log
+    nb = nbformat.read(os.path.join(folder, name + ".ipynb"), as_version=4)
+    try:  # raises CellExecutionError (naming the cell, with its traceback) when a cell fails
+        nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+                                resources={"metadata": {"path": repo}}).execute()
+    except Exception as e:
+        print(f"{name}: {e}", flush=True)
+        failed = True
+        continue
+    nbformat.write(nb, os.path.join(folder, name + ".tmp"))
+    os.replace(os.path.join(folder, name + ".tmp"), os.path.join(folder, name + ".run.ipynb"))
+sys.exit(1 if failed else 0)
 """
 _notebook_runs: list = []  # the one run of this session: (process, its folder)
 
@@ -2750,14 +2887,26 @@ def _notebook_prerequisites():
     return nbformat
 
 
-def _start_notebook():
+def _start_notebook(with_changed_parameters: bool = False):
     """The notebook's process (started on the first call): (Popen, folder of its output)."""
+    import copy
     import tempfile
+    import nbformat
     if not _notebook_runs:
         folder = pathlib.Path(tempfile.mkdtemp(prefix="kv_offload_notebook_"))
+        nb = nbformat.read(NOTEBOOK, as_version=4)
+        nbformat.write(_with_axes_check(copy.deepcopy(nb)), folder / "full.ipynb")
+        names = ["full"]
+        if with_changed_parameters:
+            try:
+                params = _with_axes_check(_notebook_with_changed_parameters(nb))
+                nbformat.write(params, folder / "params.ipynb")
+                names.append("params")
+            except AssertionError as e:  # the test that needs it reports it
+                (folder / "params_error.txt").write_text(str(e))
         with open(folder / "log.txt", "w") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-c", _NOTEBOOK_RUN, str(NOTEBOOK), str(folder / "run.ipynb")],
+                [sys.executable, "-c", _NOTEBOOK_RUN, str(NOTEBOOK.parent), str(folder), *names],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         _notebook_runs.append((proc, folder))
     return _notebook_runs[0]
@@ -2769,10 +2918,13 @@ def _notebook_in_background(request):
     stops it at the module's end if no test waited for it (-x, say)."""
     import importlib.util
     import shutil
-    if (any("executed_notebook" in getattr(item, "fixturenames", ())
-            for item in request.session.items) and NOTEBOOK.exists()
+    items = request.session.items
+    if (any("executed_notebook" in getattr(item, "fixturenames", ()) for item in items)
+            and NOTEBOOK.exists()
             and all(importlib.util.find_spec(m) for m in ("nbclient", "matplotlib", "ipykernel"))):
-        _start_notebook()  # executed_notebook checks the rest (a kernel) before it waits
+        # executed_notebook checks the rest (a kernel) before it waits
+        _start_notebook(any("notebook_with_changed_parameters" in getattr(item, "fixturenames", ())
+                            for item in items))
     yield
     for proc, folder in _notebook_runs:
         if proc.poll() is None:
@@ -2786,11 +2938,26 @@ def _notebook_in_background(request):
     _notebook_runs.clear()
 
 
-@pytest.fixture(scope="module")
-def executed_notebook(request):
-    """walkthrough.ipynb executed headless, top to bottom (cwd = the repository root)."""
+def _wait_for_notebook(name: str):
+    """`name`'s executed notebook, once the background process wrote it (or failed)."""
     nbformat = _notebook_prerequisites()
     proc, folder = _start_notebook()
+    path = folder / f"{name}.run.ipynb"
+    while not path.exists() and proc.poll() is None:
+        time.sleep(0.1)
+    if not path.exists():
+        proc.wait()
+        log = (folder / "log.txt").read_text()
+        pytest.fail(f"{NOTEBOOK.name} ({name}) did not execute (exit {proc.returncode}):\n"
+                    f"{log[-20000:]}", pytrace=False)
+    return nbformat.read(path, as_version=4)
+
+
+@pytest.fixture(scope="module")
+def executed_notebook(request):
+    """walkthrough.ipynb executed headless, top to bottom (cwd = the repository root), behind the
+    axes-check cell."""
+    _notebook_prerequisites()
     if any(item.name == "test_readme_numbers_match_the_code" for item in request.session.items):
         # while the kernel runs: the README test's runs (_demo_stories), the same whenever made
         try:
@@ -2798,67 +2965,213 @@ def executed_notebook(request):
                                 ["cpu_hit_tokens"]))
         except Exception:  # noqa: BLE001 - not the notebook's failure: the README test reports it
             pass
-    if proc.wait():
-        log = (folder / "log.txt").read_text()
-        pytest.fail(f"{NOTEBOOK.name} did not execute (exit {proc.returncode}):\n{log[-20000:]}",
-                    pytrace=False)
-    return nbformat.read(folder / "run.ipynb", as_version=4)
+    return _wait_for_notebook("full")
+
+
+@pytest.fixture(scope="module")
+def notebook_with_changed_parameters(executed_notebook):
+    """The setup cell, the parameter cells with NOTEBOOK_CHANGED_PARAMETERS and their pictures,
+    executed behind the axes-check cell (after the whole notebook, in the same process)."""
+    proc, folder = _start_notebook()
+    if (folder / "params_error.txt").exists():
+        pytest.fail((folder / "params_error.txt").read_text(), pytrace=False)
+    return _wait_for_notebook("params")
+
+
+def _nb_errors(nb) -> list:
+    return [f"{o.get('ename')}: {o.get('evalue')}" for c in nb.cells if c.cell_type == "code"
+            for o in c.outputs if o.get("output_type") == "error"]
+
+
+def _nb_pngs(nb) -> int:
+    return sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code"
+               for o in c.outputs)
 
 
 def test_notebook_executes_without_errors(executed_notebook):
-    errors = [o for c in executed_notebook.cells if c.cell_type == "code"
-              for o in c.outputs if o.get("output_type") == "error"]
-    assert not errors, f"notebook cell raised: {errors[0].get('ename')}: {errors[0].get('evalue')}"
-    code_cells = [c for c in executed_notebook.cells if c.cell_type == "code"]
-    pngs = sum("image/png" in o.get("data", {}) for c in code_cells for o in c.outputs)
-    assert pngs >= 3, f"the notebook drew {pngs} pictures, expected at least 3"
+    errors = _nb_errors(executed_notebook)
+    assert not errors, f"notebook cell raised: {errors[0]}"
+    assert _nb_pngs(executed_notebook) >= 3, "the notebook drew fewer than 3 pictures"
+    # the exercises' checks pass with their reference solutions
+    checks = [_nb_text(c) for c in _nb_tagged_cells(executed_notebook, "exercise-check")]
+    assert len(checks) == 3 and all("PASS:" in text for text in checks), checks
+
+
+def test_notebook_pictures_survive_changed_parameters(executed_notebook,
+                                                      notebook_with_changed_parameters):
+    """Every picture, drawn from the notebook's own values and from other values in its parameter
+    cells (NOTEBOOK_CHANGED_PARAMETERS), keeps its points inside its axes and its texts inside
+    the figure, and a parameter that leaves nothing to find says so instead of raising."""
+    changed = notebook_with_changed_parameters
+    assert not _nb_errors(changed), f"with changed parameters a cell raised: {_nb_errors(changed)}"
+    params = _nb_tagged_cells(changed, "params")
+    assert [_PARAMETER_LINE.match(c.source).group(2) for c in params] == list(
+        NOTEBOOK_CHANGED_PARAMETERS.values())
+    for nb, name in [(executed_notebook, "as committed"), (changed, "changed parameters")]:
+        text = "".join(_nb_text(c) for c in nb.cells if c.cell_type == "code")
+        problems = [line for line in text.splitlines() if line.startswith("AXES CHECK:")]
+        assert not problems, f"{name}:\n" + "\n".join(problems)
+        checked = int(re.search(r"AXES CHECKED: (\d+) figures", text).group(1))
+        assert checked >= _nb_pngs(nb) >= 3, (name, checked, _nb_pngs(nb))
+    # step 6 with pools that never hit: a message, not a StopIteration
+    capacity = _nb_text(_nb_tagged_cells(changed, "claim-capacity")[0])
+    assert "smallest pool that hits: none of these sizes" in capacity, capacity
+
+
+# Numbers the prose quotes instead of measuring (where each comes from); every other number in
+# the prose must be in the outputs or the code of its own step (test_notebook_claims_in_its_outputs)
+_PROSE_QUOTED = {
+    "53498": "vLLM issue #53498", "53532": "vLLM PR #53532",
+    "0.29": "a vLLM release", "0.30": "a vLLM release",
+    "40": "the PR's write-up: a repeated 40K-token prompt",
+    "27": "the PR's write-up: 27 s before the fix", "1.8": "the PR's write-up: 1.8 s after it",
+    "112": "the report: '112 of 217' blocks on CPU", "217": "the report: '112 of 217'",
+    "105": "217 - 112",
+}
+_NUMBER = re.compile(r"(?<![\w.,])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+_STEP_REFERENCE = re.compile(r"\b([Ss]teps?|[Ee]xercises?|[Bb]ugs?) (\d+(?:(?:, | to | and |-)\d+)*)")
+
+
+def _numbers(text: str) -> set[str]:
+    return {n.replace(",", "") for n in _NUMBER.findall(text)}
+
+
+def _code_numbers(source: str) -> set[str]:
+    """The numbers a code cell states for a reader: in its comments, and in its top-level
+    assignments of literals (`budget_blocks = 7`), not a plot's coordinates or a call's args."""
+    import io
+    import tokenize
+    source = "\n".join(line for line in source.splitlines() if not line.startswith("%"))
+    found = set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            found |= _numbers(tok.string)
+    literal = (ast.Constant, ast.List, ast.Tuple, ast.BinOp, ast.UnaryOp, ast.operator,
+               ast.unaryop, ast.Load, ast.expr_context)
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and all(isinstance(n, literal)
+                                                for n in ast.walk(node.value)):
+            found |= _numbers(ast.get_source_segment(source, node.value).replace("_", ","))
+    return found
+
+
+def _prose_numbers_unaccounted(nb) -> list[str]:
+    """Each number of each markdown cell that its step's outputs and code do not show and that
+    _PROSE_QUOTED does not list; step and exercise references must name a heading."""
+    quoted_code = (pathlib.Path(ko.__file__).read_text()
+                   + pathlib.Path(__file__).read_text())
+    headings = {"step": set(), "exercise": set(), "bug": {"1", "2"}}  # the report's two bugs
+    for c in nb.cells:
+        if c.cell_type == "markdown":
+            headings["step"] |= set(re.findall(r"^## (\d+)\. ", c.source, re.M))
+            headings["exercise"] |= set(re.findall(r"^### Exercise (\d+)", c.source, re.M))
+    segments: list[list] = [[]]  # cells, split at every "## " heading
+    for c in nb.cells:
+        if c.cell_type == "markdown" and c.source.startswith("## "):
+            segments.append([])
+        segments[-1].append(c)
+    missing = []
+    for segment in segments:
+        code = [c for c in segment if c.cell_type == "code"
+                and "axes-check" not in c.get("metadata", {}).get("tags", [])]
+        shown = set(_PROSE_QUOTED).union(*(_numbers(_nb_text(c)) | _code_numbers(c.source)
+                                           for c in code))
+        for c in segment:
+            if c.cell_type != "markdown":
+                continue
+            text = re.sub(r"\]\([^)]*\)", "]", c.source)  # link targets
+            text = re.sub(r"^#+ \d+\. ", "", text, flags=re.M)  # a heading's own number
+            # code spans quoting the module or its tests verbatim
+            text = re.sub(r"`([^`]+)`", lambda m: "" if m.group(1) in quoted_code else m.group(0),
+                          text)
+            for m in _STEP_REFERENCE.finditer(text):
+                kind = m.group(1).lower().rstrip("s")
+                missing += [f"{kind} {n} (no such heading)" for n in _numbers(m.group(2))
+                            if n not in headings[kind]]
+            text = _STEP_REFERENCE.sub("", text)
+            missing += [f"{n!r} in: {c.source[:60]!r}" for n in sorted(_numbers(text) - shown)]
+    return missing
 
 
 def test_notebook_claims_in_its_outputs(executed_notebook):
-    """The numbers the prose relies on, read from the freshly executed notebook (each derived in
-    the module's tests: 97 tokens = 6 blocks of 16 + 1, cap 96; blocks of 8 hashed every 4;
-    a 64-block prompt against CPU pools around 64 blocks; 217 blocks at 7 per step)."""
+    """The numbers the prose relies on, read from the freshly executed notebook: each claim below
+    by its cell's output, and every other number of the prose by its step's outputs or code."""
     nb = executed_notebook
     claims = {  # tag of the cell -> what its output must say
+        "claim-max": [r"one-step .*max possible +992; loaded: vLLM 0.29 0, the fix 992",
+                      r"chunked .*max possible 8,176; loaded: vLLM 0.29 7,168, the fix 8,176",
+                      r"secondary key .*max possible +12; loaded: vLLM 0.29 8, the fix 12",
+                      r"CPU pool \(448 blocks\) < prompt \(512\) .*max possible 7,152; loaded: "
+                      r"vLLM 0.29 0, the fix 0, prefix-aware \(not in vLLM\) 7,152"],
         "claim-029": [
             r"0.29: len\(cached_block_hash_to_block\) = 6; cached_block_hashes_by_block = \{\}",
-            r"0.29 lookup for the same prompt: 96 hit tokens"],
-        "claim-fine": [r"0.29 +CPU secondary keys: 0; fine-grained hit: 8 hit tokens",
-                       r"fixed +CPU secondary keys: 1; fine-grained hit: 12 hit tokens"],
-        "claim-capacity": [r"0.29 .*56: 0, 57: 896,.* 72: 896\}",
-                           r"fixed .*64: 0, 65: 1008,.* 72: 1008\}",
-                           # a pool of n blocks serves n - 1 of the 64 (n - 1 usable)
-                           r"prefix-aware .*\{32: 496, 48: 752,.* 64: 1008, 65: 1008"],
-        "claim-trap": [r"0.29 +map entries: 6; lookup for the same prompt: 96 hit tokens",
-                       r"no reset_hash +map entries: 0; lookup for the same prompt: 0 hit tokens",
-                       r"fixed +map entries: 6; lookup for the same prompt: 96 hit tokens"],
-        "claim-bug2": [r"flush bug +31 steps, 210 of 217", r"fixed +32 steps, 217 of 217"],
+            r"0.29 lookup for the same 97-token prompt: 96 hit tokens"],
+        "claim-fine": [r"vLLM 0.29 +CPU secondary keys: 0; fine-grained hit: 8 hit tokens",
+                       r"the fix +CPU secondary keys: 1; fine-grained hit: 12 hit tokens"],
+        "claim-symptom": [r"one-step .*vLLM 0.29 +stored +0.0 MiB, loaded +0 tokens: zero hits, "
+                          r"and nothing stored",
+                          r"one-step .*the fix .*loaded +992 tokens: hits",
+                          r"chunked .*vLLM 0.29 .*loaded 7,168 tokens: hits",
+                          r"CPU pool .*vLLM 0.29 .*loaded +0 tokens: THE SYMPTOM",
+                          r"CPU pool .*the fix +stored 64.0 MiB, loaded +0 tokens: THE SYMPTOM",
+                          r"CPU pool .*prefix-aware .*loaded 7,152 tokens: hits"],
+        # a pool smaller than the prompt: one store event, or an overflow while the first
+        # store is in flight, keeps the first blocks; a later store after a completed one: 0
+        "claim-smallpool": [r"100 tokens = 6 full blocks of 16; CPU pool: 5 blocks = 4 usable",
+                            r"budget 1024 \(1 chunks\).*vLLM 0.29 0, the fix 64, prefix-aware "
+                            r"\(not in vLLM\) 64",
+                            r"budget +64 \(2 chunks\).*vLLM 0.29 64, the fix 64",
+                            r"budget +32 \(4 chunks\).*vLLM 0.29 0, the fix 0, prefix-aware "
+                            r"\(not in vLLM\) 64"],
+        "claim-capacity": [r"vLLM 0.29 +stores 28 blocks;.*28: 0, 29: 448,.*smallest pool that "
+                           r"hits: 29",
+                           r"the fix +stores 32 blocks;.*32: 0, 33: 496\}.*smallest pool that "
+                           r"hits: 33",
+                           # a pool of n blocks serves n - 1 of the 32 (n - 1 usable)
+                           r"prefix-aware .*\{12: 176, 24: 368, 28: 432, 29: 448, 32: 496"],
+        "claim-trap": [r"0.29 +map entries: 6; lookup for the same 97-token prompt: 96 hit",
+                       r"the trap +map entries: 0; lookup for the same 97-token prompt: 0 hit",
+                       r"the fix +map entries: 6; lookup for the same 97-token prompt: 96 hit"],
+        "claim-unstamped": [r"no reset_hash\(\): map entries: 6; .*: 96 hit tokens"],
+        "claim-trap-story": [r"vLLM 0.29 +stored 28.0 MiB, loaded 7,168 tokens: hits",
+                             r"the trap.* +stored 64.0 MiB, loaded +0 tokens: THE SYMPTOM",
+                             r"the fix \(0.30\+\) +stored 32.0 MiB, loaded 8,176 tokens: hits"],
+        "claim-bug2": [r"flush bug +31 steps, 210 of 217 .*last step: 7",
+                       r"fixed +32 steps, 217 of 217 .*last step: 7"],
+        "claim-report": [r"216 full blocks \(184,896 tokens",
+                         r"45 chunks of 4096 \(184,320 tokens\) \+ a last one of 680: 215 full "
+                         r"blocks \(184,040 tokens\)",
+                         r"at most 4.8 blocks a chunk;.*1 of 216 full blocks"],
     }
     for tag, patterns in claims.items():
         text = _nb_tagged(nb, tag)
         for pattern in patterns:
             assert re.search(pattern, text), (tag, pattern, text)
-    # the prose says what the outputs show (issue 20): the capacity thresholds of step 6, and
-    # bug 2 at the report's scale (step 8): 185,000 tokens of 856 = 216 full blocks (184,896
-    # tokens); 45 chunks of 4096 (184,320 tokens) confirm 215 of them (184,040 tokens)
-    prose = "\n".join("".join(c.source) for c in nb.cells if c.cell_type == "markdown")
+    prose = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
     capacity = _nb_tagged(nb, "claim-capacity")
-    firsts = dict(re.findall(r"^(0\.29|fixed) +stores \d+ blocks; smallest pool that hits: (\d+)",
-                             capacity, re.M))
-    assert f"hits from a pool of {firsts['0.29']}" in prose, firsts
-    assert f"hits from {firsts['fixed']}" in prose, firsts
-    assert 185_000 // 856 == 216 and 216 * 856 == 184_896 and 45 * 4096 == 184_320
-    assert 184_320 // 856 == 215 and 215 * 856 == 184_040
-    for number in ("216 full ones", "184,896", "184,320", "215 full blocks", "184,040"):
-        assert number in prose, number
-    story = _nb_tagged(nb, "claim-story").splitlines()
-    expected = {"0.29": "1024 tokens computed, 3072 loaded",
-                "no reset_hash": "4096 tokens computed,    0 loaded",
-                "fixed": "  16 tokens computed, 4080 loaded"}
-    for name, counts in expected.items():
-        line = next(line for line in story if line.startswith(name + " "))
-        assert counts in line, line
-        assert "same output token as A: True" in line and "KV equals expected_kv: True" in line
+    firsts = dict(re.findall(r"^(vLLM 0\.29|the fix) +stores \d+ blocks;.*smallest pool that "
+                             r"hits: (\d+)", capacity, re.M))
+    assert f"hits from a pool of {firsts['vLLM 0.29']}" in prose, firsts
+    assert f"hits from {firsts['the fix']}" in prose, firsts
+    assert 217 - 112 == 105 and "105 missing blocks (217 − 112)" in prose
+    # machine-dependent figures: the prose states their order, never their values
+    story = {line.split(" B's")[0].strip(): line for line in _nb_tagged(nb, "claim-story")
+             .splitlines()}
+    assert "1024 tokens computed, 3072 loaded" in story["vLLM 0.29"], story
+    assert "  16 tokens computed, 4080 loaded" in story["the fix"], story
+    assert all("same output token as A: True; KV equals expected_kv: True" in line
+               for line in story.values()), story
+    ttft = {v: float(re.search(r"TTFT +([\d.]+) ms", line).group(1)) for v, line in story.items()}
+    assert ttft["the fix"] < ttft["vLLM 0.29"], ttft  # "the fix ... starts first"
+    ratios = dict(re.findall(r"^(\S+, \w+, \w+) .* worker / plain ([\d.]+)$",
+                             _nb_tagged(nb, "claim-bench"), re.M))
+    assert len(ratios) == 8, ratios
+    scattered = [float(r) for k, r in ratios.items() if k.startswith("per-layer, scattered")]
+    others = [float(r) for k, r in ratios.items() if not k.startswith("per-layer, scattered")]
+    assert max(scattered) < min(others), ratios  # "the lowest ratios of the eight"
+    missing = _prose_numbers_unaccounted(nb)
+    assert not missing, "numbers in the prose that no output of their step shows:\n" + "\n".join(
+        missing)
 
 
 README = pathlib.Path(ko.__file__).resolve().parent / "README.md"
@@ -2959,6 +3272,14 @@ def test_notebook_is_committed_with_outputs():
     too_long = [len(c.source.splitlines()) for c in code if len(c.source.splitlines()) > 15]
     assert not too_long, f"code cells of {too_long} lines: keep notebook cells to 15 lines or fewer"
     assert "import kv_offload as ko" in code[0].source
+    # the pictures for the README are written only on request: executing never writes assets/
+    saves = [c.source for c in code if "savefig" in c.source]
+    assert saves and all("SAVE_ASSETS = False" in s and "if SAVE_ASSETS:" in s for s in saves)
+    assert "SPEC" not in json.dumps([c.source for c in nb.cells])  # the module refers to none
+    # each parameter cell starts with its parameter (test_notebook_pictures_survive_...)
+    params = [c for c in code if "params" in c.get("metadata", {}).get("tags", [])]
+    assert len(params) == len(NOTEBOOK_CHANGED_PARAMETERS), len(params)
+    assert all(_PARAMETER_LINE.match(c.source) for c in params)
 
 
 # ==================================================================================================
