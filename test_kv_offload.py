@@ -3,9 +3,9 @@
 Oracles, never the code under test: hand-derived numbers (in each docstring), ToyModel.expected_kv
 for KV bytes, the pre-fix variant (every test about either bug must fail there: see
 assert_variant), vLLM's copy-test oracle for the worker, planted ordering bugs for the copy
-worker on a simulated asynchronous device (each scenario must catch its own), and vLLM itself
-when importable: 0.34 for the fixed code, 0.29 for the pre-fix variant (the differential tests
-of Part 3 skip cleanly without it).
+worker on a simulated asynchronous device and on CUDA (each scenario must catch its own), and
+vLLM itself when importable: 0.34 for the fixed code, 0.29 for the pre-fix variant, and vLLM
+0.34's own test_scheduler.py (Part 3 skips cleanly without it).
 
 Contents (the file reads top to bottom in this order; each part and section has a banner):
 
@@ -15,7 +15,7 @@ Contents (the file reads top to bottom in this order; each part and section has 
     1.2 Block pool                        1.10 Manager: block tables
     1.3 find_longest_cache_hit            1.11 Manager: several KV-cache groups
     1.4 Copy worker                       1.12 Manager: reset() with transfers in flight
-    1.5 Copy worker on an async device    1.13 The seven tests PR #53532 added
+    1.5 Copy worker on an async device    1.13 PR #53532's seven tests (pytest -m pr53532)
     1.6 Manager scenarios: the harness    1.14 End to end: toy model and engine
     1.7 Manager: store -> lookup -> load  1.15 End to end: the GPU check (--gpu-check)
     1.8 Manager: CPU pool                 1.16 The notebook and the README
@@ -30,7 +30,7 @@ Contents (the file reads top to bottom in this order; each part and section has 
     3.2 Hash chains with shared prefixes  3.7 The pre-fix variant against vLLM 0.29
     3.3 FreeKVCacheBlockQueue, BlockPool  3.8 vLLM's own Scheduler: where "every lookup misses"
     3.4 find_longest_cache_hit            3.9 Speed against vLLM's manager (prints only)
-    3.5 SimpleCPUOffloadScheduler
+    3.5 SimpleCPUOffloadScheduler         3.10 vLLM's own test_scheduler.py (KV_OFFLOAD_VLLM_SRC)
 
 Map: each piece of kv_offload.py and the sections that test it
 
@@ -42,15 +42,16 @@ Map: each piece of kv_offload.py and the sections that test it
     get_num_new_matched_tokens, update_state_after_alloc ............... 1.7, 1.9, 1.11, 2.4, 3.5
     build_connector_meta, _select_eager_blocks_to_store ................ 1.7, 1.8, 1.10, 1.13, 3.5
     update_connector_output, _process_store_completion ................. 1.7, 1.13, 2.2, 3.5, 3.6
-    request_finished_all_groups, _queue_finished_eager_store ........... 1.9, 1.13, 3.5
+    request_finished_all_groups, _queue_finished_eager_store ........... 1.9, 1.13, 3.5, 3.10
     reset ............................................................... 1.12, 2.4, 3.5
     the constructor, bind_gpu_block_pool ............................... 2.6, 2.8
-    prefix_aware_eviction (not in vLLM) ................................ 1.8, 2.3, 1.16
-  PreFixCPUOffloadScheduler (each PR test must fail on it) ............ 1.13, 1.14, 3.6, 3.7
-  SimpleCPUOffloadWorker ............................................... 1.4, 1.5, 2.6, 2.8, 2.9
+    the # PR #53532 tags ................................................ 1.13
+  PreFixCPUOffloadScheduler (each PR test must fail on it) ............ 1.13, 1.14, 3.6, 3.7, 3.10
+  PrefixAwareCPUOffloadScheduler, run_rotation (not in vLLM) ......... 1.8, 2.3, 3.9
+  SimpleCPUOffloadWorker (the races and their planted bugs: 1.5) ...... 1.4, 1.5, 2.6, 2.8, 2.9
   ToyModel, MiniEngine, RequestStatus, RequestStats .................... 1.14, 2.1-2.5, 2.8
-  run_story, run_rotation, offload_prompt, the demo ................... 1.8, 1.14, 1.16, 2.6, 3.8
-  bench_manager, bench_copies, gpu_check, main ......................... 1.15, 1.16, 2.6, 3.9
+  run_story, offload_prompt, headline, the demo ...................... 1.8, 1.14, 1.16, 2.6, 3.8
+  bench_copies, gpu_check, main ........................................ 1.15, 1.16
 """
 from __future__ import annotations
 
@@ -1522,7 +1523,7 @@ def test_prefix_aware_store_never_evicts_its_own_prefix():
 def test_prefix_aware_eviction_ramp_at_448_blocks():
     """Not in vLLM. The demo's 8192-token prompt (512 blocks) through a 448-block CPU pool (447
     usable): off (vLLM 0.34) the repeat loads nothing; on, it loads every block the pool holds,
-    447 of them (at least 446, as issue 21 asks), bit-exact, every pool free after."""
+    447 of them, bit-exact, every pool free after."""
     off = ko.run_story(ko.SimpleCPUOffloadScheduler, 8192, num_cpu_blocks=448)
     on = ko.run_story(ko.PrefixAwareCPUOffloadScheduler, 8192, num_cpu_blocks=448)
     assert off["cpu_hit_tokens"] == 0 and off["kv_exact"] and off["all_free"]
@@ -2686,7 +2687,8 @@ def test_gpu_check_selects_every_gpu_case():
             "test_world_size_2_one_worker_lags",
             "test_async_store_right_after_a_forward_copies_the_written_bytes",
             "test_async_load_does_not_land_in_a_block_a_running_forward_reads",
-            "test_issue_and_poll_never_block", "test_handle_preemptions_waits_for_an_in_flight_store",
+            "test_issue_and_poll_never_block",
+            "test_handle_preemptions_waits_for_an_in_flight_store",
             "test_copy_calls_per_block_of_the_story"} <= names
     assert all("cuda" in i.split("[")[1] for i in ids), ids
     if not torch.cuda.is_available():
@@ -2959,12 +2961,7 @@ def executed_notebook(request):
     axes-check cell."""
     _notebook_prerequisites()
     if any(item.name == "test_readme_numbers_match_the_code" for item in request.session.items):
-        # while the kernel runs: the README test's runs (_demo_stories), the same whenever made
-        try:
-            _demo_stories(tuple(_readme_table(README.read_text(), README_SMALL_TABLE)
-                                ["cpu_hit_tokens"]))
-        except Exception:  # noqa: BLE001 - not the notebook's failure: the README test reports it
-            pass
+        _demo_table()  # while the kernel runs: the README test's runs, the same whenever made
     return _wait_for_notebook("full")
 
 
@@ -3029,7 +3026,8 @@ _PROSE_QUOTED = {
     "105": "217 - 112",
 }
 _NUMBER = re.compile(r"(?<![\w.,])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
-_STEP_REFERENCE = re.compile(r"\b([Ss]teps?|[Ee]xercises?|[Bb]ugs?) (\d+(?:(?:, | to | and |-)\d+)*)")
+_STEP_REFERENCE = re.compile(
+    r"\b([Ss]teps?|[Ee]xercises?|[Bb]ugs?) (\d+(?:(?:, | to | and |-)\d+)*)")
 
 
 def _numbers(text: str) -> set[str]:
@@ -3175,28 +3173,14 @@ def test_notebook_claims_in_its_outputs(executed_notebook):
 
 
 README = pathlib.Path(ko.__file__).resolve().parent / "README.md"
-README_SMALL_TABLE = "The same, with a CPU pool of 448 blocks"
-
-
-def _readme_table(text: str, header_start: str) -> dict[str, dict[str, str]]:
-    """Rows of one of the README's demo tables: row name -> {column: cell}."""
-    lines = text[text.index(header_start):].splitlines()
-    columns = re.split(r"\s{2,}", lines[1].strip())
-    rows = {}
-    for line in lines[2:]:
-        cells = re.split(r"\s{2,}", line.strip())
-        if len(cells) != len(columns) + 1:
-            break
-        rows[cells[0]] = dict(zip(columns, cells[1:]))
-    return rows
 
 
 def _memoize_toy_model(monkeypatch) -> None:
     """ToyModel.compute_kv computed once per distinct input: its output is a function of the
     model's shape, the token ids and the positions only (integer arithmetic: the same bits every
-    call), so a repeated call gets the tensor the first one computed. The demo's seven 8192-token
-    runs share one prompt: A's chunks, expected_kv and most of B's recomputes are the same calls
-    in every run (the model is 97% of a run's time). Engine, manager and worker run unchanged."""
+    call), so a repeated call gets the tensor the first one computed. The demo's 8192-token runs
+    share one prompt: A's chunks, expected_kv and most of B's recomputes are the same calls in
+    every run (the model is most of a run's time). Engine, manager and worker run unchanged."""
     compute, memo = ko.ToyModel.compute_kv, {}
 
     def compute_kv(self, token_ids, positions):
@@ -3210,51 +3194,58 @@ def _memoize_toy_model(monkeypatch) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _demo_stories(small_names: tuple[str, ...]) -> dict:
-    """The demo's 8192-token runs, made once (the model memoized: _memoize_toy_model): name ->
-    run_story's result for each column of STORY_VARIANTS, and (name, 448) -> the run with a CPU
-    pool of 448 blocks for each of `small_names`. executed_notebook makes them while it waits."""
-    runs = {}
-    with pytest.MonkeyPatch.context() as mp:
+def _demo_table() -> str:
+    """What `python kv_offload.py` prints, made once (the model memoized)."""
+    import contextlib
+    import io
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
         _memoize_toy_model(mp)
-        for name, (cls, kwargs) in ko.STORY_VARIANTS.items():
-            runs[name] = ko.run_story(cls, 8192, **kwargs)
-        for name in small_names:
-            cls, kwargs = ko.SMALL_POOL_VARIANTS[name]
-            runs[name, 448] = ko.run_story(cls, 8192, num_cpu_blocks=448, **kwargs)
-    return runs
+        ko.main([])
+    return out.getvalue()
 
 
 def test_readme_numbers_match_the_code():
-    """Every count the README prints comes from the code as it is now: the demo's two tables
-    (each non-timing row, each column) and the number of tests in the file map."""
+    """Every count the README prints comes from the code as it is now: the demo's table (each
+    row as the demo prints it), the rotation's tokens per round, the secondary-key lookup's hit
+    tokens, and the number of tests in the file map."""
     text = README.read_text()
-    main_table = _readme_table(text, "```\n                            0.29 (both)")
-    small_table = _readme_table(text, README_SMALL_TABLE)
-    assert len(main_table) >= 6 and len(small_table) == 3, (main_table, small_table)
-    runs = _demo_stories(tuple(small_table["cpu_hit_tokens"]))
-    for name in ko.STORY_VARIANTS:
-        r = runs[name]
-        for row, cells in main_table.items():
-            assert cells[name] == str(r[row]), (name, row, cells[name], r[row])
-    assert list(small_table["cpu_hit_tokens"]) == list(ko.SMALL_POOL_VARIANTS)
-    for name in ko.SMALL_POOL_VARIANTS:
-        r = runs[name, 448]
-        for row, cells in small_table.items():
-            assert cells[name] == str(r[row]), (name, row, cells[name], r[row])
-    # the demo's rotation lines (a toy model of one small layer: cheap)
-    for num_blocks in ko.ROTATION_POOL_SIZES:
-        lru = ko.run_rotation(num_cpu_blocks=num_blocks)
-        aware = ko.run_rotation(num_cpu_blocks=num_blocks,
-                                scheduler_cls=ko.PrefixAwareCPUOffloadScheduler)
-        line = (f"CPU pool {num_blocks}: ideal {lru['ideal_tokens_per_round']}; LRU "
-                f"{lru['cpu_hit_tokens_per_round']}; prefix-aware "
-                f"{aware['cpu_hit_tokens_per_round']}")
-        assert line in text, f"the README's rotation should read: {line}"
-    collected = _collect_cuda_cases()  # "14/450 tests collected": 450, counted before -k
+    demo = _demo_table()
+    table = [line for line in demo.splitlines() if re.search(r"\d / \d", line)]
+    assert len(table) == 3, demo
+    for line in table:
+        assert " ".join(line.split()) in " ".join(text.split()), f"the README's demo: {line}"
+    lru = ko.run_rotation(num_cpu_blocks=160)
+    aware = ko.run_rotation(num_cpu_blocks=160, scheduler_cls=ko.PrefixAwareCPUOffloadScheduler)
+    flat = " ".join(text.split())
+    assert f"prefix-aware {aware['cpu_hit_tokens_per_round']}" in flat, aware
+    assert f"vLLM's LRU {lru['cpu_hit_tokens_per_round']}" in flat, lru
+    hits = {}
+    for name, cls in (("0.29", ko.PreFixCPUOffloadScheduler), ("fix", ko.SimpleCPUOffloadScheduler)):
+        sched = cls(num_cpu_blocks=5, block_size=8, hash_block_size=4)
+        ko.offload_prompt(sched, list(range(16)), 8, partial_at=12)
+        probe = ko.Request("B", list(range(12)) + [999, 998, 997, 996], hash_block_size=4)
+        hits[name] = ko.find_longest_cache_hit(probe.block_hashes, 15, [0], sched.cpu_block_pool,
+                                               8)[1]
+    assert f"0.29 loads {hits['0.29']} tokens where the fix loads {hits['fix']}" in text, hits
+    collected = _collect_cuda_cases()  # "19/450 tests collected": 450, counted before -k
     num_tests = int(re.search(r"(?:\d+/)?(\d+) tests collected", collected).group(1))
     assert f"| {num_tests} tests (CPU;" in text, (
         f"the README's file map should say {num_tests} tests")
+
+
+def test_readme_porting_checklist_names_the_grep():
+    """The README's "Porting the fix" checklist names every manager method that
+    `grep "PR #53532" kv_offload.py` finds a line in (tagged lines, and the functions the fix
+    added, tagged on their `def` line), and nothing else."""
+    lines, first = inspect.getsourcelines(ko.SimpleCPUOffloadScheduler)
+    tree = ast.parse(textwrap.dedent("".join(lines)))
+    methods = {f.name for f in tree.body[0].body if isinstance(f, ast.FunctionDef)
+               and any("PR #53532" in line for line in lines[f.lineno - 1:f.end_lineno])}
+    text = README.read_text()
+    section = text[text.index("### Porting the fix"):text.index("Three traps a port falls into")]
+    named = set(re.findall(r"^\d+\. `(\w+)`", section, flags=re.M))
+    assert methods == named, (methods - named, named - methods)
 
 
 def test_notebook_is_committed_with_outputs():
@@ -3907,7 +3898,8 @@ def watch_prefix_aware_evictions(conn) -> None:
         evicted = {b.block_hash for b in taken if b.block_hash is not None}
         taken_ids = {b.block_id for b in taken}
         stranded = [b.block_id for b in pool.blocks if b.block_hash is not None
-                    and b.block_id not in taken_ids and conn._cpu_parent_keys[b.block_id] in evicted]
+                    and b.block_id not in taken_ids
+                    and conn._cpu_parent_keys[b.block_id] in evicted]
         assert not stranded, f"evicting {sorted(taken_ids)} strands cached children {stranded}"
         return get_new_blocks(num_blocks)
 
@@ -4111,7 +4103,7 @@ FUZZ_OTHER_TOKENS = st.integers(41, 80)
 
 
 def draw_faults(draw) -> Faults:
-    # report delays up to 8 steps (issue 19: a stall needed 4)
+    # report delays up to 8 steps (a stall the fuzz once found needed 4)
     return Faults(load_delay=draw(st.integers(0, 8)), store_delay=draw(st.integers(0, 8)),
                      conn_delay=draw(st.integers(0, 2)), dup=draw(st.booleans()),
                      split=draw(st.booleans()),
@@ -4265,9 +4257,10 @@ def schedule_plans(draw) -> Plan:
                   "pin, abort": pin_window_plans(("abort", "r2")),
                   "two holders": two_holders_plans()}
     plan = draw(strategies[kind])
-    # the eviction rule follows the drawn faults seed's parity rather than a draw of its own:
-    # one more draw would shift the derandomized schedules that the window rates are tuned on
-    return dataclasses.replace(plan, prefix_aware_eviction=plan.faults.seed % 2 == 1)
+    # PrefixAwareCPUOffloadScheduler in about a quarter of the schedules (22% of the quick
+    # profile's), chosen by the drawn faults seed rather than a draw of its own: one more draw
+    # would shift the derandomized schedules that the window rates are tuned on
+    return dataclasses.replace(plan, prefix_aware_eviction=plan.faults.seed % 4 == 3)
 
 
 # Quick profile (CI): derandomized, so every run explores the same schedules. Long profile: set
@@ -4511,7 +4504,7 @@ FUZZ_RB1_PLAN = Plan(
 def test_regression_rb1_preempted_head_blocks_loaded_request():
     """RB-1's plan: r3 repeats r1's prompt and hits on CPU while r2 decodes. Found as a stall:
     r3 held part of its prompt's blocks after its load, r2 grew, was preempted and queued ahead
-    of r3. Since issue 19 an accepted load holds blocks for the whole prompt (7 of the 9), so r3
+    of r3. Now that an accepted load holds blocks for the whole prompt (7 of the 9), r3
     waits for room before it loads and r2 is not preempted; the run finishes, r3 finding 16
     tokens on the GPU and 8 on CPU (6 of its 7 blocks: the last token is always recomputed).
     (test_engine_admission_never_stalls keeps a preempted request ahead of a landed load.)"""
@@ -4887,7 +4880,7 @@ def test_repeated_report_of_a_finished_store_is_kept_until_reset():  # RB-3: vLL
     assert h.sched.reset() and h.sched._store_event_pending_counts == {}
 
 
-@pytest.mark.parametrize("direction", ["store", "load"])  # RB-8 (fixed), now SPEC §0's check
+@pytest.mark.parametrize("direction", ["store", "load"])  # RB-8 (fixed), now an assert
 def test_rejected_copy_is_never_reported_complete(direction):
     """One of the worker's asserts: blocks under event -1 would be copied and never reported
     (their pins leak). It fails before anything is recorded: the next good event is the only
@@ -4911,7 +4904,7 @@ def test_rejected_copy_is_never_reported_complete(direction):
     assert done == ({1} if direction == "store" else {"ok"}), f"reported complete: {done}"
 
 
-# ---- 2.8 The two contracts (SPEC §0), and legal use that never stalls -------------------------
+# ---- 2.8 The two contracts, and legal use that never stalls --------------------------------------
 
 # What a scheduler and a model runner call: vLLM 0.34's contract, a trusted caller
 ENGINE_PROTOCOL = {
@@ -4974,7 +4967,7 @@ class _LateLoadReports(ko.SimpleCPUOffloadWorker):
         return None, due or None
 
 
-def test_engine_admission_never_stalls():  # issue 19
+def test_engine_admission_never_stalls():
     """The stall the issue found, with load reports 4 steps late. GPU pool: 7 usable blocks of 2
     tokens. x's first 6 tokens are stored (3 CPU blocks), the GPU cache is dropped; r1 (1 token,
     5 outputs), p (4 tokens, 3 outputs) and x (11 tokens) arrive. x's 6 tokens hit on CPU.
@@ -4999,7 +4992,7 @@ def test_engine_admission_never_stalls():  # issue 19
     check_idle(eng)
 
 
-def test_worker_block_dim_is_given_not_guessed():  # issue 19
+def test_worker_block_dim_is_given_not_guessed():
     """A FlashAttention cache of 2 blocks is (2, 2, 4, 8): its shape alone cannot tell K/V from
     the blocks (the old guess took dimension 0 as the blocks, so CPU block 1 got V of *both*
     GPU blocks). With block_dim=1, GPU block 1 stores K[1] and V[1] into CPU block 1 and loads
@@ -6285,7 +6278,7 @@ def neutralise_vllm_029(v) -> None:
         return finished(request, block_ids)
 
     def reset_releasing_lookup_pins():
-        # vLLM after 0.30 (0.33 has it): reset() also drops the pins of lookups not yet
+        # vLLM 0.32: reset() also drops the pins of lookups not yet
         # followed by an allocation
         # (0.29 kept them until the request's next lookup or its finish); 0.34 forgets local hits
         for pending in v._pending_cpu_hits.values():
@@ -6295,7 +6288,7 @@ def neutralise_vllm_029(v) -> None:
         return reset()
 
     def build_connector_meta_resetting_preempted(scheduler_output):
-        # vLLM after 0.30 (0.33 has it): a preempted request's store state (table and cursor)
+        # vLLM 0.32: a preempted request's store state (table and cursor)
         # is cleared in the
         # step that preempts it; 0.29 cleared it only when the request resumed
         for req_id in scheduler_output.preempted_req_ids:
@@ -6374,7 +6367,7 @@ VLLM_CPU_HIT_CASES = [
 def test_story_reproduces_vllm_scheduler_cpu_hits(prompt_len, budget, max_tokens, cpu_blocks,
                                                   pre, post):
     """The module's engine gives the numbers vLLM's own Scheduler gives (next test, measured
-    with vLLM 0.29 and 0.30/0.33/0.34): the pre-fix class (both bugs) what 0.29 gives, the
+    with vLLM 0.29, 0.30 and 0.34): the pre-fix class (both bugs) what 0.29 gives, the
     fixed class what 0.30+ gives. Hand derivation in the next test's docstring; in short: the
     flush bug loses the last step's blocks (all of them for a one-step prompt), and a CPU pool
     smaller than the prompt evicts block 0 first, so the lookup misses from the start in both."""
@@ -6529,7 +6522,7 @@ def test_real_vllm_scheduler_cpu_hits(prompt_len, budget, max_tokens, cpu_blocks
     assert (r["keys"], r["B_hit"]) == (pre if version < (0, 30) else post), (version, r)
 
 
-# Hybrid models (issue 20): measured with 0.29.0, 0.30.0 and 0.34.0; 0.31-0.33 were not
+# Hybrid models: measured with 0.29.0, 0.30.0 and 0.34.0; 0.31-0.33 were not
 # measured, so the cases keyed on a change after 0.30 skip there.
 
 def test_real_vllm_hybrid_one_step_prompt():
