@@ -16,14 +16,14 @@ Sections, bottom-up (every name is defined before it is used):
   1. hashing and requests        4. scheduler-side manager    7. beyond vLLM: prefix-aware eviction
   2. block pool, cache-hit lookup 5. the pre-fix variant       8. toy model and MiniEngine
   3. connector messages          6. copy worker               9. demo, --bench, --gpu-check
-Sections 1-6 are vLLM 0.34's steps plus the fix; a subclass of ours changes a step only
-through a one-line hook. Where each line comes from:
+Sections 1-6 are vLLM 0.34's steps plus the fix (subclasses change a step by a hook). Tags:
   # PR #53532      a line the fix added or changed; on a `def` line: the whole function
   # vLLM 0.3x      a later upstream change (0.30-0.34)
   # not in vLLM:   this module's own (checks, hooks, the simulated device)
 """
 from __future__ import annotations
 
+import argparse
 import enum
 import hashlib
 import itertools
@@ -46,14 +46,12 @@ logger = logging.getLogger(__name__)
 # -----------------------------------------------------------------------------
 # 1. Hashing and requests
 
-# Seed of every hash chain: fixed (not Python's randomized hash()), so all processes agree.
-NONE_HASH: bytes = hashlib.sha256(b"kv_offload-none-hash").digest()
+NONE_HASH: bytes = hashlib.sha256(b"kv_offload-none-hash").digest()  # chains' seed: fixed
 
 
 def hash_block_tokens(parent_block_hash: bytes | None, token_ids: Sequence[int],
                       extra_keys: Any = None) -> bytes:
-    """sha256(parent hash, token ids, extra keys): 32 bytes that fingerprint the whole prefix
-    ending at this block, because the parent already fingerprints everything before it."""
+    """sha256(parent hash, token ids, extra keys): the fingerprint of the prefix ending here."""
     h = hashlib.sha256(parent_block_hash or NONE_HASH)
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))  # fixed width and byte order
     if extra_keys is not None:
@@ -89,9 +87,8 @@ class RequestStatus(enum.IntEnum):
 
 
 class Request:
-    """The parts of vLLM's Request that the block pool and the connector read.
-    `block_hashes[i]` covers tokens [0, (i+1) * hash_block_size): one hash per *full* chunk of
-    `all_token_ids`, kept up to date as tokens are appended (vLLM's request_block_hasher)."""
+    """The parts of vLLM's Request the pool and the connector read. `block_hashes[i]` covers
+    tokens [0, (i+1) * hash_block_size), kept up to date (vLLM's request_block_hasher)."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], hash_block_size: int,
                  max_tokens: int = 1):
@@ -105,8 +102,7 @@ class Request:
         self.hash_block_size = hash_block_size
         self.max_tokens = max_tokens
         self.num_computed_tokens = 0
-        # set by the engine (MiniEngine), as vLLM's scheduler sets them
-        self.status = RequestStatus.WAITING
+        self.status = RequestStatus.WAITING  # this and the next three: set by the engine
         self.num_preemptions = 0
         self.num_output_placeholders = 0  # scheduled, not yet produced (async scheduling): 0 here
         self.skip_reading_external_kv = False  # vLLM: no connector reads (e.g. prompt logprobs)
@@ -129,9 +125,8 @@ class Request:
         self._update_block_hashes()
 
     def _update_block_hashes(self) -> None:
-        # Hash only the chunks that became full since the last call (incremental, O(new tokens)).
         hash_block_size = self.hash_block_size
-        start = len(self.block_hashes) * hash_block_size
+        start = len(self.block_hashes) * hash_block_size  # the chunks full since the last call
         while start + hash_block_size <= len(self.all_token_ids):
             parent = self.block_hashes[-1] if self.block_hashes else None
             chunk = self.all_token_ids[start:start + hash_block_size]
@@ -153,8 +148,7 @@ class KVCacheBlock:
     ref_cnt: int = 0  # holders: running requests, in-flight copies, pins; 0 = in the free queue
     block_hash: bytes | None = None  # primary key (hash + group id); set_block_hash() only (bug 1)
     block_hash_num_tokens: int | None = None  # prefix tokens it covers (None if unknown, e.g. CPU)
-    # links of the free queue; only FreeKVCacheBlockQueue touches them
-    prev_free_block: KVCacheBlock | None = None
+    prev_free_block: KVCacheBlock | None = None  # free-queue links: only the queue touches them
     next_free_block: KVCacheBlock | None = None
     is_null: bool = False  # the placeholder block 0: never freed, touched, hashed or evicted
 
@@ -175,11 +169,10 @@ class KVCacheBlock:
 
 
 class FreeKVCacheBlockQueue:
-    """Doubly linked list of free blocks, threaded through the blocks' own prev/next fields.
-    Front = evicted (reused) first. Freed blocks without a hash go to the front (never a cache
-    hit), freed cached blocks to the back, so the front is the least recently used cached block.
-    NOTE: not a deque, because touch() must take a cached block out of the *middle* in O(1) when
-    a new request hits it. Two sentinels (fake head, fake tail) remove the empty-list branches."""
+    """Doubly linked list of free blocks, through the blocks' own prev/next fields. Front =
+    reused first: freed blocks without a hash go there, cached ones to the back (LRU order).
+    Not a deque: touch() takes a hit block out of the *middle* in O(1). Two sentinels (fake
+    head, fake tail) remove the empty-list branches."""
 
     def __init__(self, blocks: list[KVCacheBlock]) -> None:
         self.num_free_blocks = len(blocks)
@@ -223,9 +216,8 @@ class FreeKVCacheBlockQueue:
         block.next_free_block = None
         self.num_free_blocks -= 1
 
-    # a sentinel without its link = a corrupted queue: fail before linking, as vLLM does
     def append(self, block: KVCacheBlock) -> None:
-        if self.fake_free_list_tail.prev_free_block is None:
+        if self.fake_free_list_tail.prev_free_block is None:  # corrupted: fail before linking
             raise RuntimeError("prev_free_block of fake_free_list_tail should always exist")
         self.append_n([block])
 
@@ -266,12 +258,9 @@ class FreeKVCacheBlockQueue:
 
 class BlockHashToBlockMap:
     """Prefix-cache map: key (hash + group id) -> the blocks cached under it. Several blocks may
-    carry one key: vLLM does not de-duplicate (a block table must stay append-only, so a block
-    that becomes full keeps its id even if an identical one is cached). get_one_block() returns
-    the earliest inserted block still cached under the key.
-    NOTE: entries hold block *ids*, as in vLLM 0.34: the cyclic GC does not track a dict of only
-    bytes and ints. `_dup_ids` holds the rare keys cached by several blocks, so that `_cache`
-    holds no containers."""
+    carry one key (block tables are append-only: vLLM does not de-duplicate); get_one_block()
+    returns the earliest inserted. Entries are block *ids* (vLLM 0.34: the GC skips a dict of
+    bytes and ints); `_dup_ids` holds the rare keys of several blocks."""
 
     def __init__(self, blocks: list[KVCacheBlock]) -> None:
         self._blocks = blocks  # the pool's blocks: block id -> block
@@ -317,11 +306,10 @@ class BlockHashToBlockMap:
 
 
 class BlockPool:
-    """Allocates, frees and prefix-caches KV blocks; the GPU pool and the CPU pool alike.
-    Invariants: a block is in free_block_queue iff ref_cnt == 0 (the null block is in neither:
-    ref_cnt is not maintained for it). A block with a hash is findable under its primary key and
-    every secondary key in cached_block_hashes_by_block[block_id]. Eviction is lazy: a free
-    cached block keeps its keys (and stays a hit) until get_new_blocks() hands it out again."""
+    """Allocates, frees and prefix-caches KV blocks, GPU and CPU alike. Invariants: a block but
+    the null one is in free_block_queue iff ref_cnt == 0. A hashed block is findable under its
+    primary key and every secondary key in cached_block_hashes_by_block[block_id]. Eviction is
+    lazy: a free cached block stays a hit until get_new_blocks() hands it out again."""
 
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int):
         assert isinstance(num_gpu_blocks, int) and num_gpu_blocks > 0
@@ -333,8 +321,7 @@ class BlockPool:
         self.cached_block_hash_to_block = BlockHashToBlockMap(self.blocks)
         # secondary keys: fine-grained prefix boundaries inside a block that already has a primary
         self.cached_block_hashes_by_block: dict[int, set[bytes]] = {}
-        # block 0 is a placeholder (e.g. skipped sliding-window slots); never handed out
-        self.null_block = self.free_block_queue.popleft()
+        self.null_block = self.free_block_queue.popleft()  # block 0: placeholder, never handed out
         self.null_block.is_null = True
 
     def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list[int]
@@ -361,7 +348,6 @@ class BlockPool:
         if num_cached_blocks >= num_full_blocks:
             return
         scale = block_size // self.hash_block_size
-        # the group id's 4 bytes, appended per block: cheaper than packing them each time
         group_suffix = make_block_hash_with_group_id(b"", kv_cache_group_id)
         for i in range(num_cached_blocks, num_full_blocks):
             blk = blocks[i]
@@ -379,9 +365,8 @@ class BlockPool:
 
     def cache_partial_block(self, request: Request, block: KVCacheBlock, num_tokens: int,
                             kv_cache_group_id: int) -> bytes | None:
-        """Make `block` reachable from the fine-grained boundary at `num_tokens` (a multiple of
-        hash_block_size inside the block). A block that already carries a longer (e.g. full) key
-        gets this one as a *secondary* key; that is where GPU secondaries come from."""
+        """Make `block` reachable from the fine-grained boundary at `num_tokens` inside it; a
+        block with a longer (e.g. full) key gets a *secondary* key (GPU secondaries' origin)."""
         if block.is_null:
             return None
         block_hash = request.block_hashes[num_tokens // self.hash_block_size - 1]
@@ -428,8 +413,7 @@ class BlockPool:
         ret = self.free_block_queue.popleft_n(num_blocks)
         caching = self.enable_caching
         for block in ret:
-            # most blocks were never cached: skip the eviction call when there is nothing to evict
-            if caching and block.block_hash is not None:
+            if caching and block.block_hash is not None:  # skip the call: nothing to evict
                 self._remove_cached_block_hashes(block)
             assert block.ref_cnt == 0, f"block {block.block_id} in the free queue with refs"
             block.ref_cnt = 1
@@ -440,8 +424,7 @@ class BlockPool:
         for block in blocks:
             if block.is_null:
                 continue
-            # ref_cnt=0 means this block is in the free list (i.e. eviction candidate): remove it
-            if block.ref_cnt == 0:
+            if block.ref_cnt == 0:  # in the free list (i.e. eviction candidate): remove it
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
@@ -463,8 +446,7 @@ class BlockPool:
                     # LIFO reuse of non-cached blocks for better GPU locality, and of cached
                     # ones when asked to evict them first
                     blocks_to_evict_first.append(block)
-                else:
-                    # FIFO reuse of cached blocks for LRU eviction behavior
+                else:  # FIFO reuse of cached blocks for LRU eviction behavior
                     blocks_to_evict_last.append(block)
         self.free_block_queue.prepend_n(blocks_to_evict_first)
         self.free_block_queue.append_n(blocks_to_evict_last)
@@ -552,21 +534,18 @@ class TransferMeta:
 
 @dataclass
 class SchedulerOutput:
-    """The parts of vLLM's SchedulerOutput the connector reads, for one step. vLLM 0.34 sends
-    new and resumed requests (whole tables) before running ones; here one dict holds both."""
+    """The parts of vLLM's SchedulerOutput the connector reads (new and running: one dict)."""
     # req_id -> tokens computed this step. Its order decides who is stored when the CPU is short
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # req_id -> GPU block ids allocated this step, per KV-cache group (whole table if resumed)
     new_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
-    # new_block_ids is a whole table replacing the connector's (after a preemption, or re-sent)
-    resumed_req_ids: set[str] = field(default_factory=set)
+    resumed_req_ids: set[str] = field(default_factory=set)  # new_block_ids: a whole new table
     preempted_req_ids: set[str] = field(default_factory=set)  # its blocks may be reused at once
 
 
 def yield_req_data(scheduler_output: SchedulerOutput
                    ) -> Iterator[tuple[str, tuple[list[int], ...] | None, bool]]:
-    """(req_id, new block ids or None, resumed) in num_scheduled_tokens' order, then requests
-    given blocks but no tokens. `resumed` is vLLM's is_full_table: the ids are a whole table."""
+    """(req_id, new block ids or None, is_full_table): scheduled requests first, in order."""
     for req_id in scheduler_output.num_scheduled_tokens:
         yield (req_id, scheduler_output.new_block_ids.get(req_id),
                req_id in scheduler_output.resumed_req_ids)
@@ -641,10 +620,9 @@ class SimpleCPUOffloadScheduler:
     Stores: a scheduled request's *confirmed* blocks (computed by a finished forward pass) not
     yet on CPU are copied GPU->CPU, pinned until the copy completes, then join the CPU prefix
     cache: one step late, a finished request's last ones by the final flush (PR #53532).
-    Loads: a new request's prefix past its GPU hit is looked up on CPU; hits are pinned and
-    copied CPU->GPU before the request computes.
-    Ref counts: each ref taken on a pool is dropped exactly once (completion, finish or reset).
-    Hooks (not in vLLM, at the end): vLLM's own calls, so a subclass changes one step only."""
+    Loads: a new request's prefix past its GPU hit is looked up on CPU, pinned, copied CPU->GPU.
+    Each ref taken on a pool is dropped exactly once (completion, finish or reset). Hooks (not
+    in vLLM, at the end): vLLM's own calls, so a subclass changes one step only."""
 
     def __init__(self, num_cpu_blocks: int, block_size: int, hash_block_size: int | None = None,
                  group_block_sizes: list[int] | None = None, world_size: int = 1):
@@ -983,10 +961,10 @@ class SimpleCPUOffloadScheduler:
             gpu_block = self._gpu_block_pool.blocks[gpu_block_id]  # PR #53532
             primary_hash = gpu_block.block_hash  # PR #53532
             assert primary_hash is not None  # PR #53532
-            # not in vLLM (PR #53532's first version had it): reset_hash() first, or guard 1
-            # returns on a block stamped with the key (0.29 stamped at allocation). The merged
-            # fix dropped the stamp and this line; a no-op kept so a stamp cannot come back.
-            cpu_block.reset_hash()
+            # reset_hash() first, or guard 1 returns on a block stamped with the key (0.29
+            # stamped at allocation). The merged fix dropped the stamp and this call; kept here,
+            # a no-op on an unstamped block, so that a stamp can never silently come back.
+            cpu_block.reset_hash()  # not in vLLM: PR #53532's first version
             self.cpu_block_pool._insert_block_hash(  # PR #53532: through the pool's guards
                 primary_hash, cpu_block, num_tokens=gpu_block.block_hash_num_tokens)
             # the GPU block's fine-grained secondary keys, which 0.29 never copied
@@ -1158,13 +1136,11 @@ class SimpleCPUOffloadScheduler:
 
 class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
     """The manager as vLLM 0.29 had it (the last release before PR #53532). Each flag turns one
-    bug back on; with both on, a differential test drives this class in lockstep with vLLM
-    0.29's own manager. `skip_reset_hash` is not a release: it is the fix's first version
-    *without* its reset_hash() line, the trap that the fix's comment warns about.
+    bug back on; with both on, a differential test drives it in lockstep with vLLM 0.29's.
     registration_bug: stamp at allocation, insert the stamped primary key straight into the map
         at completion. Whole-block lookups hit; fine-grained secondary keys are never copied.
-    skip_reset_hash: stamp at allocation, then register through _insert_block_hash() without
-        reset_hash(): guard 1 returns early, so the primary key never reaches the map.
+    skip_reset_hash (no release: the fix's first version *without* its reset_hash(), the trap):
+        stamp at allocation; guard 1 of _insert_block_hash() keeps the key out of the map.
     flush_bug: blocks confirmed in a request's last step(s) are never stored."""
 
     def __init__(self, *args: Any, registration_bug: bool = True, flush_bug: bool = True,
@@ -1281,11 +1257,8 @@ class SimpleCPUOffloadWorker:
     earlier work (not in vLLM): its GPU destination may be a block that a finished request's
     kernels still read. Completion is polled (event.query(), never a sync) in FIFO order, one
     high-water mark per direction (event i done => every event <= i done): indices must grow.
-    CPU: the same calls, copies done synchronously (events are None). With a `copy_engine`
-    (torch.cuda's Stream/Event/current_stream/stream names, e.g. the tests' DeferredCopyEngine),
-    the CUDA branch itself runs on CPU caches.
-    NOTE: register_kv_caches() is once per worker: new mirrors would hold zeros under hashes the
-    manager keeps serving (and, on CUDA, free pinned memory that queued copies still use)."""
+    CPU: the same calls, copies done synchronously (events are None). A `copy_engine` (torch.cuda's
+    names, e.g. the tests' DeferredCopyEngine) runs the CUDA branch itself on CPU caches."""
 
     def __init__(self, num_cpu_blocks: int, copy_engine: Any = None):
         self.num_cpu_blocks = num_cpu_blocks
@@ -1314,7 +1287,7 @@ class SimpleCPUOffloadWorker:
         """Mirror the GPU KV caches in CPU memory. `block_dim` (from vLLM's KV-cache spec): 0 for
         [num_gpu_blocks, ...], 1 for FlashAttention's (2, num_gpu_blocks, ...), split into K and
         V regions. All or nothing: after an error (a failed pin too) a retry can succeed."""
-        # not in vLLM: new mirrors would hold zeros under hashes the manager keeps serving
+        # not in vLLM: new mirrors would lose the served KV (and free pinned memory in use)
         assert not self.cpu_kv_caches, "register_kv_caches: once per worker"
         regions: dict[str, torch.Tensor] = {}
         seen: set[tuple[int, tuple[int, ...]]] = set()
@@ -1343,8 +1316,7 @@ class SimpleCPUOffloadWorker:
             cpu_kv_caches[key] = torch.zeros(mirror_shape, dtype=region.dtype, pin_memory=pin)
         if pin or self.copy_engine is not None:
             dev = self.copy_engine or torch.cuda
-            # vLLM's choice: (least, greatest)[0], the lowest priority (see the class docstring)
-            low_priority = torch.cuda.Stream.priority_range()[0] if pin else 0
+            low_priority = torch.cuda.Stream.priority_range()[0] if pin else 0  # vLLM's: lowest
             self.load_stream = dev.Stream(device, priority=low_priority)
             self.store_stream = dev.Stream(device, priority=low_priority)
         self.device = device  # nothing can fail any more: register
@@ -1434,12 +1406,9 @@ class SimpleCPUOffloadWorker:
     # --- copies -----------------------------------------------------------------
     def _launch(self, src_ids: list[int], dst_ids: list[int], is_store: bool,
                 event_idx: int) -> None:
+        src, dst = self.cpu_kv_caches, self.gpu_kv_caches
         if is_store:
-            src = self.gpu_kv_caches
-            dst = self.cpu_kv_caches
-        else:
-            src = self.cpu_kv_caches
-            dst = self.gpu_kv_caches
+            src, dst = dst, src
         runs = _coalesce_runs(src_ids, dst_ids)
         event = None
         if self.load_stream is not None:  # CUDA, or a copy_engine (the tests' simulated device)
@@ -1514,13 +1483,10 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
     same prefix remains (children before parents; among chains, LRU), and a store never evicts
     the prefix it extends (judged by the hash chain, not by the request's cursor). vLLM's LRU
     evicts a chain's root first, which strands every block after it: a pool one block smaller
-    than a prompt then serves nothing (a cliff); here n blocks serve n - 1 (a ramp).
-    How: each CPU block records its parent's key at allocation; a freed run of a chain (root
-    first, each block the child of the one before) joins the free queue leaf first, just ahead
-    of its parent when that is free, or at the front when the parent is gone. O(1) per stored,
-    loaded or refreshed block. Limits: a block freed while its parent is pinned stays behind it;
-    chains still compete by LRU, so prompts in rotation that outgrow the pool evict each other.
-    """
+    than a prompt then serves nothing (a cliff); here n blocks serve n - 1 (a ramp). How: each
+    CPU block records its parent's key; a freed run goes just ahead of its parent, O(1) a block.
+    Limits: a block freed while its parent is pinned stays behind it; chains still compete by
+    LRU, so prompts in rotation that outgrow the pool evict each other."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -1529,9 +1495,8 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
 
     def _allocate_cpu_blocks(self, gpu_block_ids: list[int], request: Request
                              ) -> list[KVCacheBlock]:
-        """Also record each destination's parent key. In a run of one group, the previous
-        source's key; else cache_full_blocks' formula (the fine hash at the parent's end + the
-        group id); None for a chain's root. Bound locals: this is the store path's loop."""
+        """Also record each destination's parent key: the previous source's in a run of one
+        group, else cache_full_blocks' formula. Bound locals: this is the store path's loop."""
         cpu_blocks = super()._allocate_cpu_blocks(gpu_block_ids, request)
         assert self._gpu_block_pool is not None
         gpu_blocks = self._gpu_block_pool.blocks
@@ -1560,9 +1525,8 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         return cpu_blocks
 
     def _num_free_for_store(self, state: StoreRequestState) -> int:
-        """The free queue's front up to the first block of the request's own chain: evicting
-        it would strand the copies this store makes. Walks no further than the store could
-        take (the blocks past the cursors)."""
+        """The free queue's front up to the first block of the request's own chain (evicting it
+        would strand this store's copies), walked no further than the store could take."""
         request = state.request
         block_hashes = request.block_hashes
         cursors = zip(state.block_ids, state.num_stored_blocks)
@@ -1586,9 +1550,8 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         self._free_cpu_blocks(prefix_blocks)
 
     def _free_cpu_blocks(self, blocks: list[KVCacheBlock]) -> None:
-        """`blocks` in prefix order. One pass drops the refs as free_blocks does; blocks reaching
-        0 without a hash go to the front, and each run of hashed ones (consecutive, each the
-        child of the one before) is placed by _place_cpu_run."""
+        """`blocks` in prefix order: free_blocks' ref drops; each run of hashed blocks reaching
+        0 (consecutive, each the child of the one before) is placed by _place_cpu_run."""
         parent_keys = self._cpu_parent_keys
         unhashed: list[KVCacheBlock] = []
         run: list[KVCacheBlock] = []  # root first
@@ -1620,8 +1583,7 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
 
     def _place_cpu_run(self, run: list[KVCacheBlock]) -> None:
         """The freed run (root first) joins the back leaf first, then moves just ahead of its
-        root's parent if that is free, or to the front if the parent is gone (nothing can reach
-        the run); a chain's root, or a pinned parent, keeps it at the back."""
+        root's free parent, or to the front if the parent is gone; else it stays at the back."""
         queue = self.cpu_block_pool.free_block_queue
         last = run[0]
         run.reverse()
@@ -1645,10 +1607,9 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
 def run_rotation(num_prompts: int = 3, prompt_blocks: int = 64, num_cpu_blocks: int = 160,
                  rounds: int = 4, scheduler_cls: type = SimpleCPUOffloadScheduler,
                  block_size: int = 16, max_num_batched_tokens: int = 1024, seed: int = 0) -> dict:
-    """Prompts in rotation: `num_prompts` distinct prompts of `prompt_blocks` blocks requested
-    round-robin for `rounds` rounds, the GPU prefix cache dropped before each (every reuse comes
-    from CPU). The tokens loaded per round, the ideal (the pool's capacity over the prompts,
-    each capped at its hit limit), and the checks. LRU with the default scheduler_cls."""
+    """`num_prompts` prompts of `prompt_blocks` blocks requested round-robin for `rounds` rounds,
+    the GPU prefix cache dropped before each: the tokens loaded from CPU per round, the ideal
+    (the pool's capacity, each prompt capped at its hit limit), and the checks."""
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 32000, (prompt_blocks * block_size,), generator=gen).tolist()
                for _ in range(num_prompts)]
@@ -1680,13 +1641,11 @@ def run_rotation(num_prompts: int = 3, prompt_blocks: int = 64, num_cpu_blocks: 
 # 8. Toy model and MiniEngine
 
 class ToyModel:
-    """Deterministic stand-in for a transformer's KV writes: each token's K and V depend on
-    (token id, position) only (offload needs only "same prefix -> same KV"), through `rounds`
-    integer mixing rounds per layer. Integer arithmetic, so the values are bit-identical whatever
-    the batch, chunking or device: recompute and CPU load must agree exactly (expected_kv())."""
+    """Deterministic stand-in for a transformer's KV writes: a token's K and V depend on (token
+    id, position) only, through `rounds` integer mixing rounds per layer, so they are bit-identical
+    whatever the batch, chunking or device: recompute and CPU load must agree (expected_kv())."""
 
-    # a prime < 2**31 and an LCG multiplier: every product fits in int64, no overflow
-    _MOD = 2_147_483_629
+    _MOD = 2_147_483_629  # a prime < 2**31; with the LCG multiplier, every product fits in int64
     _MUL = 1_103_515_245
     VOCAB_SIZE = 32000
 
@@ -1736,8 +1695,7 @@ class ToyModel:
                             for cache in kv_caches.values()])
 
     def next_token(self, kv_caches: dict[str, torch.Tensor], slots: torch.Tensor) -> int:
-        """Greedy 'sampling' that reads the sequence's KV back from the paged cache, so a wrong
-        load changes the output. Sum of multiples of 1/256 in float64: exact, order-independent."""
+        """Greedy 'sampling' from the KV read back (a wrong load changes it); exact in float64."""
         last_layer = self.read_kv(kv_caches, slots)[-1]
         return int(last_layer.double().sum().item() * 256) % self.VOCAB_SIZE
 
@@ -1757,19 +1715,16 @@ class MiniEngine:
     """A one-group engine that drives the connector as vLLM's scheduler does, per step: schedule
     -> build_connector_meta -> each worker (one per rank): preemption flush, loads -> forward ->
     each worker: stores, completions -> finished requests (request_finished_all_groups, then
-    their blocks freed) -> update_connector_output. A request with a CPU hit waits
-    (WAITING_FOR_REMOTE_KVS) until every worker reported its load."""
+    their blocks freed) -> update_connector_output. A CPU hit waits for every worker's report."""
 
     def __init__(self, num_gpu_blocks: int, block_size: int, max_num_batched_tokens: int,
                  model: ToyModel, connector: SimpleCPUOffloadScheduler | None = None,
                  worker: SimpleCPUOffloadWorker | list[SimpleCPUOffloadWorker] | None = None,
                  capture_kv: bool = False):
-        workers = [worker] if worker else []
-        if isinstance(worker, list):
-            workers = worker
+        workers = worker if isinstance(worker, list) else [worker]
+        workers = [w for w in workers if w is not None]
         if connector is not None:
-            # a store completes on world_size reports: with fewer workers it never does (the
-            # engine would step forever), with more it completes while a copy is still queued
+            # a store completes on world_size reports: never with fewer workers, too early with more
             if len(workers) != connector.world_size:
                 raise ValueError(f"worker: {len(workers)} given, the connector's world_size is "
                                  f"{connector.world_size} (one worker per rank)")
@@ -1786,13 +1741,11 @@ class MiniEngine:
         self.workers = workers
         self.capture_kv = capture_kv
         self.gpu_block_pool = BlockPool(num_gpu_blocks, True, self.hash_block_size)
-        # each rank (worker) its own GPU KV caches: one FlashAttention (2, num_blocks, block_size,
-        # H, D) tensor per layer; all ranks compute the same KV (no TP sharding here)
-        cache_shape = (2, num_gpu_blocks, block_size, model.num_kv_heads, model.head_dim)
-        self.rank_kv_caches = [{f"layers.{i}": torch.zeros(cache_shape, dtype=model.dtype,
-                                                           device=model.device)
-                                for i in range(model.num_layers)}
-                               for _ in range(max(len(workers), 1))]
+        # per rank, a FlashAttention-layout cache per layer; all ranks compute the same KV (no TP)
+        shape = (2, num_gpu_blocks, block_size, model.num_kv_heads, model.head_dim)
+        layer_names = [f"layers.{i}" for i in range(model.num_layers)]
+        self.rank_kv_caches = [{name: torch.zeros(shape, dtype=model.dtype, device=model.device)
+                                for name in layer_names} for _ in range(max(len(workers), 1))]
         self.kv_caches = self.rank_kv_caches[0]  # what sampling and capture_kv read
         if connector:
             connector.bind_gpu_block_pool(self.gpu_block_pool)
@@ -1814,8 +1767,7 @@ class MiniEngine:
         req_id = request.request_id
         if req_id in self.stats:  # not in vLLM's engine core: a reused id would mix two requests
             raise ValueError(f"request id {req_id!r} is already in use")
-        # vLLM refuses such a request up front too: it could never be scheduled
-        max_num_tokens = request.num_prompt_tokens + request.max_tokens - 1
+        max_num_tokens = request.num_prompt_tokens + request.max_tokens - 1  # vLLM refuses it too
         if cdiv(max_num_tokens, self.block_size) > self.gpu_block_pool.num_gpu_blocks - 1:
             raise ValueError(f"request {req_id!r} needs more GPU blocks than the pool has")
         self.waiting.append(request)
@@ -1826,10 +1778,8 @@ class MiniEngine:
     def abort_request(self, request_id: str) -> None:
         """Drop a request wherever it is, as vLLM's abort: connector first, then the GPU blocks."""
         req = self.requests.pop(request_id)
-        if req.status == RequestStatus.RUNNING:
-            self.running.remove(req)
-        else:
-            self.waiting.remove(req)
+        queue = self.running if req.status == RequestStatus.RUNNING else self.waiting
+        queue.remove(req)
         req.status = RequestStatus.FINISHED_ABORTED
         self._free(req)
 
@@ -1854,13 +1804,10 @@ class MiniEngine:
             self.step()
         return self.stats
 
-    # --- scheduling ---------------------------------------------------------------
     def _schedule(self) -> SchedulerOutput:
-        """One pass in vLLM's order (nano-vllm's schedule(), chunked): running requests first,
-        each its next chunk, preempting the last running one when the pool is short; then, if
-        nobody was preempted, the waiting queue, landed loads first (vLLM 0.34's
-        kv_holding_waiting). A request that cannot start is skipped (not in vLLM, which stops at
-        the first failed allocation: a landed load could wait forever for blocks held behind it)."""
+        """One pass in vLLM's order: running requests first (each its next chunk, preempting the
+        last when short); if none was, the waiting queue, landed loads first (vLLM 0.34). One that
+        cannot start is skipped (vLLM stops: a landed load could wait forever for blocks behind)."""
         scheduler_output = SchedulerOutput()
         token_budget = self.max_num_batched_tokens
         running_tokens: dict[str, int] = {}
@@ -1907,15 +1854,13 @@ class MiniEngine:
 
     def _admit(self, req: Request, token_budget: int) -> int | None:
         """Tokens a waiting request computes this step (0 while its CPU load is pending), or None,
-        with nothing changed, if it cannot start: a new request looks up its prefix (GPU, then
-        the connector), allocates and calls update_state_after_alloc; a landed one just starts."""
+        with nothing changed, if it cannot start (a new one looks up, allocates and notifies)."""
         req_id = req.request_id
         if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             return None  # its load is in flight (vLLM skips past it too)
         if req_id in self.req_to_blocks:  # its load landed: the whole prompt has its blocks
             return min(req.num_tokens - req.num_computed_tokens, token_budget)
-        # the last token is always recomputed: look up at most num_tokens - 1
-        (hit_blocks,), num_local_tokens = find_longest_cache_hit(
+        (hit_blocks,), num_local_tokens = find_longest_cache_hit(  # the last token: recomputed
             req.block_hashes, req.num_tokens - 1, [0], self.gpu_block_pool, self.block_size)
         num_external_tokens = 0
         if self.connector is not None and not self._connector_reset_pending:
@@ -1923,14 +1868,12 @@ class MiniEngine:
                 req, num_local_tokens)
         if num_external_tokens:
             num_new_tokens = 0  # nothing to compute until the load lands
-            # not in vLLM: blocks for the whole prompt now, so that a landed load never waits
-            # for more (two landed loads holding half the pool each would wait for each other)
+            # not in vLLM: blocks for the whole prompt now (landed loads could wait for each other)
             num_tokens = req.num_tokens
         else:
             num_new_tokens = min(req.num_tokens - num_local_tokens, token_budget)
             num_tokens = num_local_tokens + num_new_tokens
-        # new blocks, plus hit blocks that touch() will take out of the free queue
-        num_evictable_hits = sum(b.ref_cnt == 0 for b in hit_blocks)
+        num_evictable_hits = sum(b.ref_cnt == 0 for b in hit_blocks)  # touch() takes them too
         num_blocks_needed = cdiv(num_tokens, self.block_size) - len(hit_blocks)
         if num_blocks_needed + num_evictable_hits > self.gpu_block_pool.get_num_free_blocks():
             return None  # the connector's pin is dropped by the next lookup
@@ -1964,15 +1907,13 @@ class MiniEngine:
         """Cache the full blocks of [0, num_tokens): at scheduling time, as vLLM does."""
         num_full_blocks = min(num_tokens, len(req.block_hashes) * self.hash_block_size)
         num_full_blocks //= self.block_size
-        num_cached_blocks = self.num_cached_blocks.get(req.request_id, 0)
+        num_cached = self.num_cached_blocks.get(req.request_id, 0)
         self.gpu_block_pool.cache_full_blocks(req, self.req_to_blocks[req.request_id],
-                                              num_cached_blocks, num_full_blocks,
-                                              self.block_size, 0)
-        self.num_cached_blocks[req.request_id] = max(num_full_blocks, num_cached_blocks)
+                                              num_cached, num_full_blocks, self.block_size, 0)
+        self.num_cached_blocks[req.request_id] = max(num_full_blocks, num_cached)
 
     def _free(self, req: Request, finished: bool = True) -> None:
-        """A finished (or aborted) request: the connector hears it first, as in vLLM. Then its
-        blocks, reversed: a request's tail is the least likely to be shared, so evicted first."""
+        """Finished or aborted: the connector hears it first (vLLM); then its blocks, tail first."""
         blocks = self.req_to_blocks.pop(req.request_id, [])
         if finished and self.connector is not None:
             self.connector.request_finished_all_groups(req, ([b.block_id for b in blocks],))
@@ -1987,11 +1928,9 @@ class MiniEngine:
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.waiting.insert(0, victim)
-        # the connector hears it: its blocks may be reused at once (it was not scheduled yet)
-        scheduler_output.preempted_req_ids.add(victim.request_id)
+        scheduler_output.preempted_req_ids.add(victim.request_id)  # its blocks: reused at once
         return victim
 
-    # --- one step -------------------------------------------------------------------
     def step(self) -> None:
         """One scheduler step + one forward pass, in vLLM's order (see the class docstring)."""
         self.num_steps += 1
@@ -2010,10 +1949,9 @@ class MiniEngine:
             w.wait_for_save()  # stores read blocks confirmed by earlier steps (and finish flushes)
             self._recving_counts.update(w.get_finished(set())[1] or ())
             this_worker_meta = w.build_connector_worker_meta()
-            if worker_meta is None or this_worker_meta is None:
-                worker_meta = worker_meta or this_worker_meta
-            else:
-                worker_meta = worker_meta.aggregate(this_worker_meta)
+            if worker_meta is not None and this_worker_meta is not None:
+                this_worker_meta = worker_meta.aggregate(this_worker_meta)
+            worker_meta = this_worker_meta or worker_meta
             w.clear_connector_metadata()
         # a load is done once every worker (TP rank) reported it (vLLM's KVOutputAggregator)
         finished_recving = {r for r, n in self._recving_counts.items() if n == len(self.workers)}
@@ -2028,8 +1966,7 @@ class MiniEngine:
         for req_id in finished_recving:
             req = self.requests.get(req_id)  # None: aborted (the connector released it already)
             if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                # the loaded blocks become GPU prefix-cache hits; it waits to compute the rest
-                # (as PREEMPTED if it was preempted before: it is sent as resumed)
+                # its loaded blocks become GPU hits; it waits for the rest (resumed if it was)
                 self._cache_blocks(req, req.num_computed_tokens)
                 resumed = req.num_preemptions > 0
                 req.status = RequestStatus.PREEMPTED if resumed else RequestStatus.WAITING
@@ -2049,9 +1986,8 @@ class MiniEngine:
             start = req.num_computed_tokens
             end = start + num_new_tokens
             slots = self._slots(req.request_id, start, end)
-            for kv_caches in self.rank_kv_caches:
-                self.model.forward(kv_caches, req.all_token_ids[start:end], range(start, end),
-                                   slots)
+            for caches in self.rank_kv_caches:
+                self.model.forward(caches, req.all_token_ids[start:end], range(start, end), slots)
 
     def _update_from_output(self, scheduler_output: SchedulerOutput) -> None:
         for req in list(self.running):
@@ -2089,9 +2025,7 @@ def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: in
               seed: int = 0, num_cpu_blocks: int | None = None, max_tokens: int = 1,
               hash_block_size: int | None = None, world_size: int = 1,
               **scheduler_kwargs: Any) -> dict:
-    """Request A (a prompt prefilled in chunks of max_num_batched_tokens), then the GPU prefix
-    cache is dropped, then request B with the same prompt: what happened to B, whether its KV is
-    exact and every pool free. The CPU pool is as large as the GPU pool unless num_cpu_blocks."""
+    """Request A, the GPU prefix cache dropped, request B with A's prompt: B's numbers, checks."""
     num_blocks = prompt_tokens // block_size + 64
     num_cpu_blocks = num_cpu_blocks or num_blocks
     connector = scheduler_cls(num_cpu_blocks, block_size, hash_block_size=hash_block_size,
@@ -2113,25 +2047,19 @@ def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: in
     b = engine.run()["B"]
     gpu_all_free = engine.gpu_block_pool.get_num_free_blocks() == num_blocks - 1
     cpu_all_free = connector.cpu_block_pool.get_num_free_blocks() == num_cpu_blocks - 1
-    # vLLM's kv_offload_store_bytes_total counts every store event's bytes (one rank's here)
-    bytes_per_block = sum(t[0].nbytes for t in workers[0].cpu_kv_caches.values())
+    bytes_per_block = sum(t[0].nbytes for t in workers[0].cpu_kv_caches.values())  # one rank's
     return dict(cpu_blocks_registered=stored_per_step[-1],
                 stored_bytes=engine.num_stored_blocks * bytes_per_block,
-                cpu_hit_tokens=b.cpu_hit_tokens,
-                recomputed_tokens=b.computed_tokens,
-                ttft_b_s=b.ttft_s,
-                same_output=a.output_token_ids == b.output_token_ids,
+                cpu_hit_tokens=b.cpu_hit_tokens, recomputed_tokens=b.computed_tokens,
+                ttft_b_s=b.ttft_s, same_output=a.output_token_ids == b.output_token_ids,
                 kv_exact=torch.equal(b.kv, model.expected_kv(prompt).cpu()),
-                all_free=gpu_all_free and cpu_all_free,
-                stored_per_step=stored_per_step)
+                all_free=gpu_all_free and cpu_all_free, stored_per_step=stored_per_step)
 
 
 def offload_prompt(scheduler: SimpleCPUOffloadScheduler, prompt: list[int], block_size: int,
                    partial_at: int | None = None) -> SimpleCPUOffloadMetadata:
-    """One prompt's full blocks stored through `scheduler` in vLLM's call order, with no model
-    and no worker (with `partial_at`: also a GPU secondary key inside a block); the step's
-    metadata. Not an engine's connector (it would lose its GPU pool), nor one that waits for
-    several workers' reports (one report never completes its store: the pins would leak)."""
+    """One prompt's full blocks stored through an unbound one-worker `scheduler` in vLLM's call
+    order, no model or worker (`partial_at`: a GPU secondary key too); the step's metadata."""
     if scheduler._gpu_block_pool is not None or scheduler.world_size != 1:
         raise ValueError("scheduler: it serves another engine or more than one worker")
     request = Request("A", prompt, scheduler.hash_block_size)
@@ -2161,9 +2089,7 @@ HEADLINE_CLASSES = {"vLLM 0.29": PreFixCPUOffloadScheduler, "the fix": SimpleCPU
 
 
 def headline(prompt_tokens: int = 8192) -> dict[str, dict[str, tuple[float, int]]]:
-    """The demo's table, printed and returned: per configuration and version, (MiB stored to CPU,
-    tokens B loaded from CPU). Bug 1 needs GPU secondary keys, which the toy engine never makes:
-    notebook step 5 shows it on the manager alone."""
+    """The demo's table, printed and returned: {config: {version: (MiB stored, tokens loaded)}}."""
     print("B repeats A's prompt after A ran and the GPU prefix cache was dropped (block 16,\n"
           "1,024 tokens a step). Per version: MiB stored to CPU / tokens B loaded from CPU, as\n"
           "vLLM's kv_offload_store_bytes_total / external_prefix_cache_hits_total ...", flush=True)
@@ -2188,10 +2114,8 @@ def headline(prompt_tokens: int = 8192) -> dict[str, dict[str, tuple[float, int]
 
 def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_copy: int = 512,
                  reps: int = 5, num_layers: int = 8) -> list[dict]:
-    """The worker's copies of n_copy blocks against one plain copy of the same bytes (CUDA: a
-    device<->pinned-host copy_, timed by CUDA events; CPU: torch's copy_), interleaved rep by rep
-    so that a neighbour's load hits both alike. Per layout, ids and direction: GB/s (median),
-    ratio = t_plain / t_worker (median, min), host µs to issue a copy (one per run and region)."""
+    """The worker's copies of n_copy blocks against one plain copy_ of the same bytes (CUDA: pinned
+    host memory), reps interleaved: GB/s, t_plain / t_worker, host µs to issue one copy."""
     def timed(fn, stream=None) -> tuple[float, float]:  # (copies' seconds, host seconds)
         if device == "cuda":
             torch.cuda.synchronize()
@@ -2220,9 +2144,10 @@ def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_cop
         w = SimpleCPUOffloadWorker(num_blocks)
         w.register_kv_caches(caches, num_blocks, block_dim=1 if caches is per_layer else 0)
         nbytes = sum(r[:n_copy].nbytes for r in w.gpu_kv_caches.values())
-        bufs = {"store": (torch.zeros(nbytes, dtype=torch.uint8, device=device),
-                          torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device == "cuda"))}
-        bufs["load"] = bufs["store"][::-1]  # (source, destination)
+        dev_buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        host_buf = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
+        copies = {"store": (dev_buf, host_buf, w.wait_for_save, w.store_stream),  # src, dst
+                  "load": (host_buf, dev_buf, w.start_load_kv, w.load_stream)}
         for ids in ("contiguous", "scattered"):
             gpu_ids = list(range(1, n_copy + 1))  # one run: one slice copy per region
             cpu_ids = list(range(1, n_copy + 1))
@@ -2230,12 +2155,10 @@ def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_cop
                 gpu_ids = (torch.randperm(num_blocks - 1, generator=gen)[:n_copy] + 1).tolist()
                 cpu_ids = (torch.randperm(num_blocks - 1, generator=gen)[:n_copy] + 1).tolist()
             num_copies = len(_coalesce_runs(gpu_ids, cpu_ids)) * len(w.gpu_kv_caches)
-            for direction, (src, dst) in bufs.items():
+            for direction, (src, dst, copy, stream) in copies.items():
                 w.bind_connector_metadata(SimpleCPUOffloadMetadata(**{  # events must grow
                     f"{direction}_event": len(rows), f"{direction}_gpu_blocks": gpu_ids,
                     f"{direction}_cpu_blocks": cpu_ids}))
-                copy = w.wait_for_save if direction == "store" else w.start_load_kv
-                stream = w.store_stream if direction == "store" else w.load_stream
                 pairs = [(timed(copy, stream), timed(lambda: dst.copy_(src, non_blocking=True)))
                          for _ in range(reps + 1)][1:]  # interleaved; the first warms up
                 w.handle_preemptions(SimpleCPUOffloadMetadata(need_flush=True))  # wait, forget
@@ -2250,10 +2173,8 @@ def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_cop
     return rows
 
 
-# --gpu-check: the bandwidth goal (blocks >= 256 KiB at >= 0.85 of one pinned copy; printed,
-# not in the exit status until measured once), the CUDA fuzz's seed, the whole check's limit
-GOAL_BLOCK_KIB, GOAL_RATIO = 256, 0.85
-GPU_CHECK_SEED, GPU_CHECK_LIMIT_S = 20261204, 360
+GOAL_BLOCK_KIB, GOAL_RATIO = 256, 0.85  # --gpu-check's goal: printed, not in the exit status
+GPU_CHECK_SEED, GPU_CHECK_LIMIT_S = 20261204, 360  # its CUDA fuzz's seed, its time limit
 
 
 def _print_copy_rows(device: str) -> list[str]:
@@ -2267,17 +2188,14 @@ def _print_copy_rows(device: str) -> list[str]:
             goal = "  goal met" if r["ratio"] >= GOAL_RATIO else "  goal missed"
         if goal == "  goal missed":
             missed.append(f"{r['layout']} {r['ids']} {r['direction']} {r['ratio']:.2f}")
-        print(f"{r['device']:7}{r['layout']:24}{r['ids']:12}{r['direction']:7}"
-              f"{r['block_kib']:>8}{r['worker_gbps']:>13.2f}{r['plain_gbps']:>12.2f}"
-              f"{r['ratio']:>8.2f} ({r['ratio_min']:.2f}){r['us_per_copy']:>9.2f}{goal}",
-              flush=True)
+        print(f"{r['device']:7}{r['layout']:24}{r['ids']:12}{r['direction']:7}{r['block_kib']:>8}"
+              f"{r['worker_gbps']:>13.2f}{r['plain_gbps']:>12.2f}{r['ratio']:>8.2f} "
+              f"({r['ratio_min']:.2f}){r['us_per_copy']:>9.2f}{goal}", flush=True)
     return missed
 
 
 def gpu_check(fuzz_examples: int = 200, limit_s: float = GPU_CHECK_LIMIT_S) -> int:
-    """Every CUDA test case (copies, the races and their planted bugs, end to end, the story
-    under sync-debug mode, the story's load as issued), a seeded CUDA fuzz, the CUDA copy bench,
-    one verdict line. Non-zero on a failure, past the time limit or without a GPU."""
+    """The CUDA tests, a seeded fuzz, the CUDA bench, a verdict: non-zero on failure or no GPU."""
     start = time.perf_counter()
     if not torch.cuda.is_available():
         print("GPU CHECK: FAIL (torch sees no CUDA device: nothing was checked)")
@@ -2305,7 +2223,6 @@ def gpu_check(fuzz_examples: int = 200, limit_s: float = GPU_CHECK_LIMIT_S) -> i
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bench", action="store_true", help="the worker against a plain copy")
     parser.add_argument("--gpu-check", action="store_true", help="the CUDA tests, fuzz, bench")
