@@ -869,6 +869,7 @@ class SimpleCPUOffloadScheduler:
         """Confirmed blocks past the cursors worth storing (up to the CPU's free blocks), and how
         far each cursor advances. Pure; the finish flush shares it, so both skip the same blocks."""
         assert self._gpu_block_pool is not None
+        gpu_blocks = self._gpu_block_pool.blocks  # bound once: the store path's per-block loop
         gpu_block_ids: list[int] = []
         advanced_per_group = [0] * len(self.group_block_sizes)
         request = state.request
@@ -878,16 +879,14 @@ class SimpleCPUOffloadScheduler:
             if len(gpu_block_ids) >= num_free:
                 break
             group_size = self.group_block_sizes[g]
-            # the GPU KV cache manager's cacheable prefix: a lone group caches every full
-            # block, a hybrid coordinator only scheduler-block-aligned prefixes (vLLM 0.32)
-            cacheable_tokens = confirmed_tokens
-            if len(self.group_block_sizes) > 1:
+            cacheable_tokens = confirmed_tokens  # the GPU manager's cacheable prefix (vLLM 0.32)
+            if len(self.group_block_sizes) > 1:  # a hybrid coordinator's: block-aligned
                 cacheable_tokens -= confirmed_tokens % self.block_size
             ready = min(len(group_gpu_ids), cacheable_tokens // group_size)
             scale = group_size // self.hash_block_size
             start = state.num_stored_blocks[g]
             for i in range(start, ready):
-                gpu_block = self._gpu_block_pool.blocks[group_gpu_ids[i]]
+                gpu_block = gpu_blocks[group_gpu_ids[i]]
                 if gpu_block.is_null and (i + 1) * scale <= len(request.block_hashes):
                     # vLLM 0.30: a null slot may still have its KV cached elsewhere in the pool
                     block_hash = request.block_hashes[(i + 1) * scale - 1]
@@ -957,8 +956,9 @@ class SimpleCPUOffloadScheduler:
         assert len(cpu_block_ids) == len(gpu_block_ids)
         cpu_blocks = [self.cpu_block_pool.blocks[b] for b in cpu_block_ids]
         assert self._gpu_block_pool is not None
+        gpu_blocks = self._gpu_block_pool.blocks  # bound once: the store path's per-block loop
         for gpu_block_id, cpu_block in zip(gpu_block_ids, cpu_blocks):
-            gpu_block = self._gpu_block_pool.blocks[gpu_block_id]  # PR #53532
+            gpu_block = gpu_blocks[gpu_block_id]  # PR #53532
             primary_hash = gpu_block.block_hash  # PR #53532
             assert primary_hash is not None  # PR #53532
             # reset_hash() first, or guard 1 returns on a block stamped with the key (0.29

@@ -3228,6 +3228,9 @@ def test_readme_numbers_match_the_code():
         hits[name] = ko.find_longest_cache_hit(probe.block_hashes, 15, [0], sched.cpu_block_pool,
                                                8)[1]
     assert f"0.29 loads {hits['0.29']} tokens where the fix loads {hits['fix']}" in text, hits
+    small = [ko.run_story(ko.SimpleCPUOffloadScheduler, 100, max_num_batched_tokens=budget,
+                          num_cpu_blocks=5)["cpu_hit_tokens"] for budget in (1024, 32)]
+    assert (f"the fix loads {small[0]} tokens; in chunks of 32 tokens: {small[1]}" in flat), small
     collected = _collect_cuda_cases()  # "19/450 tests collected": 450, counted before -k
     num_tests = int(re.search(r"(?:\d+/)?(\d+) tests collected", collected).group(1))
     assert f"| {num_tests} tests (CPU;" in text, (
@@ -4990,6 +4993,33 @@ def test_engine_admission_never_stalls():
     assert torch.equal(stats["x"].kv, model.expected_kv(x))
     assert [len(stats[r].output_token_ids) for r in ("r1", "p", "x")] == [5, 3, 1]
     check_idle(eng)
+
+
+def test_failed_pinned_allocation_leaves_the_worker_fresh(monkeypatch):
+    """register_kv_caches is all or nothing, a failed allocation of the CPU mirrors too (on CUDA
+    a pinned allocation can fail for want of page-locked memory): the worker stays unregistered,
+    and a retry once memory is there registers it and copies exactly."""
+    cache = torch.arange(2 * 4 * 8, dtype=torch.float16).view(2, 4, 8)
+    w = ko.SimpleCPUOffloadWorker(3)
+    zeros = torch.zeros
+    calls = []
+
+    def failing_zeros(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:  # the second region's mirror
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+        return zeros(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ko.torch, "zeros", failing_zeros)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            w.register_kv_caches({"l0": cache}, 4, block_dim=1)
+    assert (w.cpu_kv_caches, w.gpu_kv_caches, w.num_gpu_blocks) == ({}, {}, 0)
+    w.register_kv_caches({"l0": cache}, 4, block_dim=1)
+    w.bind_connector_metadata(_meta(store_event=0, store_gpu_blocks=[2], store_cpu_blocks=[1]))
+    w.wait_for_save()
+    assert torch.equal(w.cpu_kv_caches["l0.k"][1], cache[0, 2])
+    assert torch.equal(w.cpu_kv_caches["l0.v"][1], cache[1, 2])
 
 
 def test_worker_block_dim_is_given_not_guessed():
