@@ -672,11 +672,10 @@ class SimpleCPUOffloadScheduler:
             f"{self.hash_block_size}")
         self._gpu_block_pool = gpu_block_pool
 
-    # --- lookup and load ------------------------------------------------------
     def _find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_length: int
                                 ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        """vLLM's cpu_coordinator.find_longest_cache_hit, for full-attention groups."""
-        # vLLM's hybrid coordinator loops to a fixed point; full attention reaches it in one pass
+        """vLLM's cpu_coordinator.find_longest_cache_hit; for full attention, one pass is the fixed
+        point its hybrid coordinator loops to."""
         hits: list[list[KVCacheBlock]] = [[] for _ in self.group_block_sizes]
         hit_length = max_length
         for size, group_ids in self._group_ids_by_block_size.items():
@@ -728,8 +727,7 @@ class SimpleCPUOffloadScheduler:
             self._reqs_to_store[req_id] = StoreRequestState(
                 request, tuple([] for _ in range(num_groups)), [0] * num_groups)
         if num_local_tokens := self._pending_local_hits.pop(req_id, None):  # vLLM 0.34
-            # Eager stores skip blocks already on CPU, so nothing else touches the CPU copies
-            # of a GPU hit: move them to the MRU end, or the most reused prefixes age out first
+            # eager stores skip a GPU hit's CPU copies: to the MRU end, or hot prefixes age out
             prefix_hit, _ = self._find_longest_cache_hit(request.block_hashes, num_local_tokens)
             prefix_blocks = [b for grp in prefix_hit for b in grp if not b.is_null]
             self._refresh_cpu_lru(prefix_blocks)  # not in vLLM: a hook (vLLM's touch + free)
@@ -773,7 +771,6 @@ class SimpleCPUOffloadScheduler:
         self._reqs_to_load[req_id] = LoadRequestState(
             request, TransferMeta(gpu_block_ids, cpu_block_ids))
 
-    # --- one step: build the worker's metadata -----------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> SimpleCPUOffloadMetadata:
         """At most one store event (confirmed blocks + finish flushes) and one load event a step."""
         # --- Stores ---
@@ -913,7 +910,6 @@ class SimpleCPUOffloadScheduler:
             return _StoreAdmission.ALREADY_CACHED
         return _StoreAdmission.READY
 
-    # --- completions ------------------------------------------------------------
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Loads complete per request; stores per event, once all world_size workers reported."""
         # --- Load completions ---
@@ -923,8 +919,7 @@ class SimpleCPUOffloadScheduler:
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, SimpleCPUOffloadWorkerMetadata):
             return
-        # NOTE: as in vLLM, a count for an event that is no longer known (a duplicate, or from
-        # before a reset) is kept until it reaches world_size, then ignored; reset() drops it.
+        # NOTE: as in vLLM, an unknown event's counts (a repeat, pre-reset) wait, then are dropped
         for event, count in meta.completed_store_events.items():
             total = self._store_event_pending_counts.get(event, 0) + count
             if total >= self.world_size:
@@ -961,9 +956,8 @@ class SimpleCPUOffloadScheduler:
             gpu_block = gpu_blocks[gpu_block_id]  # PR #53532
             primary_hash = gpu_block.block_hash  # PR #53532
             assert primary_hash is not None  # PR #53532
-            # reset_hash() first, or guard 1 returns on a block stamped with the key (0.29
-            # stamped at allocation). The merged fix dropped the stamp and this call; kept here,
-            # a no-op on an unstamped block, so that a stamp can never silently come back.
+            # reset_hash() first, or guard 1 returns on a block stamped with the key (0.29 stamped
+            # at allocation). The merged fix has neither; kept, a no-op, so no stamp can return.
             cpu_block.reset_hash()  # not in vLLM: PR #53532's first version
             self.cpu_block_pool._insert_block_hash(  # PR #53532: through the pool's guards
                 primary_hash, cpu_block, num_tokens=gpu_block.block_hash_num_tokens)
@@ -1000,7 +994,6 @@ class SimpleCPUOffloadScheduler:
         """has_pending_transfers, renamed by the fix: engines step while True, to send flushes."""
         return self.has_pending_stores()
 
-    # --- finish and reset ----------------------------------------------------------
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
         """(False, None): free the GPU blocks at once; in-flight copies hold their own refs."""
         req_id = request.request_id
@@ -1324,7 +1317,6 @@ class SimpleCPUOffloadWorker:
         self.gpu_kv_caches = regions
         self.cpu_kv_caches = cpu_kv_caches
 
-    # --- per step ---------------------------------------------------------------
     def bind_connector_metadata(self, metadata: SimpleCPUOffloadMetadata) -> None:
         # not in vLLM: an event that does not grow would be reported done by an earlier one's
         # high-water mark; copies under event -1 never reported; unpaired lists mispair blocks
@@ -1403,7 +1395,6 @@ class SimpleCPUOffloadWorker:
         self._completed_store_events = {}
         return meta
 
-    # --- copies -----------------------------------------------------------------
     def _launch(self, src_ids: list[int], dst_ids: list[int], is_store: bool,
                 event_idx: int) -> None:
         src, dst = self.cpu_kv_caches, self.gpu_kv_caches
@@ -1465,8 +1456,7 @@ class SimpleCPUOffloadWorker:
 # 7. Beyond vLLM: prefix-aware eviction in the CPU tier (opt-in)
 
 def _move_run_before(first: KVCacheBlock, last: KVCacheBlock, anchor: KVCacheBlock) -> None:
-    """Move the linked run first..last of a free queue, in O(1), to just ahead of `anchor` (a
-    free block outside the run, or a sentinel). The count of free blocks does not change."""
+    """Move the run first..last of a free queue to just ahead of `anchor` (outside it), O(1)."""
     before = first.prev_free_block
     after = last.next_free_block
     before.next_free_block = after
@@ -1479,19 +1469,20 @@ def _move_run_before(first: KVCacheBlock, last: KVCacheBlock, anchor: KVCacheBlo
 
 
 class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
-    """not in vLLM. The CPU pool never evicts a cached block while a cached block extending the
-    same prefix remains (children before parents; among chains, LRU), and a store never evicts
-    the prefix it extends (judged by the hash chain, not by the request's cursor). vLLM's LRU
-    evicts a chain's root first, which strands every block after it: a pool one block smaller
-    than a prompt then serves nothing (a cliff); here n blocks serve n - 1 (a ramp). How: each
-    CPU block records its parent's key; a freed run goes just ahead of its parent, O(1) a block.
-    Limits: a block freed while its parent is pinned stays behind it; chains still compete by
-    LRU, so prompts in rotation that outgrow the pool evict each other."""
+    """not in vLLM. A store never evicts the prefix it extends (judged by the hash chain), and
+    the CPU pool evicts a chain's children before its parents (among chains, LRU). vLLM's LRU
+    evicts a chain's root first, stranding every block after it: a pool a block smaller than a
+    prompt serves nothing; here n blocks serve n - 1. How: each CPU block records its parent's
+    key; a freed run goes just ahead of its parent, O(1) a block. Limits: sibling branches,
+    duplicate copies, late store reports and a lookup after a GPU hit (it pins a child, not its
+    parent) can still put a parent first; prompts in rotation that outgrow the pool still clash."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         # CPU block id -> the key of its parent in the prefix chain (None: a chain's root)
         self._cpu_parent_keys: list[bytes | None] = [None] * self.num_cpu_blocks
+        # CPU block id -> the roots of runs freed while it was in use: they wait for it
+        self._waiting_runs: dict[int, list[KVCacheBlock]] = {}
 
     def _allocate_cpu_blocks(self, gpu_block_ids: list[int], request: Request
                              ) -> list[KVCacheBlock]:
@@ -1516,8 +1507,7 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
                 parent_keys[cpu_block.block_id] = prev_block.block_hash  # no hashing
             elif parent_num_tokens > 0:
                 parent_fine_idx = parent_num_tokens // self.hash_block_size - 1
-                group_suffix = gpu_block.block_hash[-4:]
-                parent_key = request.block_hashes[parent_fine_idx] + group_suffix
+                parent_key = request.block_hashes[parent_fine_idx] + gpu_block.block_hash[-4:]
                 parent_keys[cpu_block.block_id] = parent_key
             else:
                 parent_keys[cpu_block.block_id] = None  # a chain's root
@@ -1525,8 +1515,8 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         return cpu_blocks
 
     def _num_free_for_store(self, state: StoreRequestState) -> int:
-        """The free queue's front up to the first block of the request's own chain (evicting it
-        would strand this store's copies), walked no further than the store could take."""
+        """The free queue's front up to the first block of the request's own chain, wherever its
+        cursor is (evicting it would strand this store's copies); no further than it could take."""
         request = state.request
         block_hashes = request.block_hashes
         cursors = zip(state.block_ids, state.num_stored_blocks)
@@ -1538,7 +1528,6 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
             num_tokens = block.block_hash_num_tokens
             if key is not None and num_tokens is not None:
                 fine_idx = num_tokens // self.hash_block_size - 1
-                # on this request's chain, wherever its cursor is
                 if fine_idx < len(block_hashes) and key.startswith(block_hashes[fine_idx]):
                     return i
             block = block.next_free_block
@@ -1582,26 +1571,41 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         self.cpu_block_pool.free_block_queue.prepend_n(unhashed)
 
     def _place_cpu_run(self, run: list[KVCacheBlock]) -> None:
-        """The freed run (root first) joins the back leaf first, then moves just ahead of its
-        root's free parent, or to the front if the parent is gone; else it stays at the back."""
+        """The freed run (root first) joins the back leaf first, runs that waited for it just ahead;
+        then just ahead of its root's parent if free, the front if gone, the back if in use."""
         queue = self.cpu_block_pool.free_block_queue
         last = run[0]
         run.reverse()
         queue.append_n(run)
         first = run[0]
+        for block in run:
+            for root in self._waiting_runs.pop(block.block_id, ()):  # if still its free child
+                if (root.prev_free_block is not None and root not in run
+                        and self._cpu_parent_keys[root.block_id] == block.block_hash):
+                    root_first = self._descendants_ahead(root)
+                    _move_run_before(root_first, root, first)
+                    first = root_first
         parent_key = self._cpu_parent_keys[last.block_id]
         if parent_key is None:
             return
-        # descendants freed earlier may sit just ahead of the run: they move with it
-        while (first.prev_free_block.block_hash is not None
-               and self._cpu_parent_keys[first.prev_free_block.block_id] == first.block_hash):
-            first = first.prev_free_block
+        first = self._descendants_ahead(first)
         parent = self.cpu_block_pool.cached_block_hash_to_block.get_one_block(parent_key)
         head = queue.fake_free_list_head.next_free_block
         if parent is None and head is not first:
             _move_run_before(first, last, head)
         elif parent is not None and parent.prev_free_block is not None:  # in the free queue
             _move_run_before(first, last, parent)
+        elif parent is not None:  # in use: the run waits at the back until it is placed
+            waiting = self._waiting_runs.setdefault(parent.block_id, [])
+            if last not in waiting:  # freed again before its parent: one entry
+                waiting.append(last)
+
+    def _descendants_ahead(self, first: KVCacheBlock) -> KVCacheBlock:
+        """The first of the descendants just ahead of `first` (each the child of the next)."""
+        while (first.prev_free_block.block_hash is not None
+               and self._cpu_parent_keys[first.prev_free_block.block_id] == first.block_hash):
+            first = first.prev_free_block
+        return first
 
 
 def run_rotation(num_prompts: int = 3, prompt_blocks: int = 64, num_cpu_blocks: int = 160,
@@ -2022,20 +2026,17 @@ class MiniEngine:
 
 def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: int = 8192,
               block_size: int = 16, max_num_batched_tokens: int = 1024, device: str = "cpu",
-              seed: int = 0, num_cpu_blocks: int | None = None, max_tokens: int = 1,
-              hash_block_size: int | None = None, world_size: int = 1,
-              **scheduler_kwargs: Any) -> dict:
+              num_cpu_blocks: int | None = None, max_tokens: int = 1, **scheduler_kwargs) -> dict:
     """Request A, the GPU prefix cache dropped, request B with A's prompt: B's numbers, checks."""
     num_blocks = prompt_tokens // block_size + 64
     num_cpu_blocks = num_cpu_blocks or num_blocks
-    connector = scheduler_cls(num_cpu_blocks, block_size, hash_block_size=hash_block_size,
-                              world_size=world_size, **scheduler_kwargs)
-    workers = [SimpleCPUOffloadWorker(num_cpu_blocks) for _ in range(world_size)]
+    connector = scheduler_cls(num_cpu_blocks, block_size, **scheduler_kwargs)
+    worker = SimpleCPUOffloadWorker(num_cpu_blocks)
     model = ToyModel(num_layers=4, num_kv_heads=4, head_dim=64, device=device, rounds=8)
-    engine = MiniEngine(num_blocks, block_size, max_num_batched_tokens, model, connector,
-                        workers, capture_kv=True)
-    prompt = torch.randint(0, 32000, (prompt_tokens,),
-                           generator=torch.Generator().manual_seed(seed)).tolist()
+    engine = MiniEngine(num_blocks, block_size, max_num_batched_tokens, model, connector, worker,
+                        capture_kv=True)
+    prompt = torch.randint(0, 32000, (prompt_tokens,), generator=torch.Generator().manual_seed(0))
+    prompt = prompt.tolist()
     engine.add_request(Request("A", prompt, connector.hash_block_size, max_tokens=max_tokens))
     stored_per_step = [0]  # the CPU cache's keys after each of A's steps
     while engine.has_unfinished_work():
@@ -2047,7 +2048,7 @@ def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: in
     b = engine.run()["B"]
     gpu_all_free = engine.gpu_block_pool.get_num_free_blocks() == num_blocks - 1
     cpu_all_free = connector.cpu_block_pool.get_num_free_blocks() == num_cpu_blocks - 1
-    bytes_per_block = sum(t[0].nbytes for t in workers[0].cpu_kv_caches.values())  # one rank's
+    bytes_per_block = sum(t[0].nbytes for t in worker.cpu_kv_caches.values())
     return dict(cpu_blocks_registered=stored_per_step[-1],
                 stored_bytes=engine.num_stored_blocks * bytes_per_block,
                 cpu_hit_tokens=b.cpu_hit_tokens, recomputed_tokens=b.computed_tokens,
