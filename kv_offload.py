@@ -2114,9 +2114,9 @@ def headline(prompt_tokens: int = 8192) -> dict[str, dict[str, tuple[float, int]
 
 
 def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_copy: int = 512,
-                 reps: int = 5, num_layers: int = 8) -> list[dict]:
-    """The worker's copies of n_copy blocks against one plain copy_ of the same bytes (CUDA: pinned
-    host memory), reps interleaved: GB/s, t_plain / t_worker, host µs to issue one copy."""
+                 reps: int = 5, num_layers: int = 8) -> Iterator[dict]:
+    """Rows as measured: the worker's copies of n_copy blocks against one plain copy_ of the same
+    bytes (CUDA: pinned), reps interleaved: GB/s, t_plain / t_worker, host µs to issue one copy."""
     def timed(fn, stream=None) -> tuple[float, float]:  # (copies' seconds, host seconds)
         if device == "cuda":
             torch.cuda.synchronize()
@@ -2134,7 +2134,7 @@ def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_cop
         end.synchronize()
         return start.elapsed_time(end) / 1e3, host_s
 
-    rows: list[dict] = []
+    event = 0  # the worker's events must grow
     gen = torch.Generator().manual_seed(0)
     elems = block_kib * 1024 // 2  # float16 elements per block (per layer: K and V together)
     f16 = dict(dtype=torch.float16, device=device)
@@ -2157,8 +2157,9 @@ def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_cop
                 cpu_ids = (torch.randperm(num_blocks - 1, generator=gen)[:n_copy] + 1).tolist()
             num_copies = len(_coalesce_runs(gpu_ids, cpu_ids)) * len(w.gpu_kv_caches)
             for direction, (src, dst, copy, stream) in copies.items():
-                w.bind_connector_metadata(SimpleCPUOffloadMetadata(**{  # events must grow
-                    f"{direction}_event": len(rows), f"{direction}_gpu_blocks": gpu_ids,
+                event += 1
+                w.bind_connector_metadata(SimpleCPUOffloadMetadata(**{
+                    f"{direction}_event": event, f"{direction}_gpu_blocks": gpu_ids,
                     f"{direction}_cpu_blocks": cpu_ids}))
                 pairs = [(timed(copy, stream), timed(lambda: dst.copy_(src, non_blocking=True)))
                          for _ in range(reps + 1)][1:]  # interleaved; the first warms up
@@ -2167,11 +2168,10 @@ def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_cop
                 plain = sorted(p for _, (p, _) in pairs)[reps // 2]
                 issued = sorted(i for (_, i), _ in pairs)[reps // 2]
                 ratios = sorted(p / t for (t, _), (p, _) in pairs)
-                rows.append(dict(device=device, layout=layout, ids=ids, direction=direction,
-                                 block_kib=block_kib, worker_gbps=nbytes / worker / 1e9,
-                                 plain_gbps=nbytes / plain / 1e9, ratio=ratios[reps // 2],
-                                 ratio_min=ratios[0], us_per_copy=issued / num_copies * 1e6))
-    return rows
+                yield dict(device=device, layout=layout, ids=ids, direction=direction,
+                           block_kib=block_kib, worker_gbps=nbytes / worker / 1e9,
+                           plain_gbps=nbytes / plain / 1e9, ratio=ratios[reps // 2],
+                           ratio_min=ratios[0], us_per_copy=issued / num_copies * 1e6)
 
 
 GOAL_BLOCK_KIB, GOAL_RATIO = 256, 0.85  # --gpu-check's goal: printed, not in the exit status
@@ -2183,7 +2183,7 @@ def _print_copy_rows(device: str) -> list[str]:
     print(f"{'device':7}{'layout':24}{'ids':12}{'dir':7}{'KiB/blk':>8}{'worker GB/s':>13}"
           f"{'plain GB/s':>12}{'ratio (min)':>14}{'µs/copy':>9}", flush=True)
     missed = []
-    for r in bench_copies(device) + bench_copies(device, 256, num_blocks=256, n_copy=128):
+    for r in itertools.chain(bench_copies(device), bench_copies(device, 256, 256, 128)):
         goal = ""
         if device == "cuda" and r["block_kib"] >= GOAL_BLOCK_KIB:
             goal = "  goal met" if r["ratio"] >= GOAL_RATIO else "  goal missed"
