@@ -13,9 +13,11 @@ Mamba and other non-full-attention groups; cuMemcpyBatchAsync (torch slice copie
 config objects (sizes are arguments); most of vLLM's scheduler (MiniEngine keeps its call order).
 
 Sections, bottom-up (every name is defined before it is used):
-  1. hashing and requests        4. scheduler-side manager    7. beyond vLLM: prefix-aware eviction
-  2. block pool, cache-hit lookup 5. the pre-fix variant       8. toy model and MiniEngine
-  3. connector messages          6. copy worker               9. demo, --bench, --gpu-check
+  1. hashing and requests            6. copy worker
+  2. block pool, cache-hit lookup    7. beyond vLLM: prefix-aware eviction
+  3. connector messages              8. beyond vLLM: a fix for a crash vLLM 0.34 still has
+  4. scheduler-side manager          9. toy model and MiniEngine
+  5. the pre-fix variant            10. demo, --bench, --gpu-check
 Sections 1-6 are vLLM 0.34's steps plus the fix (subclasses change a step by a hook). Tags:
   # PR #53532      a line the fix added or changed; on a `def` line: the whole function
   # vLLM 0.3x      a later upstream change (0.30-0.34)
@@ -1608,41 +1610,12 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         return first
 
 
-def run_rotation(num_prompts: int = 3, prompt_blocks: int = 64, num_cpu_blocks: int = 160,
-                 rounds: int = 4, scheduler_cls: type = SimpleCPUOffloadScheduler,
-                 block_size: int = 16, max_num_batched_tokens: int = 1024, seed: int = 0) -> dict:
-    """`num_prompts` prompts of `prompt_blocks` blocks requested round-robin for `rounds` rounds,
-    the GPU prefix cache dropped before each: the tokens loaded from CPU per round, the ideal
-    (the pool's capacity, each prompt capped at its hit limit), and the checks."""
-    gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, 32000, (prompt_blocks * block_size,), generator=gen).tolist()
-               for _ in range(num_prompts)]
-    num_blocks = prompt_blocks + 64
-    model = ToyModel(num_layers=1, num_kv_heads=1, head_dim=8)  # small: the manager is measured
-    connector = scheduler_cls(num_cpu_blocks, block_size)
-    engine = MiniEngine(num_blocks, block_size, max_num_batched_tokens, model, connector,
-                        SimpleCPUOffloadWorker(num_cpu_blocks), capture_kv=True)
-    loaded_per_round = [0] * rounds
-    kv_exact = True
-    for r in range(rounds):
-        for k, prompt in enumerate(prompts):
-            assert engine.reset_gpu_prefix_cache(), "GPU blocks still in use after run()"
-            engine.add_request(Request(f"round{r}-prompt{k}", prompt, block_size, max_tokens=1))
-            stats = engine.run()[f"round{r}-prompt{k}"]
-            loaded_per_round[r] += stats.cpu_hit_tokens
-            kv_exact = kv_exact and torch.equal(stats.kv, model.expected_kv(prompt).cpu())
-    # each prompt can load all its blocks but the last token's; the pool holds num_cpu_blocks - 1
-    max_hit_blocks = (prompt_blocks * block_size - 1) // block_size
-    ideal_blocks = min(num_cpu_blocks - 1, num_prompts * max_hit_blocks)
-    gpu_all_free = engine.gpu_block_pool.get_num_free_blocks() == num_blocks - 1
-    cpu_all_free = connector.cpu_block_pool.get_num_free_blocks() == num_cpu_blocks - 1
-    return dict(cpu_hit_tokens_per_round=loaded_per_round,
-                ideal_tokens_per_round=ideal_blocks * block_size,
-                kv_exact=kv_exact, all_free=gpu_all_free and cpu_all_free)
+# -----------------------------------------------------------------------------
+# 8. Beyond vLLM: a proposed fix for a crash vLLM 0.34 still has (opt-in)
 
 
 # -----------------------------------------------------------------------------
-# 8. Toy model and MiniEngine
+# 9. Toy model and MiniEngine
 
 class ToyModel:
     """Deterministic stand-in for a transformer's KV writes: a token's K and V depend on (token
@@ -2022,7 +1995,7 @@ class MiniEngine:
 
 
 # -----------------------------------------------------------------------------
-# 9. `python kv_offload.py`: the demo, --bench and --gpu-check
+# 10. `python kv_offload.py`: the demo, --bench and --gpu-check
 
 def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: int = 8192,
               block_size: int = 16, max_num_batched_tokens: int = 1024, device: str = "cpu",
@@ -2055,6 +2028,39 @@ def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: in
                 ttft_b_s=b.ttft_s, same_output=a.output_token_ids == b.output_token_ids,
                 kv_exact=torch.equal(b.kv, model.expected_kv(prompt).cpu()),
                 all_free=gpu_all_free and cpu_all_free, stored_per_step=stored_per_step)
+
+
+def run_rotation(num_prompts: int = 3, prompt_blocks: int = 64, num_cpu_blocks: int = 160,
+                 rounds: int = 4, scheduler_cls: type = SimpleCPUOffloadScheduler,
+                 block_size: int = 16, max_num_batched_tokens: int = 1024, seed: int = 0) -> dict:
+    """`num_prompts` prompts of `prompt_blocks` blocks requested round-robin for `rounds` rounds,
+    the GPU prefix cache dropped before each: the tokens loaded from CPU per round, the ideal
+    (the pool's capacity, each prompt capped at its hit limit), and the checks."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 32000, (prompt_blocks * block_size,), generator=gen).tolist()
+               for _ in range(num_prompts)]
+    num_blocks = prompt_blocks + 64
+    model = ToyModel(num_layers=1, num_kv_heads=1, head_dim=8)  # small: the manager is measured
+    connector = scheduler_cls(num_cpu_blocks, block_size)
+    engine = MiniEngine(num_blocks, block_size, max_num_batched_tokens, model, connector,
+                        SimpleCPUOffloadWorker(num_cpu_blocks), capture_kv=True)
+    loaded_per_round = [0] * rounds
+    kv_exact = True
+    for r in range(rounds):
+        for k, prompt in enumerate(prompts):
+            assert engine.reset_gpu_prefix_cache(), "GPU blocks still in use after run()"
+            engine.add_request(Request(f"round{r}-prompt{k}", prompt, block_size, max_tokens=1))
+            stats = engine.run()[f"round{r}-prompt{k}"]
+            loaded_per_round[r] += stats.cpu_hit_tokens
+            kv_exact = kv_exact and torch.equal(stats.kv, model.expected_kv(prompt).cpu())
+    # each prompt can load all its blocks but the last token's; the pool holds num_cpu_blocks - 1
+    max_hit_blocks = (prompt_blocks * block_size - 1) // block_size
+    ideal_blocks = min(num_cpu_blocks - 1, num_prompts * max_hit_blocks)
+    gpu_all_free = engine.gpu_block_pool.get_num_free_blocks() == num_blocks - 1
+    cpu_all_free = connector.cpu_block_pool.get_num_free_blocks() == num_cpu_blocks - 1
+    return dict(cpu_hit_tokens_per_round=loaded_per_round,
+                ideal_tokens_per_round=ideal_blocks * block_size,
+                kv_exact=kv_exact, all_free=gpu_all_free and cpu_all_free)
 
 
 def offload_prompt(scheduler: SimpleCPUOffloadScheduler, prompt: list[int], block_size: int,
