@@ -26,6 +26,7 @@ Sections 1-6 are vLLM 0.34's steps plus the fix (subclasses change a step by a h
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
 import hashlib
 import itertools
@@ -39,6 +40,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from enum import Enum, auto
 from typing import Any
 
 import torch
@@ -48,14 +50,16 @@ logger = logging.getLogger(__name__)
 # -----------------------------------------------------------------------------
 # 1. Hashing and requests
 
-NONE_HASH: bytes = hashlib.sha256(b"kv_offload-none-hash").digest()  # chains' seed: fixed
+# chains' seed: fixed
+NONE_HASH: bytes = hashlib.sha256(b"kv_offload-none-hash").digest()
 
 
 def hash_block_tokens(parent_block_hash: bytes | None, token_ids: Sequence[int],
                       extra_keys: Any = None) -> bytes:
     """sha256(parent hash, token ids, extra keys): the fingerprint of the prefix ending here."""
     h = hashlib.sha256(parent_block_hash or NONE_HASH)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))  # fixed width and byte order
+    # fixed width and byte order
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     if extra_keys is not None:
         h.update(repr(extra_keys).encode())
     return h.digest()
@@ -74,13 +78,53 @@ def get_group_id(key: bytes) -> int:
     return int.from_bytes(key[-4:], "big")
 
 
+class BlockHashListWithBlockSize:  # vLLM 0.30
+    """Convert block-hash granularity from `hash_block_size` to `target_block_size`: the hash
+    at the last `hash_block_size` boundary of a target block fingerprints its whole prefix."""
+
+    def __init__(self, block_hashes: list[bytes], hash_block_size: int,
+                 target_block_size: int):
+        self.block_hashes = block_hashes
+        assert target_block_size % hash_block_size == 0
+        self.scale_factor = target_block_size // hash_block_size
+
+    def __len__(self) -> int:
+        return len(self.block_hashes) // self.scale_factor
+
+    def __getitem__(self, idx: int) -> bytes:
+        # not in vLLM: integer indices only (vLLM also takes slices)
+        return self._get_value_at(idx)
+
+    def _get_value_at(self, idx: int) -> bytes:
+        # The last hash_block_size hash within the target block already chains
+        # over the whole prefix, so it is the target block's hash.
+        return self.block_hashes[(idx + 1) * self.scale_factor - 1]
+
+
+def resolve_block_hashes(block_hashes: list[bytes] | BlockHashListWithBlockSize,  # vLLM 0.30
+                         hash_block_size: int, block_size: int
+                         ) -> list[bytes] | BlockHashListWithBlockSize:
+    """Resolve the block-hash view at ``block_size`` (vLLM's fine-grained branch left out)."""
+    if block_size == hash_block_size:
+        return block_hashes
+    if isinstance(block_hashes, BlockHashListWithBlockSize):
+        # Already a block-size view
+        assert block_hashes.scale_factor == block_size // hash_block_size
+        return block_hashes
+    assert block_size % hash_block_size == 0
+    return BlockHashListWithBlockSize(block_hashes, hash_block_size, block_size)
+
+
 class RequestStatus(enum.IntEnum):
     """vLLM's request states (those the engine uses); anything after PREEMPTED is finished."""
     WAITING = enum.auto()
-    WAITING_FOR_REMOTE_KVS = enum.auto()  # its load is in flight: holds GPU blocks, not scheduled
+    # its load is in flight: holds GPU blocks, not scheduled
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
-    PREEMPTED = enum.auto()  # GPU blocks freed, back in the waiting queue; resumed later
-    FINISHED_LENGTH_CAPPED = enum.auto()  # max_tokens reached
+    # GPU blocks freed, back in the waiting queue; resumed later
+    PREEMPTED = enum.auto()
+    # max_tokens reached
+    FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
 
     @staticmethod
@@ -104,10 +148,13 @@ class Request:
         self.hash_block_size = hash_block_size
         self.max_tokens = max_tokens
         self.num_computed_tokens = 0
-        self.status = RequestStatus.WAITING  # this and the next three: set by the engine
+        # this and the next three: set by the engine
+        self.status = RequestStatus.WAITING
         self.num_preemptions = 0
-        self.num_output_placeholders = 0  # scheduled, not yet produced (async scheduling): 0 here
-        self.skip_reading_external_kv = False  # vLLM: no connector reads (e.g. prompt logprobs)
+        # scheduled, not yet produced (async scheduling): 0 here
+        self.num_output_placeholders = 0
+        # vLLM: no connector reads (e.g. prompt logprobs)
+        self.skip_reading_external_kv = False
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()
 
@@ -128,7 +175,8 @@ class Request:
 
     def _update_block_hashes(self) -> None:
         hash_block_size = self.hash_block_size
-        start = len(self.block_hashes) * hash_block_size  # the chunks full since the last call
+        # the chunks full since the last call
+        start = len(self.block_hashes) * hash_block_size
         while start + hash_block_size <= len(self.all_token_ids):
             parent = self.block_hashes[-1] if self.block_hashes else None
             chunk = self.all_token_ids[start:start + hash_block_size]
@@ -146,13 +194,19 @@ def cdiv(a: int, b: int) -> int:
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
     """Metadata of one KV-cache block (GPU or CPU: both pools use this class)."""
-    block_id: int  # index into the pool's KV tensors; 0 is the pool's null block
-    ref_cnt: int = 0  # holders: running requests, in-flight copies, pins; 0 = in the free queue
-    block_hash: bytes | None = None  # primary key (hash + group id); set_block_hash() only (bug 1)
-    block_hash_num_tokens: int | None = None  # prefix tokens it covers (None if unknown, e.g. CPU)
-    prev_free_block: KVCacheBlock | None = None  # free-queue links: only the queue touches them
+    # index into the pool's KV tensors; 0 is the pool's null block
+    block_id: int
+    # holders: running requests, in-flight copies, pins; 0 = in the free queue
+    ref_cnt: int = 0
+    # primary key (hash + group id); set_block_hash() only (bug 1)
+    block_hash: bytes | None = None
+    # prefix tokens it covers (None if unknown, e.g. CPU)
+    block_hash_num_tokens: int | None = None
+    # free-queue links: only the queue touches them
+    prev_free_block: KVCacheBlock | None = None
     next_free_block: KVCacheBlock | None = None
-    is_null: bool = False  # the placeholder block 0: never freed, touched, hashed or evicted
+    # the placeholder block 0: never freed, touched, hashed or evicted
+    is_null: bool = False
 
     def set_block_hash(self, key: bytes, num_tokens: int | None = None) -> None:
         assert self.block_hash is None and self.block_hash_num_tokens is None, (
@@ -165,7 +219,8 @@ class KVCacheBlock:
         self.block_hash = None
         self.block_hash_num_tokens = None
 
-    def __repr__(self) -> str:  # ids only: the links would recurse through the whole queue
+    # ids only: the links would recurse through the whole queue
+    def __repr__(self) -> str:
         return (f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, "
                 f"block_hash={self.block_hash.hex()[:8] if self.block_hash else None})")
 
@@ -219,7 +274,8 @@ class FreeKVCacheBlockQueue:
         self.num_free_blocks -= 1
 
     def append(self, block: KVCacheBlock) -> None:
-        if self.fake_free_list_tail.prev_free_block is None:  # corrupted: fail before linking
+        # corrupted: fail before linking
+        if self.fake_free_list_tail.prev_free_block is None:
             raise RuntimeError("prev_free_block of fake_free_list_tail should always exist")
         self.append_n([block])
 
@@ -265,9 +321,11 @@ class BlockHashToBlockMap:
     bytes and ints); `_dup_ids` holds the rare keys of several blocks."""
 
     def __init__(self, blocks: list[KVCacheBlock]) -> None:
-        self._blocks = blocks  # the pool's blocks: block id -> block
+        # the pool's blocks: block id -> block
+        self._blocks = blocks
         self._cache: dict[bytes, int] = {}
-        self._dup_ids: dict[bytes, dict[int, None]] = {}  # an insertion-ordered set per key
+        # an insertion-ordered set per key
+        self._dup_ids: dict[bytes, dict[int, None]] = {}
 
     def get_one_block(self, key: bytes) -> KVCacheBlock | None:
         block_id = self._cache.get(key)
@@ -281,7 +339,8 @@ class BlockHashToBlockMap:
 
     def insert(self, key: bytes, block: KVCacheBlock) -> None:
         block_id = self._cache.setdefault(key, block.block_id)
-        if block_id != block.block_id:  # the key already names another block
+        # the key already names another block
+        if block_id != block.block_id:
             dup_ids = self._dup_ids.setdefault(key, {block_id: None})
             dup_ids[block.block_id] = None
 
@@ -292,9 +351,11 @@ class BlockHashToBlockMap:
                 return None
             del self._cache[key]
         else:
-            if dup_ids.pop(block_id, False) is False:  # the values are None: False = absent
+            # the values are None: False = absent
+            if dup_ids.pop(block_id, False) is False:
                 return None
-            self._cache[key] = next(iter(dup_ids))  # the earliest inserted of the others
+            # the earliest inserted of the others
+            self._cache[key] = next(iter(dup_ids))
             if len(dup_ids) == 1:
                 del self._dup_ids[key]
         return self._blocks[block_id]
@@ -315,7 +376,8 @@ class BlockPool:
 
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int):
         assert isinstance(num_gpu_blocks, int) and num_gpu_blocks > 0
-        self.num_gpu_blocks = num_gpu_blocks  # vLLM's name; the CPU pool uses it too
+        # vLLM's name; the CPU pool uses it too
+        self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
         self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
@@ -323,13 +385,15 @@ class BlockPool:
         self.cached_block_hash_to_block = BlockHashToBlockMap(self.blocks)
         # secondary keys: fine-grained prefix boundaries inside a block that already has a primary
         self.cached_block_hashes_by_block: dict[int, set[bytes]] = {}
-        self.null_block = self.free_block_queue.popleft()  # block 0: placeholder, never handed out
+        # block 0: placeholder, never handed out
+        self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
 
     def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list[int]
                          ) -> list[KVCacheBlock] | None:
         """One cached block per group for this hash, or None if any group misses."""
-        if len(kv_cache_group_ids) == 1:  # the common case, without the list building
+        # the common case, without the list building
+        if len(kv_cache_group_ids) == 1:
             block = self.cached_block_hash_to_block.get_one_block(
                 make_block_hash_with_group_id(block_hash, kv_cache_group_ids[0]))
             return None if block is None else [block]
@@ -377,14 +441,16 @@ class BlockPool:
                   or self.cached_block_hash_to_block.contain(key, block.block_id))
         num_tokens_cached = block.block_hash_num_tokens
         if not cached and num_tokens_cached is not None and num_tokens_cached < num_tokens:
-            self._remove_cached_block_hashes(block)  # a longer partial prefix replaces a shorter
+            # a longer partial prefix replaces a shorter
+            self._remove_cached_block_hashes(block)
         self._insert_block_hash(key, block, num_tokens)
         return key
 
     def _remove_cached_block_hashes(self, block: KVCacheBlock) -> list[bytes]:
         """Take the primary and every secondary key of `block` out of the map; reset its hash."""
         if block.block_hash is None:
-            return []  # a block has secondary keys only alongside a primary one
+            # a block has secondary keys only alongside a primary one
+            return []
         keys = [block.block_hash]
         keys.extend(self.cached_block_hashes_by_block.pop(block.block_id, ()))
         removed = [k for k in keys
@@ -415,7 +481,8 @@ class BlockPool:
         ret = self.free_block_queue.popleft_n(num_blocks)
         caching = self.enable_caching
         for block in ret:
-            if caching and block.block_hash is not None:  # skip the call: nothing to evict
+            # skip the call: nothing to evict
+            if caching and block.block_hash is not None:
                 self._remove_cached_block_hashes(block)
             assert block.ref_cnt == 0, f"block {block.block_id} in the free queue with refs"
             block.ref_cnt = 1
@@ -426,7 +493,8 @@ class BlockPool:
         for block in blocks:
             if block.is_null:
                 continue
-            if block.ref_cnt == 0:  # in the free list (i.e. eviction candidate): remove it
+            # in the free list (i.e. eviction candidate): remove it
+            if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
@@ -438,7 +506,8 @@ class BlockPool:
         blocks_to_evict_last = []
         blocks_to_evict_first = []
         for block in ordered_blocks:
-            if block.is_null:  # never pooled; its ref_cnt is not maintained
+            # never pooled; its ref_cnt is not maintained
+            if block.is_null:
                 continue
             block.ref_cnt -= 1
             # not in vLLM: a block freed twice would be handed out twice (two requests, one KV)
@@ -469,7 +538,8 @@ class BlockPool:
         return self.free_block_queue.num_free_blocks
 
     def get_usage(self) -> float:
-        total = self.num_gpu_blocks - 1  # the null block is not capacity
+        # the null block is not capacity
+        total = self.num_gpu_blocks - 1
         return 1.0 - self.get_num_free_blocks() / total if total else 0.0
 
 
@@ -483,7 +553,8 @@ def find_longest_cache_hit(block_hashes: Sequence[bytes], max_length: int,
     hash_block_size = block_pool.hash_block_size
     if alignment_tokens is None:
         alignment_tokens = hash_block_size
-    fine_grained = alignment_tokens < block_size  # interior hash boundaries can be probed
+    # interior hash boundaries can be probed
+    fine_grained = alignment_tokens < block_size
     if fine_grained and alignment_tokens != hash_block_size:
         raise ValueError(f"fine-grained alignment must equal hash_block_size "
                          f"({hash_block_size}), got {alignment_tokens}")
@@ -491,12 +562,14 @@ def find_longest_cache_hit(block_hashes: Sequence[bytes], max_length: int,
     full_block_hashes = itertools.islice(block_hashes, scale_factor - 1, None, scale_factor)
     computed_blocks: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
     # Phase 1: cached full blocks from the start; the first miss ends it (the hashes chain)
-    get_cached_block = block_pool.get_cached_block  # bound once: the CPU-hit hot path
+    # bound once: the CPU-hit hot path
+    get_cached_block = block_pool.get_cached_block
     for block_hash in itertools.islice(full_block_hashes, max_length // block_size):
         cached_block = get_cached_block(block_hash, kv_cache_group_ids)
         if not cached_block:
             break
-        if len(cached_block) == 1:  # one group: no zip (a third of this loop's time)
+        # one group: no zip (a third of this loop's time)
+        if len(cached_block) == 1:
             computed_blocks[0].append(cached_block[0])
             continue
         for computed, cached in zip(computed_blocks, cached_block):
@@ -541,8 +614,10 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # req_id -> GPU block ids allocated this step, per KV-cache group (whole table if resumed)
     new_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
-    resumed_req_ids: set[str] = field(default_factory=set)  # new_block_ids: a whole new table
-    preempted_req_ids: set[str] = field(default_factory=set)  # its blocks may be reused at once
+    # new_block_ids: a whole new table
+    resumed_req_ids: set[str] = field(default_factory=set)
+    # its blocks may be reused at once
+    preempted_req_ids: set[str] = field(default_factory=set)
 
 
 def yield_req_data(scheduler_output: SchedulerOutput
@@ -559,15 +634,21 @@ def yield_req_data(scheduler_output: SchedulerOutput
 @dataclass
 class SimpleCPUOffloadMetadata:
     """Scheduler -> worker, once per step; request ids appear only in load_event_to_reqs."""
-    load_event: int = -1  # -1 = nothing to load this step; else a monotonically growing index
-    load_gpu_blocks: list[int] = field(default_factory=list)  # destinations
-    load_cpu_blocks: list[int] = field(default_factory=list)  # sources, index-parallel
+    # -1 = nothing to load this step; else a monotonically growing index
+    load_event: int = -1
+    # destinations
+    load_gpu_blocks: list[int] = field(default_factory=list)
+    # sources, index-parallel
+    load_cpu_blocks: list[int] = field(default_factory=list)
     # every outstanding load event -> its requests (completions report against the latest)
     load_event_to_reqs: dict[int, list[str]] = field(default_factory=dict)
     store_event: int = -1
-    store_gpu_blocks: list[int] = field(default_factory=list)  # sources
-    store_cpu_blocks: list[int] = field(default_factory=list)  # destinations
-    need_flush: bool = False  # a preemption: its GPU blocks may be reused, so finish all copies
+    # sources
+    store_gpu_blocks: list[int] = field(default_factory=list)
+    # destinations
+    store_cpu_blocks: list[int] = field(default_factory=list)
+    # a preemption: its GPU blocks may be reused, so finish all copies
+    need_flush: bool = False
 
 
 @dataclass
@@ -584,7 +665,8 @@ class SimpleCPUOffloadWorkerMetadata:
 
 @dataclass
 class KVConnectorOutput:
-    finished_recving: set[str] = field(default_factory=set)  # loads done: these may now compute
+    # loads done: these may now compute
+    finished_recving: set[str] = field(default_factory=set)
     kv_connector_worker_meta: SimpleCPUOffloadWorkerMetadata | None = None
 
 
@@ -593,81 +675,129 @@ class KVConnectorOutput:
 
 @dataclass
 class LoadRequestState:
-    request: Request
-    transfer_meta: TransferMeta  # CPU sources -> GPU destinations, both sides pinned
-    load_event: int | None = None  # None = not sent to the worker yet (no copy can be running)
-    finished: bool = False  # finished with its load in flight: clean up when it completes
+    request: "Request"
+    # CPU sources -> GPU destinations, both sides pinned until the load completes
+    transfer_meta: TransferMeta
+    # None: not sent to a worker yet, so no copy can be running
+    load_event: int | None = None
+    # finished with its load in flight: cleaned up when the load completes
+    finished: bool = False
 
 
+# NOTE: This per-request state is only used in eager mode.
 @dataclass
 class StoreRequestState:
-    request: Request
-    block_ids: tuple[list[int], ...]  # GPU table per group, from each step's new_block_ids
-    num_stored_blocks: list[int]  # per-group cursor: blocks stored or skipped (cached, in flight)
-    store_events: set[int] = field(default_factory=set)  # in flight, carrying its blocks
-    finished: bool = False  # finished with store_events in flight: clean up after the last
+    request: "Request"
+    # Accumulated block IDs from scheduler_output via yield_req_data.
+    block_ids: tuple[list[int], ...]
+    # Per-group cursors tracking how many blocks have been stored/skipped.
+    num_stored_blocks: list[int]
+    store_events: set[int] = field(default_factory=set)
+    finished: bool = False
 
 
-class _StoreAdmission(enum.Enum):
-    """Why a confirmed GPU block is or is not copied to CPU (vLLM 0.30's names)."""
-    READY = enum.auto()
-    NULL_BLOCK = enum.auto()
-    NOT_HASHED = enum.auto()      # not in the GPU prefix cache: its KV has no key
-    IN_FLIGHT = enum.auto()       # a store of this very block is running
-    ALREADY_CACHED = enum.auto()  # its primary key already hits on CPU
+class _StoreAdmission(Enum):
+    """Why a confirmed GPU block is or is not copied to CPU."""
+    READY = auto()
+    NULL_BLOCK = auto()
+    # not in the GPU prefix cache: its KV has no key
+    NOT_HASHED = auto()
+    # a store of this very block is running
+    IN_FLIGHT = auto()
+    # its primary key already hits on CPU
+    ALREADY_CACHED = auto()
 
 
 class SimpleCPUOffloadScheduler:
-    """Scheduler side of the CPU offload connector, eager mode (vLLM's manager.py).
+    """Scheduler-side manager for CPU offloading, eager mode (vLLM's manager.py).
     Stores: a scheduled request's *confirmed* blocks (computed by a finished forward pass) not
     yet on CPU are copied GPU->CPU, pinned until the copy completes, then join the CPU prefix
-    cache: one step late, a finished request's last ones by the final flush (PR #53532).
+    cache: one step late, a finished request's last ones by the final flush (the fix).
     Loads: a new request's prefix past its GPU hit is looked up on CPU, pinned, copied CPU->GPU.
     Each ref taken on a pool is dropped exactly once (completion, finish or reset). Hooks (not
     in vLLM, at the end): vLLM's own calls, so a subclass changes one step only."""
 
     def __init__(self, num_cpu_blocks: int, block_size: int, hash_block_size: int | None = None,
                  group_block_sizes: list[int] | None = None, world_size: int = 1):
+        # not in vLLM: the sizes are arguments (vLLM derives them from its config objects)
         if hash_block_size is None:
             hash_block_size = block_size
+        # not in vLLM: one group by default
         if group_block_sizes is None:
             group_block_sizes = [block_size]
-        # not in vLLM (its config derives the sizes): sizes that do not nest key blocks wrongly
+        # not in vLLM: sizes that do not nest would key blocks wrongly
         nested = all(size % hash_block_size == 0 for size in group_block_sizes)
+        # not in vLLM
         if not nested or block_size != math.lcm(*group_block_sizes):
             raise ValueError(f"block sizes must nest: hash_block_size ({hash_block_size}) must "
                              f"divide every group block size ({group_block_sizes}), and "
                              f"block_size ({block_size}) must be their LCM")
-        self.block_size = block_size          # scheduler block size: loads start on its multiples
+        # the scheduler block size: loads start on its multiples
+        # not in vLLM: vLLM's argument is scheduler_block_size
+        self.block_size = block_size
         self.hash_block_size = hash_block_size
+        assert self.block_size % self.hash_block_size == 0
+        # counts the CPU pool's null block
+        # not in vLLM: vLLM derives it from the config
+        self.num_cpu_blocks = num_cpu_blocks
+        # not in vLLM: vLLM's cpu_coordinator (left out) holds the sizes and the pool
         self.group_block_sizes = list(group_block_sizes)
-        self.num_cpu_blocks = num_cpu_blocks  # counts the CPU pool's null block
-        self.world_size = world_size  # reports a store needs (vLLM: _expected_worker_count)
+        # not in vLLM
         self.cpu_block_pool = BlockPool(num_cpu_blocks, True, hash_block_size)
-        self._gpu_block_pool: BlockPool | None = None
-        # groups of one block size are looked up together (vLLM's SpecGroup); dict keeps order
+        # not in vLLM: groups of one block size are looked up together (vLLM's coordinator)
         self._group_ids_by_block_size: dict[int, list[int]] = {}
+        # not in vLLM: the same
         for g, size in enumerate(self.group_block_sizes):
+            # not in vLLM
             self._group_ids_by_block_size.setdefault(size, []).append(g)
+        # GPU block pool reference - bound after scheduler builds kv_cache_manager
+        self._gpu_block_pool: BlockPool | None = None
+
+        # Load metadata
         self._reqs_to_load: dict[str, LoadRequestState] = {}
-        self._load_event_to_reqs: dict[int, list[str]] = {}  # workers report events, not requests
-        # req -> (CPU hit blocks per group, hit tokens, local hit tokens), pinned until allocation
-        self._pending_cpu_hits: dict[str, tuple[tuple[list[KVCacheBlock], ...], int, int]] = {}
-        self._pending_local_hits: dict[str, int] = {}  # vLLM 0.34: local hits, for the LRU refresh
-        self._abandoned_reqs_to_load: dict[str, LoadRequestState] = {}
-        self._reqs_to_store: dict[str, StoreRequestState] = {}
+        # Inverse map: load_event_idx -> req_ids. Keyed by load_event_idx because
+        # the worker reports completions by event index, not request id.
+        self._load_event_to_reqs: dict[int, list[str]] = {}
+
+        # Pending (cpu_hit_blocks, hit_length, num_computed_tokens) tuples from
+        # find_longest_cache_hit, kept pinned via touch() while awaiting
+        # update_state_after_alloc().
+        self._pending_cpu_hits: dict[
+            str, tuple[tuple[list[KVCacheBlock], ...], int, int]
+        ] = {}
+        # Eager mode: local prefix length from get_num_new_matched_tokens(),
+        # whose CPU copy update_state_after_alloc() refreshes.
+        self._pending_local_hits: dict[str, int] = {}  # vLLM 0.34
+
+        # Store metadata
         self._store_event_to_blocks: dict[int, TransferMeta] = {}
-        self._store_event_to_reqs: dict[int, list[str]] = {}
         self._abandoned_store_event_to_blocks: dict[int, TransferMeta] = {}
-        self._in_flight_store_gpu_blocks: set[int] = set()  # never copy one block twice at once
-        self._pending_finished_stores: list[TransferMeta] = []  # PR #53532: finish flushes
-        self._store_event_pending_counts: dict[int, int] = {}  # reports so far (done at world_size)
-        # monotonic, never reset: the workers' high-water marks must never see an index twice
-        self._load_event_counter = 0
-        self._store_event_counter = 0
+        # Eager mode only
+        self._reqs_to_store: dict[str, StoreRequestState] = {}
+        self._store_event_to_reqs: dict[int, list[str]] = {}
+        self._in_flight_store_gpu_blocks: set[int] = set()
+        self._pending_finished_stores: list[TransferMeta] = []  # PR #53532
+        self._abandoned_reqs_to_load: dict[str, LoadRequestState] = {}
+
+        # Event counters (monotonic, never reset: the workers' high-water marks must never see
+        # an index twice)
+        self._load_event_counter: int = 0
+        self._store_event_counter: int = 0
+
+        # For TP/PP: track partial store completions across steps.
+        # Events must be reported by all world_size workers before considered complete.
+        # not in vLLM: vLLM reads its config
+        self._expected_worker_count = world_size
+        self._store_event_pending_counts: dict[int, int] = {}
+
+    @property
+    def world_size(self) -> int:
+        """not in vLLM: the worker reports a store needs (the engine checks its workers)."""
+        return self._expected_worker_count
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
-        """The GPU pool stores read and loads write (vLLM: once its KV-cache manager exists)."""
+        """Bind GPU block pool so that we can touch blocks during stores.
+        Called by Scheduler after kv_cache_manager is ready."""
         # not in vLLM: a pool keyed at another granularity would serve another prefix's KV
         assert gpu_block_pool.hash_block_size == self.hash_block_size, (
             f"GPU pool hash_block_size {gpu_block_pool.hash_block_size} != connector's "
@@ -676,8 +806,8 @@ class SimpleCPUOffloadScheduler:
 
     def _find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_length: int
                                 ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        """vLLM's cpu_coordinator.find_longest_cache_hit; for full attention, one pass is the fixed
-        point its hybrid coordinator loops to."""
+        """not in vLLM: vLLM's cpu_coordinator.find_longest_cache_hit; for full attention, one
+        pass is the fixed point its hybrid coordinator loops to."""
         hits: list[list[KVCacheBlock]] = [[] for _ in self.group_block_sizes]
         hit_length = max_length
         for size, group_ids in self._group_ids_by_block_size.items():
@@ -691,107 +821,203 @@ class SimpleCPUOffloadScheduler:
             del hits[g][cdiv(hit_length, size):]
         return tuple(hits), hit_length
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
-                                   ) -> tuple[int, bool]:
-        """CPU-cached tokens beyond the local hit, and True (loaded async); pins the hit blocks."""
-        if stale := self._pending_cpu_hits.pop(request.request_id, None):  # retry: drop old pin
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        """Return (num_new_tokens, is_async) from consecutive CPU cache hits."""
+        # Pins found CPU blocks so they survive LRU eviction until
+        # update_state_after_alloc() consumes them. Any pin from an earlier
+        # call on the same request (e.g. retry after a failed allocate_slots)
+        # is dropped first.
+        if stale := self._pending_cpu_hits.pop(request.request_id, None):
             self._free_pending_cpu_hit(stale)
         self._pending_local_hits.pop(request.request_id, None)  # vLLM 0.34
+
         if request.skip_reading_external_kv:  # vLLM 0.30
             return 0, False
-        if num_computed_tokens:  # vLLM 0.34
-            self._pending_local_hits[request.request_id] = num_computed_tokens
+
+        # Refreshed at admission: a request waiting for blocks repeats this lookup every step.
+        # vLLM 0.34 (`and not self._lazy_mode`: lazy mode left out)
+        if num_computed_tokens:
+            self._pending_local_hits[request.request_id] = num_computed_tokens  # vLLM 0.34
+
+        # Transfers are whole-block copies, so an external suffix cannot start in the middle
+        # of a destination block (vLLM also logs a warning once here).
         if num_computed_tokens % self.block_size != 0:  # vLLM 0.30
-            return 0, False  # loads copy whole blocks: they must start on a block boundary
+            return 0, False  # vLLM 0.30
+
         num_skipped_hashes = num_computed_tokens // self.hash_block_size
         remaining_hashes = request.block_hashes[num_skipped_hashes:]
+
         if not remaining_hashes:
             return 0, False
-        max_hit_len = request.num_tokens - 1 - num_computed_tokens  # the last token is recomputed
+        # Must recompute at least the last token, matching the logic in
+        # kv_cache_manager.get_computed_blocks().
+        max_hit_len = request.num_tokens - 1 - num_computed_tokens
         if max_hit_len <= 0:
             return 0, False
+        # not in vLLM: vLLM asks self.cpu_coordinator (left out; its third value is unused)
         cpu_hit_blocks, hit_length = self._find_longest_cache_hit(remaining_hashes, max_hit_len)
+
         if hit_length > 0:
-            # pinned: LRU eviction between the two scheduler calls must not take them
-            pin_blocks = [blk for grp in cpu_hit_blocks for blk in grp if not blk.is_null]
+            pin_blocks = [
+                blk for grp in cpu_hit_blocks for blk in grp if not blk.is_null
+            ]
             self.cpu_block_pool.touch(pin_blocks)
             self._pending_cpu_hits[request.request_id] = (
-                cpu_hit_blocks, hit_length, num_computed_tokens)
+                cpu_hit_blocks,
+                hit_length,
+                num_computed_tokens,
+            )
             return hit_length, True
         return 0, False
 
-    def update_state_after_alloc(self, request: Request, blocks: tuple[list[KVCacheBlock], ...],
+    # TODO(yifan): this API now only matches the suffix part of the prefix cache. A more
+    # general API should scan blocks in both GPU and CPU block pool in a single pass.
+    def update_state_after_alloc(self, request: "Request",
+                                 blocks: tuple[list[KVCacheBlock], ...],
                                  num_external_tokens: int) -> None:
-        """Registers eager stores, and loads the accepted part of the hit after the local hit."""
         req_id = request.request_id
-        num_groups = len(blocks)
+        # not in vLLM: the blocks come as one list per group (vLLM: KVCacheBlocks)
+        block_ids_by_group = tuple([b.block_id for b in group] for group in blocks)
+        num_groups = len(block_ids_by_group)
+
+        # Store tracking (eager mode only). Register the request;
+        # block IDs are accumulated from scheduler_output in
+        # _prepare_eager_store_specs via yield_req_data.
+        # not in vLLM: `not self._lazy_mode and` left out
         if req_id not in self._reqs_to_store:
             self._reqs_to_store[req_id] = StoreRequestState(
-                request, tuple([] for _ in range(num_groups)), [0] * num_groups)
+                request=request,
+                block_ids=tuple([] for _ in range(num_groups)),
+                num_stored_blocks=[0] * num_groups,
+            )
+
         if num_local_tokens := self._pending_local_hits.pop(req_id, None):  # vLLM 0.34
-            # eager stores skip a GPU hit's CPU copies: to the MRU end, or hot prefixes age out
+            # Eager CPU is inclusive: a GPU prefix hit also uses the CPU copy,
+            # but eager stores skip it, so move it to the MRU end here.
+            # not in vLLM: vLLM asks self.cpu_coordinator (left out)
             prefix_hit, _ = self._find_longest_cache_hit(request.block_hashes, num_local_tokens)
-            prefix_blocks = [b for grp in prefix_hit for b in grp if not b.is_null]
-            self._refresh_cpu_lru(prefix_blocks)  # not in vLLM: a hook (vLLM's touch + free)
+            prefix_blocks = [b for grp in prefix_hit for b in grp if not b.is_null]  # vLLM 0.34
+            # not in vLLM: a hook (vLLM's touch, then free_blocks of the reversed blocks)
+            self._refresh_cpu_lru(prefix_blocks)
+
+        # Pop the CPU hit cached by get_num_new_matched_tokens(). The
+        # found blocks were pinned there to survive LRU eviction in the window
+        # between get_num_new_matched_tokens() and this matching call.
         pending = self._pending_cpu_hits.pop(req_id, None)
+
         if num_external_tokens == 0:
             if pending is not None:
-                self._free_pending_cpu_hit(pending)  # hit declined (vLLM warns): drop the pin
+                logger.warning(
+                    "SimpleCPUOffloadScheduler: update_state_after_alloc "
+                    "called for req_id=%s with no external tokens but "
+                    "get_num_new_matched_tokens() unexpectedly recorded "
+                    "a pending CPU hit; releasing the stale pin.",
+                    req_id,
+                )
+                self._free_pending_cpu_hit(pending)
             return
+
         if pending is None:
-            logger.warning("update_state_after_alloc: req_id=%s accepted %d external tokens "
-                           "but no CPU hit is pending; skipping the load", req_id,
-                           num_external_tokens)
+            logger.warning(
+                "SimpleCPUOffloadScheduler: update_state_after_alloc called "
+                "for req_id=%s with num_external_tokens=%d but no pending "
+                "CPU hit from get_num_new_matched_tokens(); skipping load.",
+                req_id,
+                num_external_tokens,
+            )
             return
+
+        # not in vLLM: hit_length kept, for the check below (vLLM: `_`)
         cpu_hit_blocks_full, hit_length, num_computed_tokens = pending
         # not in vLLM: accepting more than the hit would count unloaded blocks as computed
         assert num_external_tokens <= hit_length, (
             f"{req_id}: {num_external_tokens} external tokens > the {hit_length}-token hit")
+
         assert num_computed_tokens % self.block_size == 0, (
-            "external loads must start at a scheduler-block boundary")
-        # fine-grained hits end on hash boundaries: per-group block counts round up below
+            "SimpleCPU external loads must start at a scheduler-block boundary"
+        )
+        # Fine-grained hits are hash-block aligned, not group-block aligned, so
+        # the per-group block count below rounds up instead of dividing exactly.
+        # Hash alignment is still required: it is what makes the accepted
+        # external suffix start on a boundary every group can address.
         assert num_external_tokens % self.hash_block_size == 0, (
             f"num_external_tokens={num_external_tokens} is not aligned to "
-            f"hash_block_size={self.hash_block_size}")
+            f"hash_block_size={self.hash_block_size}"
+        )
+
+        # The scheduler may have accepted fewer blocks than
+        # get_num_new_matched_tokens() reported.
+        # Take only the leading N blocks per group matching num_external_tokens;
+        # the rest will be released along with the temp pin below.
+        cpu_hit_blocks: list[list[KVCacheBlock]] = []
+        for g in range(num_groups):
+            g_block_size = self.group_block_sizes[g]
+            n_take_g = cdiv(num_external_tokens, g_block_size)
+            cpu_hit_blocks.append(cpu_hit_blocks_full[g][:n_take_g])
+
         gpu_block_ids: list[int] = []
         cpu_block_ids: list[int] = []
         cpu_blocks_to_touch: list[KVCacheBlock] = []
-        for g, g_block_size in enumerate(self.group_block_sizes):
-            n_take_g = cdiv(num_external_tokens, g_block_size)
-            gpu_ext_start = num_computed_tokens // g_block_size  # right after the local hit
-            for i, cpu_blk in enumerate(cpu_hit_blocks_full[g][:n_take_g]):
-                if cpu_blk.is_null:  # a null slot (sliding-window padding): nothing to copy
+
+        for g in range(num_groups):
+            cpu_blocks_g = cpu_hit_blocks[g]
+            n_ext_g = len(cpu_blocks_g)
+            if n_ext_g == 0:
+                continue
+
+            g_block_size = self.group_block_sizes[g]
+            gpu_ext_start = num_computed_tokens // g_block_size
+            group_gpu_ids = block_ids_by_group[g]
+
+            for i, cpu_blk in enumerate(cpu_blocks_g):
+                # Skip null blocks (e.g. sliding window or mamba padding).
+                if cpu_blk.is_null:
                     continue
-                gpu_block_ids.append(blocks[g][gpu_ext_start + i].block_id)
+                gpu_block_ids.append(group_gpu_ids[gpu_ext_start + i])
                 cpu_block_ids.append(cpu_blk.block_id)
                 cpu_blocks_to_touch.append(cpu_blk)
+
+        # Touch CPU blocks to prevent eviction during async load.
         self.cpu_block_pool.touch(cpu_blocks_to_touch)
-        self._free_pending_cpu_hit(pending)  # only now: no source drops to 0 refs in between
+        # Release the temporary pin held since get_num_new_matched_tokens().
+        self._free_pending_cpu_hit(pending)
+
+        # Touch GPU blocks to prevent freeing during async load
         assert self._gpu_block_pool is not None
-        self._gpu_block_pool.touch([self._gpu_block_pool.blocks[b] for b in gpu_block_ids])
+        self._gpu_block_pool.touch(
+            [self._gpu_block_pool.blocks[bid] for bid in gpu_block_ids]
+        )
+
         assert self._reqs_to_load.get(req_id) is None
         self._reqs_to_load[req_id] = LoadRequestState(
-            request, TransferMeta(gpu_block_ids, cpu_block_ids))
+            request=request, transfer_meta=TransferMeta(gpu_block_ids, cpu_block_ids)
+        )
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> SimpleCPUOffloadMetadata:
-        """At most one store event (confirmed blocks + finish flushes) and one load event a step."""
+    def build_connector_meta(self, scheduler_output: SchedulerOutput
+                             ) -> SimpleCPUOffloadMetadata:
         # --- Stores ---
         store_event = -1
+        # not in vLLM: eager mode only, so vLLM's prepare_store_specs is called by its branch
         store_gpu, store_cpu, store_req_ids = self._prepare_eager_store_specs(scheduler_output)
-        for transfer in self._pending_finished_stores:  # PR #53532: merge the finish flushes
+        for transfer in self._pending_finished_stores:  # PR #53532
             store_gpu.extend(transfer.gpu_block_ids)  # PR #53532
             store_cpu.extend(transfer.cpu_block_ids)  # PR #53532
         self._pending_finished_stores.clear()  # PR #53532
+
         if store_gpu:
             store_event = self._store_event_counter
             self._store_event_counter += 1
+            # not in vLLM: no KV-cache event metadata (vLLM's third field)
             self._store_event_to_blocks[store_event] = TransferMeta(store_gpu, store_cpu)
+            # For eager mode only, track req->blocks mapping
             if store_req_ids:
                 self._store_event_to_reqs[store_event] = store_req_ids
                 for req_id in store_req_ids:
                     store_state = self._reqs_to_store.get(req_id)
                     if store_state is not None:
                         store_state.store_events.add(store_event)
+
         # --- Loads ---
         load_event = -1
         load_gpu: list[int] = []
@@ -800,6 +1026,7 @@ class SimpleCPUOffloadScheduler:
         for req_id, load_state in self._reqs_to_load.items():
             if load_state.load_event is not None:
                 continue
+            assert load_state.transfer_meta is not None
             load_gpu.extend(load_state.transfer_meta.gpu_block_ids)
             load_cpu.extend(load_state.transfer_meta.cpu_block_ids)
             load_req_ids.append(req_id)
@@ -809,96 +1036,182 @@ class SimpleCPUOffloadScheduler:
             for req_id in load_req_ids:
                 self._reqs_to_load[req_id].load_event = load_event
             self._load_event_to_reqs[load_event] = load_req_ids
-        return SimpleCPUOffloadMetadata(
-            load_event=load_event, load_gpu_blocks=load_gpu, load_cpu_blocks=load_cpu,
-            load_event_to_reqs={e: list(r) for e, r in self._load_event_to_reqs.items()},
-            store_event=store_event, store_gpu_blocks=store_gpu, store_cpu_blocks=store_cpu,
-            need_flush=bool(scheduler_output.preempted_req_ids))
 
+        result = SimpleCPUOffloadMetadata(
+            load_event=load_event,
+            load_gpu_blocks=load_gpu,
+            load_cpu_blocks=load_cpu,
+            load_event_to_reqs={
+                event_idx: list(req_ids)
+                for event_idx, req_ids in self._load_event_to_reqs.items()
+            },
+            store_event=store_event,
+            store_gpu_blocks=store_gpu,
+            store_cpu_blocks=store_cpu,
+            need_flush=bool(scheduler_output.preempted_req_ids),
+        )
+        return result
+
+    # PR #53532 also dropped the stamp in _prepare_lazy_store_specs (lazy mode, left out here):
+    # its `cpu_blk._block_hash = bhash` loop after `cpu_pool.get_new_blocks(len(gpu_ids))` went.
     def _prepare_eager_store_specs(self, scheduler_output: SchedulerOutput
                                    ) -> tuple[list[int], list[int], list[str]]:
-        """This step's stores (GPU ids, CPU ids, req ids); GPU sources pinned until copied."""
+        """Identify newly computed blocks to offload from scheduler requests.
+
+        Only considers blocks whose KV data has been **confirmed computed** by
+        the GPU. Blocks from the current step are stored on a later step, or by
+        the finish-time flush if the request completes first."""
         merged_gpu_block_ids: list[int] = []
         merged_cpu_block_ids: list[int] = []
         req_ids: list[str] = []
+
         gpu_block_pool = self._gpu_block_pool
         if gpu_block_pool is None:
+            # not in vLLM: no event metadata (vLLM's fourth value)
             return [], [], []
+        # not in vLLM: vLLM reads its CPU config
         num_groups = len(self.group_block_sizes)
-        # Preemption frees the request's blocks. It resumes with a full new block table.
-        for req_id in scheduler_output.preempted_req_ids:  # vLLM 0.32
-            state = self._reqs_to_store.get(req_id)
-            if state is not None:
-                state.block_ids = tuple([] for _ in range(num_groups))
-                state.num_stored_blocks = [0] * num_groups
+        # Dedup against blocks already scheduled.
+        in_flight = self._in_flight_store_gpu_blocks
+
+        # Preemption frees the request's blocks. It resumes with a full new
+        # block table in its NewRequestData.
+        preempted_req_ids = scheduler_output.preempted_req_ids or ()  # vLLM 0.32
+        for req_id in preempted_req_ids:  # vLLM 0.32
+            state = self._reqs_to_store.get(req_id)  # vLLM 0.32
+            if state is not None:  # vLLM 0.32
+                state.block_ids = tuple([] for _ in range(num_groups))  # vLLM 0.32
+                state.num_stored_blocks = [0] * num_groups  # vLLM 0.32
+
         for req_id, block_id_groups, is_full_table in yield_req_data(scheduler_output):
             state = self._reqs_to_store.get(req_id)
             if state is None or state.finished:
                 continue
-            if is_full_table:  # a resumed (or re-sent) request: its new table replaces the old
+
+            if is_full_table:
                 state.block_ids = tuple([] for _ in range(num_groups))
+
             if block_id_groups:
                 for g in range(min(num_groups, len(block_id_groups))):
                     if block_id_groups[g] is not None:
+                        # Accumulate new block IDs.
                         state.block_ids[g].extend(block_id_groups[g])
-            if not scheduler_output.num_scheduled_tokens.get(req_id, 0):
+
+            num_new_tokens = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            if num_new_tokens == 0:
                 continue
-            gpu_block_ids, advanced_per_group = (  # PR #53532: the selection the flush shares
-                self._select_eager_blocks_to_store(state, state.block_ids))
-            n_to_alloc = len(gpu_block_ids)  # Batch allocate the CPU destinations
+
+            block_ids_by_group = state.block_ids
+            if not block_ids_by_group:
+                continue
+
+            # PR #53532: the selection the finish flush shares (vLLM 0.34 adds event metadata)
+            gpu_block_ids, advanced_per_group = (
+                self._select_eager_blocks_to_store(state, block_ids_by_group)
+            )
+
+            # Batch allocate the CPU destinations.
+            n_to_alloc = len(gpu_block_ids)
             if n_to_alloc > 0:
-                # not in vLLM: a hook; vLLM 0.29 stamped the blocks here, PR #53532 stopped it
+                # not in vLLM: a hook (vLLM's cpu_block_pool.get_new_blocks(n_to_alloc)); vLLM
+                # 0.29 stamped each block with its GPU block's hash here, the fix stopped it
                 cpu_blocks_alloc = self._allocate_cpu_blocks(gpu_block_ids, state.request)
                 cpu_block_ids = [blk.block_id for blk in cpu_blocks_alloc]
             else:
                 cpu_block_ids = []
+
             if cpu_block_ids:
                 req_ids.append(req_id)
                 merged_gpu_block_ids.extend(gpu_block_ids)
                 merged_cpu_block_ids.extend(cpu_block_ids)
-                self._in_flight_store_gpu_blocks.update(gpu_block_ids)
-                gpu_block_pool.touch([gpu_block_pool.blocks[b] for b in gpu_block_ids])
-            for g in range(num_groups):  # past the stored blocks and the skipped ones
-                state.num_stored_blocks[g] += advanced_per_group[g]
-        return merged_gpu_block_ids, merged_cpu_block_ids, list(dict.fromkeys(req_ids))
+                in_flight.update(gpu_block_ids)
 
+                # Touch GPU blocks to prevent freeing during async copy
+                gpu_block_pool.touch(
+                    [gpu_block_pool.blocks[bid] for bid in gpu_block_ids]
+                )
+
+            # Advance per-group cursors (includes cached hits + newly stored)
+            for g in range(num_groups):
+                state.num_stored_blocks[g] += advanced_per_group[g]
+
+        # Completion tracking is set-based, so keep one request ID.
+        req_ids = list(dict.fromkeys(req_ids))
+        return merged_gpu_block_ids, merged_cpu_block_ids, req_ids
+
+    def _cached_gpu_block(self, resolved_hashes: Sequence[bytes], block_idx: int,  # vLLM 0.30
+                          group_id: int) -> KVCacheBlock | None:
+        """Return the GPU block still cached under this group's block hash."""
+        if block_idx >= len(resolved_hashes):
+            return None
+        assert self._gpu_block_pool is not None
+        blocks = self._gpu_block_pool.get_cached_block(
+            resolved_hashes[block_idx], [group_id]
+        )
+        return blocks[0] if blocks else None
+
+    # the fix moved this selection out of the per-step scan, so that the finish flush shares
+    # it; the lines tagged vLLM 0.3x changed after it
     def _select_eager_blocks_to_store(self, state: StoreRequestState,  # PR #53532
                                       block_ids_by_group: tuple[list[int], ...]
                                       ) -> tuple[list[int], list[int]]:
-        """Confirmed blocks past the cursors worth storing (up to the CPU's free blocks), and how
-        far each cursor advances. Pure; the finish flush shares it, so both skip the same blocks."""
+        """Return confirmed eager blocks and cursor advances."""
         assert self._gpu_block_pool is not None
-        gpu_blocks = self._gpu_block_pool.blocks  # bound once: the store path's per-block loop
         gpu_block_ids: list[int] = []
+        # not in vLLM: vLLM's config
         advanced_per_group = [0] * len(self.group_block_sizes)
         request = state.request
         confirmed_tokens = request.num_computed_tokens - request.num_output_placeholders
-        num_free = self._num_free_for_store(state)  # not in vLLM: a hook (vLLM asks the pool)
+        # not in vLLM: a hook (vLLM's cpu_block_pool.get_num_free_blocks())
+        num_free = self._num_free_for_store(state)
+
         for g, group_gpu_ids in enumerate(block_ids_by_group):
             if len(gpu_block_ids) >= num_free:
                 break
             group_size = self.group_block_sizes[g]
-            cacheable_tokens = confirmed_tokens  # the GPU manager's cacheable prefix (vLLM 0.32)
-            if len(self.group_block_sizes) > 1:  # a hybrid coordinator's: block-aligned
+            # Mimic the GPU KV cache manager's cacheable prefix (vLLM 0.32: its coordinator's
+            # get_num_cacheable_tokens, left out; for full attention, hybrid models align it)
+            # not in vLLM
+            cacheable_tokens = confirmed_tokens
+            # not in vLLM
+            if len(self.group_block_sizes) > 1:
+                # not in vLLM
                 cacheable_tokens -= confirmed_tokens % self.block_size
-            ready = min(len(group_gpu_ids), cacheable_tokens // group_size)
-            scale = group_size // self.hash_block_size
+            cacheable_tokens = min(  # vLLM 0.34
+                cacheable_tokens, len(request.block_hashes) * self.hash_block_size
+            )
+            ready = min(len(group_gpu_ids), cacheable_tokens // group_size)  # vLLM 0.32
+            resolved_hashes = resolve_block_hashes(  # vLLM 0.30
+                request.block_hashes, self.hash_block_size, group_size
+            )
             start = state.num_stored_blocks[g]
-            for i in range(start, ready):
-                gpu_block = gpu_blocks[group_gpu_ids[i]]
-                if gpu_block.is_null and (i + 1) * scale <= len(request.block_hashes):
-                    # vLLM 0.30: a null slot may still have its KV cached elsewhere in the pool
-                    block_hash = request.block_hashes[(i + 1) * scale - 1]
-                    recovered = self._gpu_block_pool.get_cached_block(block_hash, [g])
-                    if recovered:
-                        gpu_block = recovered[0]
-                if self._classify_store_candidate(gpu_block) is not _StoreAdmission.READY:
+            for i, gpu_block_id in enumerate(group_gpu_ids[start:ready], start=start):
+                gpu_block = self._gpu_block_pool.blocks[gpu_block_id]
+                if gpu_block.is_null:  # vLLM 0.30
+                    # Sliding-window groups null pages that left the window
+                    # before the connector sees the block table, but the
+                    # retained prefix-cache tail stays hashed in the GPU free
+                    # queue; store it from there.
+                    recovered = self._cached_gpu_block(resolved_hashes, i, g)  # vLLM 0.30
+                    if recovered is None:  # vLLM 0.30
+                        advanced_per_group[g] += 1  # vLLM 0.30
+                        continue  # vLLM 0.30
+                    gpu_block = recovered  # vLLM 0.30
+                    gpu_block_id = gpu_block.block_id  # vLLM 0.30
+                if (  # vLLM 0.30
+                    self._classify_store_candidate(gpu_block)
+                    is not _StoreAdmission.READY
+                ):
                     advanced_per_group[g] += 1
                     continue
-                if len(gpu_block_ids) >= num_free:  # CPU full: a later step retries from here
+                if len(gpu_block_ids) >= num_free:
                     break
-                gpu_block_ids.append(gpu_block.block_id)
+                primary_block_hash = gpu_block.block_hash
+                assert primary_block_hash is not None
+                gpu_block_ids.append(gpu_block_id)
                 advanced_per_group[g] += 1
+
+        # not in vLLM: no event metadata
         return gpu_block_ids, advanced_per_group
 
     def _classify_store_candidate(self, gpu_block: KVCacheBlock) -> _StoreAdmission:  # vLLM 0.30
@@ -908,123 +1221,175 @@ class SimpleCPUOffloadScheduler:
             return _StoreAdmission.NOT_HASHED
         if gpu_block.block_id in self._in_flight_store_gpu_blocks:
             return _StoreAdmission.IN_FLIGHT
-        if self.cpu_block_pool.cached_block_hash_to_block.get_one_block(gpu_block.block_hash):
+        if (
+            self.cpu_block_pool.cached_block_hash_to_block.get_one_block(
+                gpu_block.block_hash
+            )
+            is not None
+        ):
             return _StoreAdmission.ALREADY_CACHED
         return _StoreAdmission.READY
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Loads complete per request; stores per event, once all world_size workers reported."""
+        """Handle async transfer completions from worker.
+
+        Load completions arrive via finished_recving (real req_ids).
+        Store completions arrive via kv_connector_worker_meta as
+        per-event worker counts. We accumulate across steps and process
+        a store event only when all workers have reported completion.
+        """
         # --- Load completions ---
         for req_id in list(connector_output.finished_recving or []):
+            # not in vLLM: no load counter (metrics)
             self._cleanup_load_request(req_id)
+
         # --- Store completions ---
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, SimpleCPUOffloadWorkerMetadata):
             return
-        # NOTE: as in vLLM, an unknown event's counts (a repeat, pre-reset) wait, then are dropped
-        for event, count in meta.completed_store_events.items():
-            total = self._store_event_pending_counts.get(event, 0) + count
-            if total >= self.world_size:
-                self._store_event_pending_counts.pop(event, None)
-                self._process_store_event(event)
+        # NOTE: an unknown event's counts (a repeat, from before a reset) wait, then are dropped
+        for event_idx, count in meta.completed_store_events.items():
+            total = self._store_event_pending_counts.get(event_idx, 0) + count
+            if total >= self._expected_worker_count:
+                self._store_event_pending_counts.pop(event_idx, None)
+                self._process_store_event(event_idx)
             else:
-                self._store_event_pending_counts[event] = total
+                self._store_event_pending_counts[event_idx] = total
 
-    def _process_store_event(self, event: int) -> None:
-        transfer = self._store_event_to_blocks.pop(event, None)
+    def _process_store_event(self, event_idx: int) -> None:
+        """Process a fully-completed store event."""
+        transfer = self._store_event_to_blocks.pop(event_idx, None)
         if transfer is None:
-            transfer = self._abandoned_store_event_to_blocks.pop(event, None)
+            transfer = self._abandoned_store_event_to_blocks.pop(event_idx, None)
             if transfer is None:
-                return  # stale (from before a reset) or a duplicate report
-            self._release_transfer_refs(transfer)  # sent before a reset(): cache nothing
+                # guard stale events from before a reset() call
+                return
+            self._release_transfer_refs(transfer)
             return
+
+        # not in vLLM: `if not self._lazy_mode:` (lazy mode left out)
         self._in_flight_store_gpu_blocks.difference_update(transfer.gpu_block_ids)
+
+        # not in vLLM: no event metadata (vLLM's third argument)
         self._process_store_completion(transfer.gpu_block_ids, transfer.cpu_block_ids)
-        for req_id in self._store_event_to_reqs.pop(event, []):
+
+        # Eager only: update per-req state
+        for req_id in self._store_event_to_reqs.pop(event_idx, []):
             state = self._reqs_to_store.get(req_id)
             if state is None:
                 continue
-            state.store_events.discard(event)
+            state.store_events.discard(event_idx)
             if state.finished and not state.store_events:
                 self._cleanup_store_request(req_id)
 
-    def _process_store_completion(self, gpu_block_ids: list[int], cpu_block_ids: list[int]) -> None:
-        """Register the CPU copies under the GPU source's keys (PR #53532), then unpin both."""
+    def _process_store_completion(self, gpu_block_ids: list[int], cpu_block_ids: list[int]
+                                  ) -> None:
+        """Register copied blocks in the CPU prefix cache and release refs."""
         assert len(cpu_block_ids) == len(gpu_block_ids)
-        cpu_blocks = [self.cpu_block_pool.blocks[b] for b in cpu_block_ids]
+
+        cpu_blocks = [self.cpu_block_pool.blocks[bid] for bid in cpu_block_ids]
+
         assert self._gpu_block_pool is not None
-        gpu_blocks = self._gpu_block_pool.blocks  # bound once: the store path's per-block loop
-        for gpu_block_id, cpu_block in zip(gpu_block_ids, cpu_blocks):
-            gpu_block = gpu_blocks[gpu_block_id]  # PR #53532
+        for gpu_block_id, cpu_block in zip(gpu_block_ids, cpu_blocks):  # PR #53532
+            gpu_block = self._gpu_block_pool.blocks[gpu_block_id]  # PR #53532
             primary_hash = gpu_block.block_hash  # PR #53532
             assert primary_hash is not None  # PR #53532
-            # reset_hash() first, or guard 1 returns on a block stamped with the key (0.29 stamped
-            # at allocation). The merged fix has neither; kept, a no-op, so no stamp can return.
-            cpu_block.reset_hash()  # not in vLLM: PR #53532's first version
-            self.cpu_block_pool._insert_block_hash(  # PR #53532: through the pool's guards
-                primary_hash, cpu_block, num_tokens=gpu_block.block_hash_num_tokens)
+            # not in vLLM: the fix's first version reset the hash first, since guard 1 of
+            # _insert_block_hash() returns on a block stamped with the key (0.29 stamped at
+            # allocation); the merged fix has neither. A no-op here, kept so no stamp can return.
+            cpu_block.reset_hash()
+            self.cpu_block_pool._insert_block_hash(  # PR #53532
+                primary_hash,
+                cpu_block,
+                num_tokens=gpu_block.block_hash_num_tokens,
+            )
             # the GPU block's fine-grained secondary keys, which 0.29 never copied
             secondary_hashes = self._gpu_block_pool.cached_block_hashes_by_block.get(  # PR #53532
-                gpu_block_id, ())
+                gpu_block_id, ()
+            )
             for block_hash in secondary_hashes:  # PR #53532
                 self.cpu_block_pool._insert_block_hash(  # PR #53532
-                    block_hash, cpu_block, num_tokens=None)
-        # Free CPU and GPU blocks' ref counts to turn them into prefix cache
-        self._free_cpu_blocks(cpu_blocks)  # not in vLLM: a hook (vLLM's free_blocks)
-        self._gpu_block_pool.free_blocks(self._gpu_block_pool.blocks[b] for b in gpu_block_ids)
+                    block_hash, cpu_block, num_tokens=None
+                )
+
+        # Free CPU and GPU blocks' ref counts to turn them into prefix cache.
+        # not in vLLM: a hook (vLLM's cpu_block_pool.free_blocks(cpu_blocks))
+        self._free_cpu_blocks(cpu_blocks)
+        # not in vLLM: `evict_first=self._lazy_mode` (lazy mode left out)
+        self._gpu_block_pool.free_blocks(
+            (self._gpu_block_pool.blocks[bid] for bid in gpu_block_ids)
+        )
 
     def _release_transfer_refs(self, transfer: TransferMeta) -> None:
-        """Drop a transfer's pins on both pools (CPU first, as vLLM); caches nothing."""
-        cpu_blocks = [self.cpu_block_pool.blocks[b] for b in transfer.cpu_block_ids]
+        """Release transfer refs without making copied data cacheable."""
+        cpu_blocks = [self.cpu_block_pool.blocks[bid] for bid in transfer.cpu_block_ids]
         # PR #53532 dropped 0.29's reset_hash() of each block here: nothing is stamped
-        self._free_cpu_blocks(cpu_blocks)  # not in vLLM: a hook (vLLM's free_blocks)
+        # not in vLLM: a hook (vLLM's cpu_block_pool.free_blocks(cpu_blocks))
+        self._free_cpu_blocks(cpu_blocks)
         assert self._gpu_block_pool is not None
         self._gpu_block_pool.free_blocks(
-            self._gpu_block_pool.blocks[b] for b in transfer.gpu_block_ids)
+            self._gpu_block_pool.blocks[bid] for bid in transfer.gpu_block_ids
+        )
 
     def has_pending_stores(self) -> bool:
-        """True while a store is queued (finish flush) or in flight, also after a reset()."""
-        return bool(self._pending_finished_stores  # PR #53532
-                    or self._store_event_to_blocks
-                    or self._abandoned_store_event_to_blocks)
+        """Return True if a store transfer is queued or in flight."""
+        return bool(
+            self._pending_finished_stores  # PR #53532
+            or self._store_event_to_blocks
+            or self._abandoned_store_event_to_blocks
+        )
 
     def has_pending_loads(self) -> bool:
-        """not in vLLM: True while an accepted load (an aborted one's too) is not reported done."""
+        """not in vLLM: True while an accepted load (an aborted one's too) is not reported."""
         return bool(self._reqs_to_load or self._abandoned_reqs_to_load)
 
-    def has_pending_push_work(self) -> bool:  # PR #53532
-        """has_pending_transfers, renamed by the fix: engines step while True, to send flushes."""
+    # PR #53532 renamed the connector's has_pending_transfers() (simple_cpu_offload_connector.py)
+    # to has_pending_push_work(); it returns the manager's has_pending_stores()
+    def has_pending_push_work(self) -> bool:
+        """not in vLLM's manager: the connector's method, so that an engine asks the manager."""
         return self.has_pending_stores()
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
-        """(False, None): free the GPU blocks at once; in-flight copies hold their own refs."""
+    def request_finished(self, request: "Request", block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """Always returns (False, None). GPU blocks are protected by ref_cnt,
+        so the scheduler can free blocks immediately."""
         req_id = request.request_id
-        pending = self._pending_cpu_hits.pop(req_id, None)  # aborted before allocation: unpin
+
+        # Release any temp CPU hit pin from get_num_new_matched_tokens()
+        # if request is canceled or preempted before update_state_after_alloc()
+        pending = self._pending_cpu_hits.pop(req_id, None)
         if pending is not None:
             self._free_pending_cpu_hit(pending)
         self._pending_local_hits.pop(req_id, None)  # vLLM 0.34
-        load_state = self._reqs_to_load.get(req_id)  # in flight: cleaned up when it completes
+
+        # Handle load: defer cleanup if load is in-flight
+        load_state = self._reqs_to_load.get(req_id)
         if load_state is not None:
             if load_state.load_event is not None:
+                # Defer: load in-flight
                 load_state.finished = True
             else:
                 self._cleanup_load_request(req_id)
+
+        # Handle store (eager mode only): defer cleanup if stores in-flight
         store_state = self._reqs_to_store.get(req_id)
         if store_state is not None:
-            if store_state.store_events:  # in-flight stores cache on their own; clean up after
+            if store_state.store_events:
+                # Defer: stores in-flight
                 store_state.finished = True
             else:
                 self._cleanup_store_request(req_id)
+
         return False, None
 
-    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
-                                    ) -> tuple[bool, None]:
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
         self._queue_finished_eager_store(request, block_ids)  # PR #53532
         return self.request_finished(request, block_ids=[])
 
-    def _queue_finished_eager_store(self, request: Request,  # PR #53532
+    def _queue_finished_eager_store(self, request: "Request",  # PR #53532
                                     block_ids: tuple[list[int], ...]) -> None:
-        """The final flush: the blocks confirmed in the last step(s), which no later scan sees."""
+        """Queue confirmed eager blocks omitted after a request enters decode."""
         state = self._reqs_to_store.get(request.request_id)
         gpu_pool = self._gpu_block_pool
         if state is None or gpu_pool is None:
@@ -1032,78 +1397,119 @@ class SimpleCPUOffloadScheduler:
         gpu_ids, _ = self._select_eager_blocks_to_store(state, block_ids)
         if not gpu_ids:
             return
-        cpu_blocks = self._allocate_cpu_blocks(gpu_ids, request)  # not in vLLM: the hook
+        # not in vLLM: a hook (vLLM's cpu_block_pool.get_new_blocks(len(gpu_ids)))
+        cpu_blocks = self._allocate_cpu_blocks(gpu_ids, request)
         self._pending_finished_stores.append(
-            TransferMeta(gpu_ids, [b.block_id for b in cpu_blocks]))
+            TransferMeta(gpu_ids, [b.block_id for b in cpu_blocks])
+        )
         self._in_flight_store_gpu_blocks.update(gpu_ids)
-        gpu_pool.touch([gpu_pool.blocks[b] for b in gpu_ids])
+        gpu_pool.touch([gpu_pool.blocks[bid] for bid in gpu_ids])
 
-    def _free_pending_cpu_hit(self, pending: tuple) -> None:
+    def _free_pending_cpu_hit(self, pending: tuple[tuple[list[KVCacheBlock], ...], int, int]
+                              ) -> None:
+        """Release the temporary CPU block pin taken in get_num_new_matched_tokens()."""
         cpu_hit_blocks, _hit_length, _num_computed_tokens = pending
-        blocks_to_free = [b for grp in cpu_hit_blocks for b in grp if not b.is_null]
+        blocks_to_free = [
+            blk for grp in cpu_hit_blocks for blk in grp if not blk.is_null
+        ]
         if blocks_to_free:
-            self._free_cpu_blocks(blocks_to_free)  # not in vLLM: a hook (vLLM's free_blocks)
+            # not in vLLM: a hook (vLLM's cpu_block_pool.free_blocks(blocks_to_free))
+            self._free_cpu_blocks(blocks_to_free)
 
     def _cleanup_load_request(self, req_id: str) -> None:
+        """Release all load resources for a request.
+
+        Shared between request_finished() and update_connector_output() paths.
+        Removes the request from _reqs_to_load, cleans up event mappings,
+        and frees CPU/GPU touch refs."""
         state = self._reqs_to_load.pop(req_id, None)
         if state is None:
             state = self._abandoned_reqs_to_load.pop(req_id, None)
         if state is None:
-            return  # a duplicate or stale report
-        if state.load_event is not None:  # drop this request, not the whole event
+            # not in vLLM: no count to return (vLLM's metrics)
+            return
+        # Remove from load event mapping (only this req, not whole event)
+        if state.load_event is not None:
             reqs = self._load_event_to_reqs.get(state.load_event)
             if reqs is not None:
-                if req_id in reqs:
+                with contextlib.suppress(ValueError):
                     reqs.remove(req_id)
                 if not reqs:
-                    del self._load_event_to_reqs[state.load_event]
-        cpu_pool = self.cpu_block_pool  # CPU refs first, then the GPU ones
-        self._free_cpu_blocks([cpu_pool.blocks[b] for b in state.transfer_meta.cpu_block_ids])
-        assert self._gpu_block_pool is not None
-        self._gpu_block_pool.free_blocks(
-            self._gpu_block_pool.blocks[b] for b in state.transfer_meta.gpu_block_ids)
+                    self._load_event_to_reqs.pop(state.load_event, None)
+
+        if state.transfer_meta is not None:
+            # Free CPU touch refs
+            # not in vLLM: a hook (vLLM's cpu_block_pool.free_blocks of the same blocks)
+            self._free_cpu_blocks(
+                [self.cpu_block_pool.blocks[bid] for bid in state.transfer_meta.cpu_block_ids]
+            )
+            # Free GPU touch refs
+            assert self._gpu_block_pool is not None
+            self._gpu_block_pool.free_blocks(
+                self._gpu_block_pool.blocks[bid]
+                for bid in state.transfer_meta.gpu_block_ids
+            )
 
     def _cleanup_store_request(self, req_id: str) -> None:
-        """Metadata only: the blocks belong to the store events, which release them."""
+        """Release store metadata for a request.
+
+        Metadata-only cleanup but no block freeing. Job completion handles
+        block caching and GPU ref freeing via _process_store_completion()."""
         state = self._reqs_to_store.pop(req_id, None)
         if state is None:
             return
-        for event in state.store_events:
-            reqs = self._store_event_to_reqs.get(event)
-            if reqs is not None:
-                if req_id in reqs:
+        for event_idx in list(state.store_events):
+            if (reqs := self._store_event_to_reqs.get(event_idx)) is not None:
+                with contextlib.suppress(ValueError):
                     reqs.remove(req_id)
                 if not reqs:
-                    del self._store_event_to_reqs[event]
+                    self._store_event_to_reqs.pop(event_idx, None)
         state.store_events.clear()
 
     def reset(self) -> bool:
-        """Drop the CPU prefix cache. Unsent transfers are released now, sent ones *abandoned*
-        (their completions release the refs, cache nothing). True once the cache was reset."""
+        """Abandon pending transfers and reset the CPU cache when safe.
+
+        Worker-side DMA may still be using blocks after reset is requested.
+        Keep those block refs pinned until the existing completion path reports
+        the transfer finished, then release refs without caching abandoned
+        store results."""
         for pending in self._pending_cpu_hits.values():  # vLLM 0.32
-            self._free_pending_cpu_hit(pending)
+            self._free_pending_cpu_hit(pending)  # vLLM 0.32
         self._pending_cpu_hits.clear()  # vLLM 0.32
         self._pending_local_hits.clear()  # vLLM 0.34
+
         self._abandoned_store_event_to_blocks.update(self._store_event_to_blocks)
-        for transfer in self._pending_finished_stores:  # PR #53532: never sent, release now
+        for transfer in self._pending_finished_stores:  # PR #53532
             self._release_transfer_refs(transfer)  # PR #53532
         self._pending_finished_stores.clear()  # PR #53532
+
         self._store_event_to_blocks.clear()
         self._in_flight_store_gpu_blocks.clear()
-        # loads not sent to a worker cannot have a copy running; sent ones stay pinned
+
+        # Loads that have not been sent to the worker cannot have running DMA.
+        # In-flight loads stay pinned and are cleaned up on completion.
         for req_id in list(self._reqs_to_load):
-            if self._reqs_to_load[req_id].load_event is None:
+            state = self._reqs_to_load.pop(req_id)
+            if state.load_event is None:
+                self._reqs_to_load[req_id] = state
                 self._cleanup_load_request(req_id)
             else:
-                self._abandoned_reqs_to_load[req_id] = self._reqs_to_load.pop(req_id)
+                self._abandoned_reqs_to_load[req_id] = state
+
         self._reqs_to_store.clear()
         self._store_event_to_reqs.clear()
-        # only the counts of abandoned events still matter: their completions release pins
         self._store_event_pending_counts = {
-            event: count for event, count in self._store_event_pending_counts.items()
-            if event in self._abandoned_store_event_to_blocks}
+            event_idx: count
+            for event_idx, count in self._store_event_pending_counts.items()
+            if event_idx in self._abandoned_store_event_to_blocks
+        }
+        # NOTE: _load_event_counter / _store_event_counter are not
+        # reset as they are monotonic and must stay ahead of the workers
+        # high-water marks to avoid event index collisions
+
         if self._abandoned_store_event_to_blocks or self._abandoned_reqs_to_load:
             return False
+
         return self.cpu_block_pool.reset_prefix_cache()
 
     # --- hooks (not in vLLM): each body is vLLM's own call -------------------------
@@ -1183,7 +1589,8 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
 
     def _release_transfer_refs(self, transfer: TransferMeta) -> None:
         if self.stamps:
-            for cpu_id in transfer.cpu_block_ids:  # vLLM 0.29: uncached blocks drop their stamps
+            # vLLM 0.29: uncached blocks drop their stamps
+            for cpu_id in transfer.cpu_block_ids:
                 self.cpu_block_pool.blocks[cpu_id].reset_hash()
         super()._release_transfer_refs(transfer)
 
@@ -1208,7 +1615,8 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
                 candidate = self._classify_store_candidate(gpu_blocks[gpu_id])
                 if candidate is _StoreAdmission.READY:
                     if len(out) >= num_free:
-                        return out, advanced  # out of space: 0.29 leaves every group here
+                        # out of space: 0.29 leaves every group here
+                        return out, advanced
                     out.append(gpu_id)
                 advanced[g] += 1
         return out, advanced

@@ -1036,7 +1036,7 @@ def _one_of_two_workers_reports(plant_bug: bool) -> str | None:
     cached-KV check (every worker's CPU copy of every cached block == expected_kv), or None."""
     eng, conn, model = _story_engine(workers=2, world_size=2, device="deferred", budget=32)
     if plant_bug:  # the manager completes a store on the first worker's report
-        conn.world_size = 1
+        conn._expected_worker_count = 1
     lagging = eng.workers[1].copy_engine
     lagging.max_ops_per_call = 0
     req = ko.Request("A", _prompt(64), 16)
@@ -2242,9 +2242,19 @@ def fix_lines_untagged(lines: list[str]) -> list[str]:
         if not FIX_NAMES.search(line.split("#")[0]) or any(i in r for r in tagged_ranges):
             continue
         statement = min((r for r in statements if i in r), key=len)
-        if not any("PR #53532" in lines[j - 1] for j in statement):
+        if not any("PR #53532" in lines[j - 1] for j in comments_above(lines, statement.start)
+                   + list(statement)):
             untagged.append(line.strip())
     return untagged
+
+
+def comments_above(lines: list[str], lineno: int) -> list[int]:
+    """The line numbers (1-based) of the comment block right above line `lineno`: a tag there
+    tags the statement below it, as a tag at the line's end does."""
+    above = []
+    while lineno - 1 - len(above) >= 1 and lines[lineno - 2 - len(above)].strip().startswith("#"):
+        above.append(lineno - 1 - len(above))
+    return above
 
 
 def test_pr_53532_tags_give_the_whole_fix():
@@ -3256,7 +3266,8 @@ def test_readme_porting_checklist_names_the_grep():
     lines, first = inspect.getsourcelines(ko.SimpleCPUOffloadScheduler)
     tree = ast.parse(textwrap.dedent("".join(lines)))
     methods = {f.name for f in tree.body[0].body if isinstance(f, ast.FunctionDef)
-               and any("PR #53532" in line for line in lines[f.lineno - 1:f.end_lineno])}
+               and any("PR #53532" in lines[i - 1] for i in comments_above(lines, f.lineno)
+                       + list(range(f.lineno, f.end_lineno + 1)))}
     text = README.read_text()
     section = text[text.index("### Porting the fix"):text.index("Three traps a port falls into")]
     named = set(re.findall(r"^\d+\. `(\w+)`", section, flags=re.M))
