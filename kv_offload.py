@@ -4,8 +4,8 @@ kv_offload: vLLM's simple CPU KV-cache offload (eager mode), all of it in one fi
 
 A runnable, tested reference of the offload manager, the prefix-cache block pool under it, the
 GPU<->CPU copy worker and a toy engine that drives them as vLLM's scheduler does, so that vLLM
-issue #53498 and its fix, PR #53532, can be run. It follows vLLM 0.34 (the pre-fix variant:
-0.29) with vLLM's names, ref counts, allocation and eviction order, guards and asserts:
+issue #53498 and its fix (pull request #53532) can be run. It follows vLLM 0.34 (the pre-fix
+variant: 0.29) with vLLM's names, ref counts, allocation and eviction order, guards and asserts:
   vllm/v1/core/{kv_cache_utils,block_pool,single_type_kv_cache_manager}.py
   vllm/v1/simple_kv_offload/{metadata,manager,worker,copy_backend}.py
 But it leaves out: lazy mode, the disk backend, KV-cache events and metrics; sliding-window,
@@ -41,7 +41,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Any
+from typing import Any, NewType
 
 import torch
 
@@ -50,39 +50,61 @@ logger = logging.getLogger(__name__)
 # -----------------------------------------------------------------------------
 # 1. Hashing and requests
 
-# chains' seed: fixed
-NONE_HASH: bytes = hashlib.sha256(b"kv_offload-none-hash").digest()
+BlockHash = NewType("BlockHash", bytes)
+
+# `BlockHashWithGroupId` combines a `BlockHash` with its KV cache group ID.
+# It is represented as raw bytes for compactness and efficiency. The helper
+# functions below pack/unpack the `BlockHash` and group id into/from the key.
+BlockHashWithGroupId = NewType("BlockHashWithGroupId", bytes)
 
 
-def hash_block_tokens(parent_block_hash: bytes | None, token_ids: Sequence[int],
-                      extra_keys: Any = None) -> bytes:
-    """sha256(parent hash, token ids, extra keys): the fingerprint of the prefix ending here."""
-    h = hashlib.sha256(parent_block_hash or NONE_HASH)
-    # fixed width and byte order
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    if extra_keys is not None:
-        h.update(repr(extra_keys).encode())
-    return h.digest()
+def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> BlockHashWithGroupId:
+    """Pack a `BlockHash` and group id into a `BlockHashWithGroupId`.
+
+    The group id is encoded using 4 bytes in big-endian order and appended to
+    the block hash bytes.  This representation avoids creating tuples while
+    still allowing us to recover both components when needed."""
+    return BlockHashWithGroupId(block_hash + group_id.to_bytes(4, "big", signed=False))
 
 
-def make_block_hash_with_group_id(block_hash: bytes, group_id: int) -> bytes:
-    """Prefix-cache key: hash + 4-byte big-endian group id (bytes, not a tuple, as in vLLM)."""
-    return block_hash + group_id.to_bytes(4, "big")
+def get_block_hash(key: BlockHashWithGroupId) -> BlockHash:
+    """Extract the `BlockHash` from a `BlockHashWithGroupId`."""
+    return BlockHash(key[:-4])
 
 
-def get_block_hash(key: bytes) -> bytes:
-    return key[:-4]
+def get_group_id(key: BlockHashWithGroupId) -> int:
+    """Extract the group id from a `BlockHashWithGroupId`."""
+    return int.from_bytes(key[-4:], "big", signed=False)
 
 
-def get_group_id(key: bytes) -> int:
-    return int.from_bytes(key[-4:], "big")
+# The hash seed for the first block of any prefix block sequence: fixed, so that every process
+# computes the same hashes for the same tokens (vLLM derives it from a seed string too).
+# not in vLLM: sha256 of a constant (vLLM: init_none_hash(hash_fn))
+NONE_HASH: BlockHash = BlockHash(hashlib.sha256(b"kv_offload-none-hash").digest())
+
+
+def hash_block_tokens(parent_block_hash: BlockHash | None, curr_block_token_ids: Sequence[int],
+                      extra_keys: tuple[Any, ...] | None = None) -> BlockHash:
+    """Computes a hash value corresponding to the contents of a block and the contents of the
+    preceding block(s): sha256 over the parent hash, the token ids (fixed width and byte order)
+    and the extra keys. vLLM takes the hash function as an argument (sha256_cbor by default)."""
+    if not parent_block_hash:
+        parent_block_hash = NONE_HASH
+    # not in vLLM: the hash function, inlined (vLLM: hash_function((parent, tokens, extras)))
+    h = hashlib.sha256(parent_block_hash)
+    h.update(struct.pack(f"<{len(curr_block_token_ids)}q", *curr_block_token_ids))  # not in vLLM
+    if extra_keys is not None:  # not in vLLM
+        h.update(repr(extra_keys).encode())  # not in vLLM
+    return BlockHash(h.digest())  # not in vLLM
 
 
 class BlockHashListWithBlockSize:  # vLLM 0.30
-    """Convert block-hash granularity from `hash_block_size` to `target_block_size`: the hash
-    at the last `hash_block_size` boundary of a target block fingerprints its whole prefix."""
+    """Convert block-hash granularity from `hash_block_size` to `target_block_size`.
+    Used when KV cache groups have different block sizes. Each `hash_block_size` hash is
+    already chained over its entire prefix, so the hash at the last `hash_block_size` boundary
+    of a `target_block_size` block uniquely fingerprints that block's prefix."""
 
-    def __init__(self, block_hashes: list[bytes], hash_block_size: int,
+    def __init__(self, block_hashes: list[BlockHash], hash_block_size: int,
                  target_block_size: int):
         self.block_hashes = block_hashes
         assert target_block_size % hash_block_size == 0
@@ -91,25 +113,51 @@ class BlockHashListWithBlockSize:  # vLLM 0.30
     def __len__(self) -> int:
         return len(self.block_hashes) // self.scale_factor
 
-    def __getitem__(self, idx: int) -> bytes:
-        # not in vLLM: integer indices only (vLLM also takes slices)
-        return self._get_value_at(idx)
+    def __getitem__(self, idx):
+        if isinstance(idx, int):
+            return self._get_value_at(idx)
 
-    def _get_value_at(self, idx: int) -> bytes:
+        if isinstance(idx, slice):
+            start, stop, step = idx.indices(len(self))
+            return [self._get_value_at(i) for i in range(start, stop, step)]
+
+        raise TypeError(f"Invalid index type: {type(idx)!r}")
+
+    def __iter__(self) -> Iterator[BlockHash]:
+        for i in range(len(self)):
+            yield self._get_value_at(i)
+
+    def _get_value_at(self, idx: int) -> BlockHash:
         # The last hash_block_size hash within the target block already chains
         # over the whole prefix, so it is the target block's hash.
         return self.block_hashes[(idx + 1) * self.scale_factor - 1]
 
 
-def resolve_block_hashes(block_hashes: list[bytes] | BlockHashListWithBlockSize,  # vLLM 0.30
-                         hash_block_size: int, block_size: int
-                         ) -> list[bytes] | BlockHashListWithBlockSize:
-    """Resolve the block-hash view at ``block_size`` (vLLM's fine-grained branch left out)."""
+BlockHashList = list[BlockHash] | BlockHashListWithBlockSize
+
+
+def resolve_block_hashes(block_hashes: BlockHashList, hash_block_size: int,  # vLLM 0.30
+                         block_size: int, *, supports_fine_grained_hash_lookup: bool = False,
+                         alignment_tokens: int | None = None) -> BlockHashList:
+    """Resolve the block-hash view at ``block_size``.
+
+    When ``block_size`` equals ``hash_block_size``, reuse the precomputed block
+    hashes directly; otherwise view them at ``block_size`` granularity.
+    Fine-grained lookup keeps the original hashes for partial cache hits."""
     if block_size == hash_block_size:
         return block_hashes
     if isinstance(block_hashes, BlockHashListWithBlockSize):
         # Already a block-size view
         assert block_hashes.scale_factor == block_size // hash_block_size
+        return block_hashes
+    # Fine-grained partial hits keep the raw hashes. The caller passes
+    # alignment_tokens = hash_block_size to enable them, else >= block_size.
+    if (
+        supports_fine_grained_hash_lookup
+        and alignment_tokens is not None
+        and alignment_tokens < block_size
+        and block_size % alignment_tokens == 0
+    ):
         return block_hashes
     assert block_size % hash_block_size == 0
     return BlockHashListWithBlockSize(block_hashes, hash_block_size, block_size)
@@ -193,168 +241,320 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
-    """Metadata of one KV-cache block (GPU or CPU: both pools use this class)."""
-    # index into the pool's KV tensors; 0 is the pool's null block
+    """KV-cache block metadata (GPU or CPU: both pools use this class)."""
+
+    # Block ID, ranging from 0 to num_gpu_blocks - 1.
     block_id: int
-    # holders: running requests, in-flight copies, pins; 0 = in the free queue
+    # Reference count.
     ref_cnt: int = 0
-    # primary key (hash + group id); set_block_hash() only (bug 1)
-    block_hash: bytes | None = None
-    # prefix tokens it covers (None if unknown, e.g. CPU)
+    # The hash key (block hash + group id) of the block, only available
+    # when the block is full and cached.
+    block_hash: BlockHashWithGroupId | None = None
+    # Number of prefix tokens covered by block_hash. For full blocks this is
+    # the full block boundary; partial entries can end inside a cache block.
     block_hash_num_tokens: int | None = None
-    # free-queue links: only the queue touches them
-    prev_free_block: KVCacheBlock | None = None
-    next_free_block: KVCacheBlock | None = None
-    # the placeholder block 0: never freed, touched, hashed or evicted
+
+    # Used to construct a doubly linked list for free blocks.
+    # These two attributes should only be manipulated by FreeKVCacheBlockQueue.
+    prev_free_block: "KVCacheBlock | None" = None
+    next_free_block: "KVCacheBlock | None" = None
+
+    # Whether the block is a null block that should never be cached.
     is_null: bool = False
 
-    def set_block_hash(self, key: bytes, num_tokens: int | None = None) -> None:
+    def set_block_hash(self, block_hash: BlockHashWithGroupId,
+                       num_tokens: int | None = None) -> None:
         assert self.block_hash is None and self.block_hash_num_tokens is None, (
-            f"block {self.block_id} already has a hash: a block must be evicted (reset_hash) "
-            "before it is registered under a new key")
-        self.block_hash = key
+            "The block already has a hash. This should not happen."
+        )
+        self.block_hash = block_hash
         self.block_hash_num_tokens = num_tokens
 
-    def reset_hash(self) -> None:
+    def reset_hash(self):
+        """Reset the block hash when the block is evicted."""
         self.block_hash = None
         self.block_hash_num_tokens = None
 
-    # ids only: the links would recurse through the whole queue
     def __repr__(self) -> str:
-        return (f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, "
-                f"block_hash={self.block_hash.hex()[:8] if self.block_hash else None})")
+        # Use block_id instead of KVCacheBlock object to avoid calling __repr__
+        # on KVCacheBlock object recursively.
+        prev_block_id = self.prev_free_block.block_id if self.prev_free_block else None
+        next_block_id = self.next_free_block.block_id if self.next_free_block else None
+        return (
+            f"KVCacheBlock(block_id={self.block_id}, "
+            f"ref_cnt={self.ref_cnt}, "
+            f"block_hash={self.block_hash!r}, "
+            f"block_hash_num_tokens={self.block_hash_num_tokens}, "
+            f"prev_free_block={prev_block_id}, "
+            f"next_free_block={next_block_id})"
+        )
 
 
 class FreeKVCacheBlockQueue:
-    """Doubly linked list of free blocks, through the blocks' own prev/next fields. Front =
-    reused first: freed blocks without a hash go there, cached ones to the back (LRU order).
-    Not a deque: touch() takes a hit block out of the *middle* in O(1). Two sentinels (fake
-    head, fake tail) remove the empty-list branches."""
+    """This class organizes a list of KVCacheBlock objects to a doubly linked
+    list of free blocks. We implement this class instead of using Python
+    builtin deque to support removing a block in the middle of the queue
+    in O(1) time. To close the performance gap to the builtin deque which is
+    implemented in C++, this class does not allocate any Python objects when
+    manipulating the linked list. Instead, this class manipulates the
+    prev_free_block and next_free_block attributes of the given blocks.
+
+    The queue is ordered by block ID in the beginning. When a block is allocated
+    and then freed, it will be appended back with the eviction order:
+    1. The least recent used block is at the front (LRU).
+    2. If two blocks have the same last accessed time (allocated by the
+       same sequence), the one with more hash tokens (the tail of a block
+       chain) is at the front.
+    Note that we maintain this order by reversing the block order when free
+    blocks of a request. This operation is outside of this class."""
 
     def __init__(self, blocks: list[KVCacheBlock]) -> None:
         self.num_free_blocks = len(blocks)
-        self.fake_free_list_head = KVCacheBlock(-1)
-        self.fake_free_list_tail = KVCacheBlock(-1)
-        chain = [self.fake_free_list_head, *blocks, self.fake_free_list_tail]
-        for a, b in zip(chain, chain[1:]):
-            a.next_free_block = b
-            b.prev_free_block = a
+
+        # Initialize doubly links of consecutive blocks
+        for i in range(self.num_free_blocks):
+            if i > 0:
+                blocks[i].prev_free_block = blocks[i - 1]
+            if i < self.num_free_blocks - 1:
+                blocks[i].next_free_block = blocks[i + 1]
+
+        # Create a fake head and a tail block for the doubly linked list to
+        # reduce branching in the code
+        #
+        # The implementation guaranteed that the fake head and tail
+        # are NEVER got popped, so we could safely assume each real blocks
+        # in the queue has prev and next blocks.
+        self.fake_free_list_head = KVCacheBlock(block_id=-1)
+        self.fake_free_list_tail = KVCacheBlock(block_id=-1)
+        if self.num_free_blocks > 0:
+            # Connect fake_head and fake_tail to the first and last block
+            # respectively.
+            self.fake_free_list_head.next_free_block = blocks[0]
+            blocks[0].prev_free_block = self.fake_free_list_head
+            self.fake_free_list_tail.prev_free_block = blocks[-1]
+            blocks[-1].next_free_block = self.fake_free_list_tail
+        else:
+            # For empty list, simply connect the fake head and tail.
+            self.fake_free_list_head.next_free_block = self.fake_free_list_tail
+            self.fake_free_list_tail.prev_free_block = self.fake_free_list_head
 
     def popleft(self) -> KVCacheBlock:
-        if self.num_free_blocks == 0:
+        """Pop the first free block and reduce num_free_blocks by 1."""
+        head = self.fake_free_list_head
+        first_block = head.next_free_block
+        if first_block is self.fake_free_list_tail or first_block is None:
+            assert self.num_free_blocks == 0, (
+                f"num_free_blocks ({self.num_free_blocks}) is out of sync "
+                "with the free list."
+            )
             raise ValueError("No free blocks available")
-        return self.popleft_n(1)[0]
+
+        next_block = first_block.next_free_block
+        if next_block is None:
+            # This should not happen if the block is from the free list.
+            # It indicates a bug in the caller's logic.
+            raise RuntimeError(
+                "Invalid block found in popleft() "
+                "which doesn't have a valid next_free_block"
+            )
+
+        # Connect fake_head and the next block of first_block (i.e. second block
+        # or fake tail).
+        head.next_free_block = next_block
+        next_block.prev_free_block = head
+
+        # Remove the block from the linked list.
+        first_block.prev_free_block = first_block.next_free_block = None
+
+        self.num_free_blocks -= 1
+        return first_block
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        assert 0 <= n <= self.num_free_blocks, f"popleft_n({n}) with {self.num_free_blocks} free"
-        ret = []
-        curr = self.fake_free_list_head.next_free_block
-        for _ in range(n):
-            ret.append(curr)
-            nxt = curr.next_free_block
-            # a block out of the queue has no links: that is how touch() tells it is not free
-            curr.prev_free_block = None
-            curr.next_free_block = None
-            curr = nxt
-        # `curr` is the first block left (or the fake tail): it follows the fake head now
-        self.fake_free_list_head.next_free_block = curr
-        curr.prev_free_block = self.fake_free_list_head
+        """Pop the first n free blocks and reduce num_free_blocks by n."""
+        if n == 0:
+            return []
+        assert self.num_free_blocks >= n
         self.num_free_blocks -= n
+
+        curr_block = self.fake_free_list_head.next_free_block
+        if n == 1:
+            assert curr_block is not None
+            next_block = curr_block.next_free_block
+            curr_block.prev_free_block = None
+            curr_block.next_free_block = None
+            if next_block is not None:
+                self.fake_free_list_head.next_free_block = next_block
+                next_block.prev_free_block = self.fake_free_list_head
+            return [curr_block]
+
+        # Pop n blocks from the head of the list
+        ret = []
+        for _ in range(n):
+            assert curr_block is not None
+            ret.append(curr_block)
+            last_block = curr_block
+            curr_block = curr_block.next_free_block
+            # Reset prev_free_block and next_free_block of all popped blocks
+            last_block.prev_free_block = None
+            last_block.next_free_block = None
+
+        if curr_block is not None:
+            # The queue is not empty, connect the fake head to
+            # the new first block.
+            self.fake_free_list_head.next_free_block = curr_block
+            curr_block.prev_free_block = self.fake_free_list_head
         return ret
 
     def remove(self, block: KVCacheBlock) -> None:
-        prev = block.prev_free_block
-        nxt = block.next_free_block
-        if prev is None or nxt is None:
-            raise RuntimeError(f"remove() of a block that is not in the free queue: {block}")
-        prev.next_free_block = nxt
-        nxt.prev_free_block = prev
-        block.prev_free_block = None
-        block.next_free_block = None
+        """Remove a block in the free list and reduce num_free_blocks by 1."""
+        prev_block = block.prev_free_block
+        next_block = block.next_free_block
+        if prev_block is None or next_block is None:
+            # This should not happen if the block is from the free list.
+            # It indicates a bug in the caller's logic.
+            raise RuntimeError(f"remove() called on an invalid block: {block}")
+
+        # Link the previous block to the next block.
+        prev_block.next_free_block = next_block
+        # Link the next block to the previous block.
+        next_block.prev_free_block = prev_block
+
+        # Remove the block from the linked list.
+        block.prev_free_block = block.next_free_block = None
         self.num_free_blocks -= 1
 
     def append(self, block: KVCacheBlock) -> None:
-        # corrupted: fail before linking
-        if self.fake_free_list_tail.prev_free_block is None:
-            raise RuntimeError("prev_free_block of fake_free_list_tail should always exist")
-        self.append_n([block])
+        """Put a block back into the free list and increase num_free_blocks by 1."""
+        tail = self.fake_free_list_tail
+        last_block = tail.prev_free_block
+        if last_block is None:
+            raise RuntimeError(
+                "prev_free_block of fake_free_list_tail should always exist"
+            )
+        # Connect the new block after the last block.
+        last_block.next_free_block = block
+        block.prev_free_block = last_block
 
-    def append_n(self, blocks: list[KVCacheBlock]) -> None:
-        if not blocks:
-            return
-        last_block = self.fake_free_list_tail.prev_free_block
-        assert last_block is not None, "prev_free_block of fake_free_list_tail should always exist"
-        self._link_after(last_block, blocks)
+        # Connect the fake tail after the new block.
+        block.next_free_block = tail
+        tail.prev_free_block = block
+
+        self.num_free_blocks += 1
 
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Put a list of blocks at the front of the free list."""
+        if len(blocks) == 0:
+            return
+
+        first_block = self.fake_free_list_head.next_free_block
+        assert first_block is not None, (
+            "next_free_block of fake_free_list_head should always exist"
+        )
+
+        prev_block = self.fake_free_list_head
+        for block in blocks:
+            block.prev_free_block = prev_block
+            prev_block.next_free_block = block
+            prev_block = block
+
+        prev_block.next_free_block = first_block
+        first_block.prev_free_block = prev_block
+
+        self.num_free_blocks += len(blocks)
+
+    def append_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Put a list of blocks back into the free list."""
         if not blocks:
             return
-        first_block = self.fake_free_list_head.next_free_block
-        assert first_block is not None, "next_free_block of fake_free_list_head should always exist"
-        self._link_after(self.fake_free_list_head, blocks)
 
-    def _link_after(self, prev: KVCacheBlock, blocks: list[KVCacheBlock]) -> None:
-        # splice `blocks` (not empty), in order, between `prev` and its current successor
-        nxt = prev.next_free_block
-        for b in blocks:
-            prev.next_free_block = b
-            b.prev_free_block = prev
-            prev = b
-        prev.next_free_block = nxt
-        nxt.prev_free_block = prev
+        tail = self.fake_free_list_tail
+        last_block = tail.prev_free_block
+        assert last_block is not None, (
+            "prev_free_block of fake_free_list_tail should always exist"
+        )
+        # Add inter-connections between consecutive blocks
+        for block in blocks:
+            block.prev_free_block = last_block
+            last_block.next_free_block = block
+            last_block = block
+
+        # Connect the last block of <blocks> to the fake tail
+        last_block.next_free_block = tail
+        tail.prev_free_block = last_block
+
         self.num_free_blocks += len(blocks)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        """Front to back. O(n): for tests and pictures only."""
+        """Get all free blocks in the free list. Mainly used for testing."""
         ret = []
-        curr = self.fake_free_list_head.next_free_block
-        while curr is not self.fake_free_list_tail:
-            ret.append(curr)
-            curr = curr.next_free_block
+        if self.fake_free_list_head.next_free_block is None:
+            raise RuntimeError(
+                "next_free_block of fake_free_list_head should always exist"
+            )
+        # Start from the first block
+        curr_block: KVCacheBlock = self.fake_free_list_head.next_free_block
+        # As long as next_free_block is available, we haven't reached to
+        # the fake tail yet.
+        while curr_block.next_free_block is not None:
+            ret.append(curr_block)
+            curr_block = curr_block.next_free_block
         return ret
 
 
 class BlockHashToBlockMap:
-    """Prefix-cache map: key (hash + group id) -> the blocks cached under it. Several blocks may
-    carry one key (block tables are append-only: vLLM does not de-duplicate); get_one_block()
-    returns the earliest inserted. Entries are block *ids* (vLLM 0.34: the GC skips a dict of
-    bytes and ints); `_dup_ids` holds the rare keys of several blocks."""
+    """Cache of blocks that are used for prefix caching, from block hash to
+    one or more cached blocks of the pool.
 
-    def __init__(self, blocks: list[KVCacheBlock]) -> None:
-        # the pool's blocks: block id -> block
+    A cached block is a full block with a block hash that can be used
+    for prefix caching.
+    The cached block may be used by running requests or in the
+    free_block_queue that could potentially be evicted.
+
+    NOTE #1: We currently don't de-duplicate the blocks in the cache,
+    meaning that if a block becomes full and is cached, we don't check
+    if there is already an identical block in the cache. This is because
+    we want to make sure the allocated block IDs won't change so that
+    block tables are append-only.
+    NOTE #2: Entries hold block ids, not blocks: the cyclic GC does not track a
+    dict of only bytes and ints, so cached blocks add nothing to each collection."""
+
+    def __init__(self, blocks: list[KVCacheBlock]):
         self._blocks = blocks
-        self._cache: dict[bytes, int] = {}
-        # an insertion-ordered set per key
-        self._dup_ids: dict[bytes, dict[int, None]] = {}
+        # Block id of one block per key.
+        # not in vLLM: a plain dict (vLLM: gc_untrack({}), for Python 3.14's GC)
+        self._cache: dict[BlockHashWithGroupId, int] = {}
+        # All block ids, in insertion order, of keys cached by several blocks.
+        # Kept apart so that `_cache` holds no containers.
+        self._dup_ids: dict[BlockHashWithGroupId, dict[int, None]] = {}
 
-    def get_one_block(self, key: bytes) -> KVCacheBlock | None:
+    def get_one_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
+        """Gets any block with the given block hash key."""
         block_id = self._cache.get(key)
         return None if block_id is None else self._blocks[block_id]
 
-    def contain(self, key: bytes, block_id: int) -> bool:
+    def contain(self, key: BlockHashWithGroupId, block_id: int) -> bool:
+        """Checks whether the key maps to the given block ID."""
         dup_ids = self._dup_ids.get(key)
         if dup_ids is not None:
             return block_id in dup_ids
         return self._cache.get(key) == block_id
 
-    def insert(self, key: bytes, block: KVCacheBlock) -> None:
+    def insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
+        """Inserts the KVCacheBlock to the cache"""
         block_id = self._cache.setdefault(key, block.block_id)
-        # the key already names another block
         if block_id != block.block_id:
-            dup_ids = self._dup_ids.setdefault(key, {block_id: None})
-            dup_ids[block.block_id] = None
+            self._dup_ids.setdefault(key, {block_id: None})[block.block_id] = None
 
-    def pop(self, key: bytes, block_id: int) -> KVCacheBlock | None:
+    def pop(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
+        """Pops block_id from the blocks cached under key, if it is there."""
         dup_ids = self._dup_ids.get(key)
         if dup_ids is None:
             if self._cache.get(key) != block_id:
                 return None
             del self._cache[key]
         else:
-            # the values are None: False = absent
             if dup_ids.pop(block_id, False) is False:
                 return None
-            # the earliest inserted of the others
             self._cache[key] = next(iter(dup_ids))
             if len(dup_ids) == 1:
                 del self._dup_ids[key]
@@ -369,227 +569,393 @@ class BlockHashToBlockMap:
 
 
 class BlockPool:
-    """Allocates, frees and prefix-caches KV blocks, GPU and CPU alike. Invariants: a block but
-    the null one is in free_block_queue iff ref_cnt == 0. A hashed block is findable under its
-    primary key and every secondary key in cached_block_hashes_by_block[block_id]. Eviction is
-    lazy: a free cached block stays a hit until get_new_blocks() hands it out again."""
+    """BlockPool that manages KVCacheBlocks (GPU and CPU alike).
+    It provides methods to allocate, free and cache the kv cache blocks. The
+    free_block_queue stores the free blocks in eviction order to enable
+    allocation, free, and cache eviction. The cached_block_hash_to_block
+    maps between block hash and cached block to support finding cached blocks
+    by their block hash.
+    NOTE: a block but the null one is in free_block_queue iff ref_cnt == 0; a hashed block is
+    found under its primary key and every secondary key in cached_block_hashes_by_block;
+    eviction is lazy: a free cached block stays a hit until get_new_blocks() hands it out."""
 
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int):
         assert isinstance(num_gpu_blocks, int) and num_gpu_blocks > 0
-        # vLLM's name; the CPU pool uses it too
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
-        self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
+        # All kv-cache blocks.
+        # not in vLLM: no pool back-reference (vLLM 0.34's deferred frees across pools)
+        self.blocks: list[KVCacheBlock] = [KVCacheBlock(idx) for idx in range(num_gpu_blocks)]
+        # Free block queue that constructs and manipulates a doubly linked
+        # list of free blocks (including eviction candidates when caching is
+        # enabled).
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
-        self.cached_block_hash_to_block = BlockHashToBlockMap(self.blocks)
-        # secondary keys: fine-grained prefix boundaries inside a block that already has a primary
-        self.cached_block_hashes_by_block: dict[int, set[bytes]] = {}
-        # block 0: placeholder, never handed out
+
+        # Cache for block lookup
+        self.cached_block_hash_to_block: BlockHashToBlockMap = BlockHashToBlockMap(
+            self.blocks
+        )
+        self.cached_block_hashes_by_block: dict[int, set[BlockHashWithGroupId]] = {}
+
+        # To represent a placeholder block with block_id=0.
+        # The ref_cnt of null_block is not maintained, needs special care to
+        # avoid freeing it.
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
 
-    def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list[int]
+    def get_cached_block(self, block_hash: BlockHash, kv_cache_group_ids: list[int]
                          ) -> list[KVCacheBlock] | None:
-        """One cached block per group for this hash, or None if any group misses."""
-        # the common case, without the list building
-        if len(kv_cache_group_ids) == 1:
+        """Get the cached block by the block hash for each group in
+        `kv_cache_group_ids`, or None if cache miss for any group.
+        If there are duplicated blocks, we return the first block in the cache."""
+        cached_blocks = []
+        for group_id in kv_cache_group_ids:
+            block_hash_with_group_id = make_block_hash_with_group_id(
+                block_hash, group_id
+            )
             block = self.cached_block_hash_to_block.get_one_block(
-                make_block_hash_with_group_id(block_hash, kv_cache_group_ids[0]))
-            return None if block is None else [block]
-        out = []
-        for g in kv_cache_group_ids:
-            block = self.cached_block_hash_to_block.get_one_block(
-                make_block_hash_with_group_id(block_hash, g))
-            if block is None:
+                block_hash_with_group_id
+            )
+            if not block:
                 return None
-            out.append(block)
-        return out
+            cached_blocks.append(block)
+        return cached_blocks
 
     def cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock],
                           num_cached_blocks: int, num_full_blocks: int, block_size: int,
                           kv_cache_group_id: int) -> None:
-        """Register blocks[num_cached_blocks:num_full_blocks] (now full) under their hashes: the
-        last fine hash inside each block, since a fine hash chains over its whole prefix."""
+        """Cache a list of full blocks for prefix caching: blocks[num_cached_blocks:
+        num_full_blocks], each under the last fine hash inside it (a fine hash chains over its
+        whole prefix). The block hashes are computed by the Request object."""
         if num_cached_blocks >= num_full_blocks:
             return
-        scale = block_size // self.hash_block_size
-        group_suffix = make_block_hash_with_group_id(b"", kv_cache_group_id)
-        for i in range(num_cached_blocks, num_full_blocks):
-            blk = blocks[i]
-            if blk.is_null:
+        new_full_blocks = blocks[num_cached_blocks:num_full_blocks]
+        block_hashes = resolve_block_hashes(
+            request.block_hashes, self.hash_block_size, block_size
+        )
+
+        new_block_hashes = block_hashes[num_cached_blocks:]
+        # Appended per block below: much cheaper than packing the group id each time.
+        group_suffix = make_block_hash_with_group_id(BlockHash(b""), kv_cache_group_id)
+        for i, blk in enumerate(new_full_blocks):
+            # Some blocks may be null or masked out when enabling sparse attention
+            # like sliding window attention, or Mamba models with prefix-caching
+            # in align mode. We skip null blocks here.
+            if blk.is_null:  # not in vLLM: `or` the block mask (left out)
                 continue
-            num_tokens = (i + 1) * block_size
-            key = request.block_hashes[(i + 1) * scale - 1] + group_suffix
+            block_hash = new_block_hashes[i]
+            num_hash_tokens = (num_cached_blocks + i + 1) * block_size
+
+            # Update and added the full block to the cache.
+            block_hash_with_group_id = BlockHashWithGroupId(block_hash + group_suffix)
             if blk.block_hash is not None:
-                # only valid case: a partial-tail entry (cache_partial_block) being promoted
-                num_tokens_cached = blk.block_hash_num_tokens
-                assert num_tokens_cached is not None and num_tokens_cached < num_tokens, (
-                    f"block {blk.block_id} is already cached as full: cached twice?")
+                # The only valid case where a "new full block" already has a
+                # hash is partial->full promotion of the same cache block.
+                assert (
+                    blk.block_hash_num_tokens is not None
+                    and blk.block_hash_num_tokens < num_hash_tokens
+                )
+                # not in vLLM: the removed keys feed vLLM's events (left out)
                 self._remove_cached_block_hashes(blk)
-            self._insert_block_hash(key, blk, num_tokens)
+            self._insert_block_hash(
+                block_hash_with_group_id,
+                blk,
+                num_tokens=num_hash_tokens,
+            )
 
     def cache_partial_block(self, request: Request, block: KVCacheBlock, num_tokens: int,
-                            kv_cache_group_id: int) -> bytes | None:
-        """Make `block` reachable from the fine-grained boundary at `num_tokens` inside it; a
-        block with a longer (e.g. full) key gets a *secondary* key (GPU secondaries' origin)."""
+                            kv_cache_group_id: int) -> BlockHashWithGroupId | None:
+        """Register a partial prefix-cache entry for an existing block: make `block` reachable
+        from the fine-grained boundary at `num_tokens` inside it. A block with a longer (e.g.
+        full) key gets a *secondary* key: the origin of the GPU pool's secondaries."""
         if block.is_null:
             return None
-        block_hash = request.block_hashes[num_tokens // self.hash_block_size - 1]
-        key = make_block_hash_with_group_id(block_hash, kv_cache_group_id)
-        cached = (block.block_hash == key
-                  or self.cached_block_hash_to_block.contain(key, block.block_id))
-        num_tokens_cached = block.block_hash_num_tokens
-        if not cached and num_tokens_cached is not None and num_tokens_cached < num_tokens:
-            # a longer partial prefix replaces a shorter
+
+        block_hash = self._get_partial_block_hash(request, num_tokens)
+        num_hash_blocks = num_tokens // self.hash_block_size
+        block_hash_with_group_id = make_block_hash_with_group_id(
+            block_hash, kv_cache_group_id
+        )
+        already_cached = block.block_hash == block_hash_with_group_id or (
+            self.cached_block_hash_to_block.contain(
+                block_hash_with_group_id, block.block_id
+            )
+        )
+        if (
+            not already_cached
+            and block.block_hash is not None
+            and block.block_hash_num_tokens is not None
+            and block.block_hash_num_tokens < num_hash_blocks * self.hash_block_size
+        ):
+            # not in vLLM: the removed keys feed vLLM's events (left out)
             self._remove_cached_block_hashes(block)
-        self._insert_block_hash(key, block, num_tokens)
-        return key
+        self._insert_block_hash(
+            block_hash_with_group_id,
+            block,
+            num_tokens=num_hash_blocks * self.hash_block_size,
+        )
+        return block_hash_with_group_id
 
-    def _remove_cached_block_hashes(self, block: KVCacheBlock) -> list[bytes]:
-        """Take the primary and every secondary key of `block` out of the map; reset its hash."""
+    def _get_partial_block_hash(self, request: Request, num_tokens: int) -> BlockHash:
+        assert num_tokens % self.hash_block_size == 0
+        num_hash_blocks = num_tokens // self.hash_block_size
+        assert 0 < num_hash_blocks <= len(request.block_hashes)
+
+        # Each hash_block_size hash chains over its full prefix, so the partial
+        # entry for any group block size is the hash at that prefix boundary.
+        return request.block_hashes[num_hash_blocks - 1]
+
+    def _remove_cached_block_hashes(self, block: KVCacheBlock) -> list[BlockHashWithGroupId]:
+        # A block only has secondary hashes alongside a primary one.
         if block.block_hash is None:
-            # a block has secondary keys only alongside a primary one
             return []
-        keys = [block.block_hash]
-        keys.extend(self.cached_block_hashes_by_block.pop(block.block_id, ()))
-        removed = [k for k in keys
-                   if self.cached_block_hash_to_block.pop(k, block.block_id) is not None]
-        block.reset_hash()
-        return removed
 
-    def _insert_block_hash(self, key: bytes, block: KVCacheBlock, num_tokens: int | None) -> None:
+        block_hashes = [block.block_hash]
+        block_hashes.extend(self.cached_block_hashes_by_block.pop(block.block_id, ()))
+
+        removed_hashes: list[BlockHashWithGroupId] = []
+        for block_hash in block_hashes:
+            if (
+                self.cached_block_hash_to_block.pop(block_hash, block.block_id)
+                is not None
+            ):
+                removed_hashes.append(block_hash)
+        block.reset_hash()
+        return removed_hashes
+
+    def _insert_block_hash(self, block_hash_with_group_id: BlockHashWithGroupId,
+                           block: KVCacheBlock, num_tokens: int | None) -> None:
         if block.block_hash is None:
-            # the common case, checked first (vLLM 0.34): no hash, so no entry in the map yet
-            block.set_block_hash(key, num_tokens)
-        elif (block.block_hash == key
-              or self.cached_block_hash_to_block.contain(key, block.block_id)):
-            # Guard 1: this key is the block's primary -> assumed registered. A block *stamped*
-            # with it (vLLM 0.29) but never inserted returns here too: the trap the fix's first
-            # version had to reset_hash() around. Guard 2: already a secondary of this block.
+            # A block without a hash has no entries in the cache yet.
+            block.set_block_hash(block_hash_with_group_id, num_tokens=num_tokens)
+        # NOTE: the first guard assumes a block carrying this key as its primary is registered
+        # under it. A block *stamped* with it (vLLM 0.29) but never inserted returns here too:
+        # the trap the fix's first version had to call reset_hash() around.
+        elif (
+            block.block_hash == block_hash_with_group_id
+            or self.cached_block_hash_to_block.contain(
+                block_hash_with_group_id, block.block_id
+            )
+        ):
             return
         else:
-            self.cached_block_hashes_by_block.setdefault(block.block_id, set()).add(key)
-        self.cached_block_hash_to_block.insert(key, block)
+            self.cached_block_hashes_by_block.setdefault(block.block_id, set()).add(
+                block_hash_with_group_id
+            )
+        self.cached_block_hash_to_block.insert(block_hash_with_group_id, block)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Pop `num_blocks` from the front of the free queue (LRU first), evicting their cached
-        keys now (lazy eviction). Returned blocks have ref_cnt == 1 and no hash."""
+        """Get new blocks from the free block pool (LRU first), evicting their cached keys now
+        (lazy eviction). Note that we do not check block cache in this function."""
         if num_blocks > self.get_num_free_blocks():
-            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool "
-                             f"({self.get_num_free_blocks()} free)")
-        ret = self.free_block_queue.popleft_n(num_blocks)
-        caching = self.enable_caching
-        for block in ret:
-            # skip the call: nothing to evict
-            if caching and block.block_hash is not None:
-                self._remove_cached_block_hashes(block)
-            assert block.ref_cnt == 0, f"block {block.block_id} in the free queue with refs"
-            block.ref_cnt = 1
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+
+        ret: list[KVCacheBlock] = self.free_block_queue.popleft_n(num_blocks)
+
+        # In order to only iterate the list once, we duplicated code a bit
+        if self.enable_caching:
+            for block in ret:
+                # Most blocks were never cached, so skip the call when possible.
+                if block.block_hash is not None:
+                    self._maybe_evict_cached_block(block)
+                assert block.ref_cnt == 0
+                block.ref_cnt = 1
+        else:
+            for block in ret:
+                assert block.ref_cnt == 0
+                block.ref_cnt = 1
         return ret
 
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """If a block is cached in `cached_block_hash_to_block`, we reset its hash
+        metadata and evict it from the cache. True if the block is evicted."""
+        evicted_hashes = self._remove_cached_block_hashes(block)
+        if not evicted_hashes:
+            # The block doesn't have hash, eviction is not needed
+            return False
+        return True
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take one more reference (a prefix hit, a pinned copy)."""
+        """Touch a block increases its reference count by 1, and may remove
+        the block from the free queue. This is used when a block is hit by
+        another request with the same prefix."""
         for block in blocks:
             if block.is_null:
                 continue
-            # in the free list (i.e. eviction candidate): remove it
+            # ref_cnt=0 means this block is in the free list (i.e. eviction
+            # candidate), so remove it.
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock],
                     evict_first: bool = False) -> None:
-        """Drop one reference each; blocks reaching 0 return to the free queue in the given order.
-        evict_first: for blocks another tier already holds (vLLM 0.34's lazy mode; not eager)."""
+        """Free a list of blocks. The blocks should be ordered by their
+        eviction priority, where the first block will be evicted first.
+        evict_first: also put freed cached blocks at the front of the free
+        queue, for blocks whose contents another tier already holds."""
         # Identify blocks with hash (LRU cache) and without it (never match APC)
         blocks_to_evict_last = []
         blocks_to_evict_first = []
         for block in ordered_blocks:
-            # never pooled; its ref_cnt is not maintained
-            if block.is_null:
+            if block.is_null:  # never pooled; its ref_cnt is not maintained
                 continue
             block.ref_cnt -= 1
             # not in vLLM: a block freed twice would be handed out twice (two requests, one KV)
             assert block.ref_cnt >= 0, f"free_blocks: block {block.block_id} is freed twice"
             if block.ref_cnt == 0:
                 if block.block_hash is None or not self.enable_caching or evict_first:
-                    # LIFO reuse of non-cached blocks for better GPU locality, and of cached
-                    # ones when asked to evict them first
+                    # LIFO reuse of non-cached blocks for better GPU locality,
+                    # and of cached ones when asked to evict them first.
                     blocks_to_evict_first.append(block)
-                else:  # FIFO reuse of cached blocks for LRU eviction behavior
+                else:
+                    # FIFO reuse of cached blocks for LRU eviction behavior.
                     blocks_to_evict_last.append(block)
+
+        # Blocks to reuse first are prepended to the front of the free queue.
         self.free_block_queue.prepend_n(blocks_to_evict_first)
+        # Blocks to reuse last are appended to the end of the free queue.
         self.free_block_queue.append_n(blocks_to_evict_last)
 
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Evict blocks from the prefix cache by their block IDs.
+
+        only evicts blocks that are currently cached (have a hash). blocks
+        with ref_cnt > 0 are not freed from the block pool, only evicted
+        from the prefix cache hash table."""
+        for block_id in block_ids:
+            assert block_id < len(self.blocks), (
+                f"Invalid block_id {block_id} >= {len(self.blocks)}. "
+                f"This indicates a bug in the KV connector - workers should "
+                f"only report block IDs that were allocated by the scheduler."
+            )
+            block = self.blocks[block_id]
+            self._maybe_evict_cached_block(block)
+
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached key (e.g. after a weight update). Refused (False) while any block
-        but the null block is in use: a running request could still hit its own blocks."""
-        if self.num_gpu_blocks - self.get_num_free_blocks() != 1:
+        """Reset prefix cache. This function may be used in RLHF
+        flows to invalidate prefix caching after the weights are updated,
+        or used for resetting prefix caching status for benchmarking.
+        Refused (False) while any block but the null block is in use."""
+        num_used_blocks = self.num_gpu_blocks - self.get_num_free_blocks()
+        if num_used_blocks != 1:  # The null block is always marked as used
+            logger.warning(
+                "Failed to reset prefix cache because some "
+                "blocks (%d) are not freed yet",
+                num_used_blocks - 1,
+            )
             return False
-        # in place, as vLLM 0.34 (a new map made after a gc.freeze() would not be frozen)
+
+        # Remove all hashes so that no new blocks will hit. Clear in place: a
+        # new map created after the startup gc.freeze() would not be frozen.
         self.cached_block_hash_to_block.clear()
         self.cached_block_hashes_by_block.clear()
+
+        # Remove all hashes from all blocks.
         for block in self.blocks:
             block.reset_hash()
+
+        logger.info("Successfully reset prefix cache")
+
         return True
 
     def get_num_free_blocks(self) -> int:
+        """Get the number of free blocks in the pool."""
         return self.free_block_queue.num_free_blocks
 
     def get_usage(self) -> float:
-        # the null block is not capacity
-        total = self.num_gpu_blocks - 1
-        return 1.0 - self.get_num_free_blocks() / total if total else 0.0
+        """Get the KV cache usage (between 0.0 and 1.0)."""
+        # Subtract 1 to account for null block.
+        total_gpu_blocks = self.num_gpu_blocks - 1
+        if not total_gpu_blocks:
+            return 0
+        return 1.0 - (self.get_num_free_blocks() / total_gpu_blocks)
 
 
-def find_longest_cache_hit(block_hashes: Sequence[bytes], max_length: int,
+def find_longest_cache_hit(block_hashes: BlockHashList, max_length: int,
                            kv_cache_group_ids: list[int], block_pool: BlockPool, block_size: int,
                            alignment_tokens: int | None = None
                            ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
     """vLLM's FullAttentionManager.find_longest_cache_hit: the longest cached prefix of at most
-    `max_length` tokens for every group at once, as (blocks per group, hit tokens). Hashes are per
-    hash_block_size; the hit is rounded down to `alignment_tokens` (default: hash_block_size)."""
-    hash_block_size = block_pool.hash_block_size
+    `max_length` tokens for every group at once, as (blocks per group, hit tokens). Hashes are
+    per hash_block_size; the hit is rounded down to `alignment_tokens` (default:
+    hash_block_size). vLLM takes the group's KV-cache spec for the block size."""
+    # not in vLLM: the default (vLLM's callers always pass it)
     if alignment_tokens is None:
-        alignment_tokens = hash_block_size
-    # interior hash boundaries can be probed
-    fine_grained = alignment_tokens < block_size
-    if fine_grained and alignment_tokens != hash_block_size:
-        raise ValueError(f"fine-grained alignment must equal hash_block_size "
-                         f"({hash_block_size}), got {alignment_tokens}")
-    scale_factor = block_size // hash_block_size
-    full_block_hashes = itertools.islice(block_hashes, scale_factor - 1, None, scale_factor)
-    computed_blocks: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
-    # Phase 1: cached full blocks from the start; the first miss ends it (the hashes chain)
-    # bound once: the CPU-hit hot path
-    get_cached_block = block_pool.get_cached_block
-    for block_hash in itertools.islice(full_block_hashes, max_length // block_size):
-        cached_block = get_cached_block(block_hash, kv_cache_group_ids)
-        if not cached_block:
-            break
-        # one group: no zip (a third of this loop's time)
-        if len(cached_block) == 1:
-            computed_blocks[0].append(cached_block[0])
-            continue
-        for computed, cached in zip(computed_blocks, cached_block):
-            computed.append(cached)
-    hit_length = len(computed_blocks[0]) * block_size
-    # Phase 2 (fine-grained): probe the first missed block's interior hash boundaries high to
-    # low (longest first). Only a secondary key can hit there: a primary is a block's end hash.
+        alignment_tokens = block_pool.hash_block_size
+    block_hashes = resolve_block_hashes(
+        block_hashes,
+        block_pool.hash_block_size,
+        block_size,
+        # not in vLLM: vLLM reads the class's supports_fine_grained_hash_lookup (True here)
+        supports_fine_grained_hash_lookup=True,
+        alignment_tokens=alignment_tokens,
+    )
+
+    # Fine-grained mode (alignment_tokens == hash_block_size <
+    # block_size): resolve_block_hashes kept the raw hash-granularity
+    # list so interior boundaries can be probed.
+    fine_grained = (
+        alignment_tokens < block_size and block_size % alignment_tokens == 0
+    )
     if fine_grained:
+        full_block_hashes: BlockHashList = BlockHashListWithBlockSize(
+            block_hashes, alignment_tokens, block_size
+        )
+    else:
+        full_block_hashes = block_hashes
+
+    computed_blocks: tuple[list[KVCacheBlock], ...] = tuple(
+        [] for _ in range(len(kv_cache_group_ids))
+    )
+    # Phase 1: longest run of cached full blocks from the start. A missing
+    # block implies every later block misses too (chained hashes).
+    # not in vLLM: one group (the CPU hit's hot path) looked up without get_cached_block's
+    # list and the zip: the same blocks, in a third less time
+    if len(kv_cache_group_ids) == 1:
+        get_one_block = block_pool.cached_block_hash_to_block.get_one_block  # not in vLLM
+        group_suffix = make_block_hash_with_group_id(BlockHash(b""), kv_cache_group_ids[0])
+        # not in vLLM: the fast path's loop
+        for block_hash in itertools.islice(full_block_hashes, max_length // block_size):
+            block = get_one_block(BlockHashWithGroupId(block_hash + group_suffix))
+            if block is None:
+                break
+            computed_blocks[0].append(block)
+    # not in vLLM: vLLM's loop is this branch
+    else:
+        for block_hash in itertools.islice(full_block_hashes, max_length // block_size):
+            cached_block = block_pool.get_cached_block(block_hash, kv_cache_group_ids)
+            if not cached_block:
+                break
+            for computed, cached in zip(computed_blocks, cached_block):
+                computed.append(cached)
+    hit_length = len(computed_blocks[0]) * block_size
+
+    # Phase 2 (fine-grained only): extend into the first non-full block by
+    # probing its interior hash boundaries high-to-low (longest hit first).
+    if fine_grained:
+        scale_factor = block_size // alignment_tokens
         first_partial_idx = len(computed_blocks[0]) * scale_factor
-        max_partial_idx = min(first_partial_idx + scale_factor - 1, max_length // hash_block_size,
-                              len(block_hashes))
+        max_partial_idx = min(
+            first_partial_idx + scale_factor - 1,
+            max_length // alignment_tokens,
+            len(block_hashes),
+        )
         for fine_idx in range(max_partial_idx - 1, first_partial_idx - 1, -1):
-            cached_tail = block_pool.get_cached_block(block_hashes[fine_idx], kv_cache_group_ids)
+            cached_tail = block_pool.get_cached_block(
+                block_hashes[fine_idx], kv_cache_group_ids
+            )
             if not cached_tail:
                 continue
             for computed, cached in zip(computed_blocks, cached_tail):
                 computed.append(cached)
-            hit_length = (fine_idx + 1) * hash_block_size
+            hit_length = (fine_idx + 1) * alignment_tokens
             break
-    # round down to the alignment (a no-op when fine-grained), then trim the blocks past it
+
+    # Round down to the alignment; a no-op when fine-grained (hits land on
+    # hash boundaries by construction) and when alignment_tokens ==
+    # block_size. Then trim blocks past the new tail.
     hit_length -= hit_length % alignment_tokens
     num_blocks = cdiv(hit_length, block_size)
     for computed in computed_blocks:
@@ -602,27 +968,29 @@ def find_longest_cache_hit(block_hashes: Sequence[bytes], max_length: int,
 
 @dataclass
 class TransferMeta:
-    """One batch of block copies; gpu_block_ids[i] <-> cpu_block_ids[i]."""
     gpu_block_ids: list[int]
     cpu_block_ids: list[int]
 
 
+# not in vLLM: the parts of vLLM's SchedulerOutput the connector reads, in a shape of this
+# module's (vLLM: scheduled_new_reqs and scheduled_cached_reqs, each with its block ids)
 @dataclass
 class SchedulerOutput:
-    """The parts of vLLM's SchedulerOutput the connector reads (new and running: one dict)."""
     # req_id -> tokens computed this step. Its order decides who is stored when the CPU is short
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # not in vLLM
     # req_id -> GPU block ids allocated this step, per KV-cache group (whole table if resumed)
-    new_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
-    # new_block_ids: a whole new table
-    resumed_req_ids: set[str] = field(default_factory=set)
+    new_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)  # not in vLLM
+    # new_block_ids holds a whole new table (vLLM lists these in scheduled_new_reqs)
+    resumed_req_ids: set[str] = field(default_factory=set)  # not in vLLM
     # its blocks may be reused at once
-    preempted_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)  # not in vLLM
 
 
+# not in vLLM: vLLM's yield_req_data over this module's SchedulerOutput (new and resumed
+# requests first, then running ones, as the engine fills num_scheduled_tokens)
 def yield_req_data(scheduler_output: SchedulerOutput
                    ) -> Iterator[tuple[str, tuple[list[int], ...] | None, bool]]:
-    """(req_id, new block ids or None, is_full_table): scheduled requests first, in order."""
+    """Yields: (req_id, block_id_groups, is_full_table)."""
     for req_id in scheduler_output.num_scheduled_tokens:
         yield (req_id, scheduler_output.new_block_ids.get(req_id),
                req_id in scheduler_output.resumed_req_ids)
@@ -631,43 +999,64 @@ def yield_req_data(scheduler_output: SchedulerOutput
             yield req_id, ids, req_id in scheduler_output.resumed_req_ids
 
 
+INVALID_JOB_ID = -1
+
+
 @dataclass
 class SimpleCPUOffloadMetadata:
-    """Scheduler -> worker, once per step; request ids appear only in load_event_to_reqs."""
-    # -1 = nothing to load this step; else a monotonically growing index
-    load_event: int = -1
-    # destinations
+    """Metadata passed from scheduler to worker for CPU offload operations.
+
+    The worker receives flat block lists keyed by a monotonic event_idx.
+    Job->req_id translation is handled by the scheduler-side manager
+    (via inverse maps), so the worker never knows about request identities.
+    """
+
+    # Load event per step. INVALID_JOB_ID means no blocks to load this step.
+    load_event: int = INVALID_JOB_ID
     load_gpu_blocks: list[int] = field(default_factory=list)
-    # sources, index-parallel
     load_cpu_blocks: list[int] = field(default_factory=list)
-    # every outstanding load event -> its requests (completions report against the latest)
+    # Reverse map: load_event->req_ids, for tracking requests with finished load events
     load_event_to_reqs: dict[int, list[str]] = field(default_factory=dict)
-    store_event: int = -1
-    # sources
+
+    # Store event per step. INVALID_JOB_ID means no blocks to store this step.
+    store_event: int = INVALID_JOB_ID
     store_gpu_blocks: list[int] = field(default_factory=list)
-    # destinations
     store_cpu_blocks: list[int] = field(default_factory=list)
-    # a preemption: its GPU blocks may be reused, so finish all copies
+
+    # Whether any requests were preempted this step and need flush pending transfers.
     need_flush: bool = False
 
 
 @dataclass
 class SimpleCPUOffloadWorkerMetadata:
-    """Worker -> scheduler: store events completed since the last report, {event: n workers}."""
+    """Worker -> Scheduler metadata for completed store events.
+
+    Each worker reports {event_idx: 1} for newly completed stores.
+    ``aggregate()`` sums counts across workers within a step.
+    The scheduler-side manager accumulates across steps and processes
+    a store completion only when count reaches ``world_size``.
+    """
+
     completed_store_events: dict[int, int]
 
-    def aggregate(self, other: SimpleCPUOffloadWorkerMetadata) -> SimpleCPUOffloadWorkerMetadata:
+    def aggregate(self, other: SimpleCPUOffloadWorkerMetadata
+                  ) -> SimpleCPUOffloadWorkerMetadata:
+        assert isinstance(other, SimpleCPUOffloadWorkerMetadata)
         merged = dict(self.completed_store_events)
         for k, v in other.completed_store_events.items():
             merged[k] = merged.get(k, 0) + v
-        return SimpleCPUOffloadWorkerMetadata(merged)
+        return SimpleCPUOffloadWorkerMetadata(completed_store_events=merged)
 
 
 @dataclass
 class KVConnectorOutput:
-    # loads done: these may now compute
-    finished_recving: set[str] = field(default_factory=set)
+    # [req_ids]
+    finished_recving: set[str] | None = None
+    # not in vLLM: the simple connector's metadata (vLLM: its base KVConnectorWorkerMetadata)
     kv_connector_worker_meta: SimpleCPUOffloadWorkerMetadata | None = None
+    # IDs of externally computed KV blocks that failed to load.
+    # Requests referencing these blocks should be rescheduled to recompute them
+    invalid_block_ids: set[int] = field(default_factory=set)
 
 
 # -----------------------------------------------------------------------------
@@ -1289,6 +1678,7 @@ class SimpleCPUOffloadScheduler:
 
         cpu_blocks = [self.cpu_block_pool.blocks[bid] for bid in cpu_block_ids]
 
+        # PR #53532 moved this assert up from after the loop: the loop reads the GPU pool now
         assert self._gpu_block_pool is not None
         for gpu_block_id, cpu_block in zip(gpu_block_ids, cpu_blocks):  # PR #53532
             gpu_block = self._gpu_block_pool.blocks[gpu_block_id]  # PR #53532
@@ -1533,10 +1923,10 @@ class SimpleCPUOffloadScheduler:
 
 
 # -----------------------------------------------------------------------------
-# 5. The pre-fix variant (vLLM 0.29, before PR #53532), kept runnable so each bug can be shown
+# 5. The pre-fix variant (vLLM 0.29, before the fix), kept runnable so each bug can be shown
 
 class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
-    """The manager as vLLM 0.29 had it (the last release before PR #53532). Each flag turns one
+    """The manager as vLLM 0.29 had it (the last release before the fix). Each flag turns one
     bug back on; with both on, a differential test drives it in lockstep with vLLM 0.29's.
     registration_bug: stamp at allocation, insert the stamped primary key straight into the map
         at completion. Whole-block lookups hit; fine-grained secondary keys are never copied.
@@ -1599,7 +1989,7 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
                                       ) -> tuple[list[int], list[int]]:
         if not self.flush_bug:
             return super()._select_eager_blocks_to_store(state, block_ids_by_group)
-        # vLLM 0.29's per-step scan (PR #53532 replaced it). With the CPU pool full it walks past
+        # vLLM 0.29's per-step scan (the fix replaced it). With the CPU pool full it walks past
         # blocks it skips anyway, stopping at the first that needs one: only the cursor differs.
         req = state.request
         confirmed_tokens = req.num_computed_tokens - req.num_output_placeholders
