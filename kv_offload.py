@@ -233,7 +233,8 @@ class Request:
 
 
 def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+    """Ceiling division."""
+    return -(a // -b)
 
 
 # -----------------------------------------------------------------------------
