@@ -5156,6 +5156,187 @@ def test_snapshot_sees_every_part(part):
     assert before[part] != world_snapshot(world)[part]
 
 
+
+# ---- 2.10 A failed synchronous load beside the CPU tier: the crash vLLM 0.34 still has -----------
+# vLLM's MultiConnector with a sibling connector listed first that holds the first 32 tokens of a
+# 64-token prompt and loads them synchronously, reporting one block as failed (invalid_block_ids):
+# LMCacheConnectorV1 and MooncakeStoreConnector (load_async: false) report per-block errors so.
+# SyncSiblingEngine is the engine-side test double: MiniEngine with the sibling in front of its
+# connector and vLLM 0.34's Scheduler._handle_invalid_blocks after the forward.
+
+@dataclass
+class OutputWithInvalidBlocks(ko.KVConnectorOutput):
+    """vLLM's KVConnectorOutput field that the module's leaves out."""
+    invalid_block_ids: set = field(default_factory=set)
+
+
+class SyncSiblingEngine(ko.MiniEngine):
+    """`sibling_hits[req_id] = (tokens, failed)`: the sibling holds the request's first `tokens`
+    and fails to load the block at table index `failed`. vLLM's order per step: MultiConnector
+    asks every child, the first with a hit (the sibling) loads, the others get the real blocks
+    with 0 external tokens; the loaded tokens count as computed at scheduling; the sibling's
+    worker loads before the forward; update_from_output handles invalid_block_ids first
+    (`policy` "fail": evict the failed block and those after it, finish the request with an
+    error; "recompute": computed tokens cut back to the failed block, recomputed next step),
+    then finished requests, then the connector's output. The GPU pool starts empty: no local
+    hit to look up."""
+
+    def __init__(self, *args, policy: str, sibling_hits: dict, **kw):
+        super().__init__(*args, **kw)
+        self.policy = policy
+        self.sibling_hits = sibling_hits
+        self.sync_loads: dict[str, tuple[int, int]] = {}  # this step's: req id -> (tokens, failed)
+
+    def _admit(self, req, token_budget):
+        hit = self.sibling_hits.pop(req.request_id, None)
+        if hit is None:
+            return super()._admit(req, token_budget)
+        assert self.connector.get_num_new_matched_tokens(req, 0) == (0, False)
+        blocks = self.gpu_block_pool.get_new_blocks(ko.cdiv(req.num_tokens, self.block_size))
+        self.req_to_blocks[req.request_id] = blocks
+        self.connector.update_state_after_alloc(req, (blocks,), 0)
+        req.num_computed_tokens = hit[0]
+        self.sync_loads[req.request_id] = hit
+        return min(req.num_tokens - hit[0], token_budget)
+
+    def _forward(self, scheduler_output):
+        for req_id, (num_tokens, failed) in self.sync_loads.items():  # the sibling's worker
+            loaded = [p for p in range(num_tokens) if p // self.block_size != failed]
+            tokens = [self.requests[req_id].all_token_ids[p] for p in loaded]
+            slots = self._slots(req_id, 0, num_tokens)[loaded]
+            for caches in self.rank_kv_caches:
+                self.model.forward(caches, tokens, loaded, slots)
+        super()._forward(scheduler_output)
+
+    def _update_from_output(self, scheduler_output):
+        failed_reqs = []
+        invalid_block_ids = set()
+        for req_id, (_, failed) in self.sync_loads.items():
+            table = [b.block_id for b in self.req_to_blocks[req_id]]
+            invalid_block_ids.add(table[failed])
+            req = self.requests[req_id]
+            req.num_computed_tokens = failed * self.block_size
+            del scheduler_output.num_scheduled_tokens[req_id]  # skipped by the output loop
+            if self.policy == "fail":
+                self.gpu_block_pool.evict_blocks(set(table[failed:]))
+                failed_reqs.append(req)
+        self.sync_loads.clear()
+        super()._update_from_output(scheduler_output)
+        # vLLM's finish_requests(FINISHED_ERROR); the module's states stop at FINISHED_ABORTED
+        for req in failed_reqs:
+            req.status = ko.RequestStatus.FINISHED_ABORTED
+            del self.requests[req.request_id]
+            self.running.remove(req)
+            self._free(req)
+        # MiniEngine hands the copy reports over next; vLLM sends the two in one output
+        if invalid_block_ids:
+            self.connector.update_connector_output(
+                OutputWithInvalidBlocks(invalid_block_ids=invalid_block_ids))
+
+
+class _LateStoreReports(ko.SimpleCPUOffloadWorker):
+    """A worker that reports each completed store one step after its copy ran."""
+
+    def __init__(self, num_cpu_blocks: int):
+        super().__init__(num_cpu_blocks)
+        self.held = None
+
+    def build_connector_worker_meta(self):
+        due = self.held
+        self.held = super().build_connector_worker_meta()
+        return due
+
+
+def cpu_copy_of(eng, req, index: int):
+    """[L, 2, block_size, H, D]: the CPU copy registered under req's block `index`, or None."""
+    conn = eng.connector
+    key = ko.make_block_hash_with_group_id(req.block_hashes[index], 0)
+    block = conn.cpu_block_pool.cached_block_hash_to_block.get_one_block(key)
+    if block is None:
+        return None
+    cpu_caches = eng.workers[0].cpu_kv_caches
+    return torch.stack([torch.stack([cpu_caches[f"{n}.k"][block.block_id],
+                                     cpu_caches[f"{n}.v"][block.block_id]])
+                        for n in eng.kv_caches]).clone()
+
+
+def run_failed_sync_load(policy: str, connector_cls, late: bool = False) -> dict:
+    """A (64 tokens, block 16) runs with its first 32 tokens from the sibling, block 1 failing;
+    its stores drain; the GPU prefix cache is dropped; B, the same prompt, runs."""
+    model = ko.ToyModel(**FUZZ_MODEL)
+    conn = connector_cls(16, 16)
+    worker = (_LateStoreReports if late else ko.SimpleCPUOffloadWorker)(16)
+    eng = SyncSiblingEngine(16, 16, 512, model, conn, worker, capture_kv=True, policy=policy,
+                            sibling_hits={"A": (32, 1)})
+    prompt = _prompt(64, seed=34)
+    a = ko.Request("A", prompt, 16)
+    eng.add_request(a)
+    eng.run()
+    a_status = a.status
+    a_cpu_copies = [cpu_copy_of(eng, a, i) for i in range(4)]  # before B stores its own
+    assert eng.reset_gpu_prefix_cache()
+    b = ko.Request("B", prompt, 16)
+    eng.add_request(b)
+    stats = eng.run()
+    check_idle(eng)
+    return dict(engine=eng, model=model, a=a, a_status=a_status, a_cpu_copies=a_cpu_copies, b=b,
+                stats=stats, prompt=prompt)
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["same-step", "late-report"])
+def test_failed_sync_load_policy_fail_crashes_the_store_completion(late):
+    """Policy "fail", by hand. A's table is GPU blocks [1, 2, 3, 4] (block 16). Step 1: the
+    sibling's 32 tokens count as computed at scheduling, so build_connector_meta stores GPU blocks
+    1 and 2 (the 32 confirmed tokens) and pins them; the sibling's load into block 2 fails;
+    _handle_invalid_blocks evicts blocks 2, 3, 4 (block 2 loses its hash, pinned or not); A
+    finishes with an error. The store's completion (step 1, or step 2 when reported late) reaches
+    `assert primary_hash is not None` on block 2: the engine crashes. With the proposed fix:
+    block 1 (loaded fine) is registered, block 2's CPU block is freed unregistered; every pool
+    ends free; B hits block 1's copy on CPU (16 tokens) and its KV is exact."""
+    with pytest.raises(AssertionError) as crash:
+        run_failed_sync_load("fail", ko.SimpleCPUOffloadScheduler, late)
+    assert crash.traceback[-1].name == "_process_store_completion"
+    r = run_failed_sync_load("fail", ko.LoadFailureSafeCPUOffloadScheduler, late)
+    assert r["a_status"] == ko.RequestStatus.FINISHED_ABORTED
+    want = r["model"].expected_kv(r["prompt"])
+    assert torch.equal(r["a_cpu_copies"][0], want[:, :, :16])
+    assert r["a_cpu_copies"][1:] == [None, None, None]
+    assert (r["stats"]["B"].cpu_hit_tokens, r["stats"]["B"].computed_tokens) == (16, 48)
+    assert torch.equal(r["stats"]["B"].kv, r["model"].expected_kv(r["prompt"]))
+    check_cached_kv(r["engine"], [r["a"], r["b"]])
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["same-step", "late-report"])
+def test_failed_sync_load_policy_recompute_registers_a_copy_never_loaded(late):
+    """Policy "recompute", the same step 1; then _handle_invalid_blocks keeps the blocks and cuts
+    A back to 16 computed tokens. The store completes: the copy of GPU block 2 (which the failed
+    load never wrote: zeros) is registered under A's second block hash, a valid one. Step 2
+    recomputes tokens 16-63 on GPU, but the store cursor is past that block (and its key is on
+    CPU already): the bad copy stays. Bytes: that CPU copy differs from ToyModel.expected_kv (the
+    other three equal it); B (same prompt, GPU cache dropped) hits 48 tokens on CPU (3 blocks,
+    the last token recomputed), loads it, and its KV for tokens 16-31 is wrong. With the proposed
+    fix: that block is never registered, B hits 16 tokens, every pool ends free, all KV exact."""
+    r = run_failed_sync_load("recompute", ko.SimpleCPUOffloadScheduler, late)
+    eng, model, prompt, b_stats = r["engine"], r["model"], r["prompt"], r["stats"]["B"]
+    want = model.expected_kv(prompt)
+    assert r["a_status"] == ko.RequestStatus.FINISHED_LENGTH_CAPPED
+    copies = r["a_cpu_copies"]
+    assert not torch.equal(copies[1], want[:, :, 16:32])
+    assert all(torch.equal(copies[i], want[:, :, 16 * i:16 * i + 16]) for i in (0, 2, 3))
+    assert b_stats.cpu_hit_tokens == 48
+    assert torch.equal(b_stats.kv[:, :, :16], want[:, :, :16])
+    assert not torch.equal(b_stats.kv[:, :, 16:32], want[:, :, 16:32])
+    with pytest.raises(AssertionError, match="KV differs from expected_kv"):
+        check_cached_kv(eng, [r["a"], r["b"]])
+    r = run_failed_sync_load("recompute", ko.LoadFailureSafeCPUOffloadScheduler, late)
+    eng, b_stats = r["engine"], r["stats"]["B"]
+    copies = r["a_cpu_copies"]
+    assert copies[1] is None
+    assert all(torch.equal(copies[i], want[:, :, 16 * i:16 * i + 16]) for i in (0, 2, 3))
+    assert (b_stats.cpu_hit_tokens, b_stats.computed_tokens) == (16, 48)
+    assert torch.equal(b_stats.kv, want)
+    check_cached_kv(eng, [r["a"], r["b"]])
+
 # ==================================================================================================
 # Part 3 — the vLLM differential
 # ==================================================================================================
