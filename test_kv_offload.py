@@ -5764,6 +5764,16 @@ class PoolTrace:
                        self.what(f"find_longest_cache_hit(max_length={max_len})"))
         self.lookups += 1
 
+    def op_evict_blocks(self):
+        """vLLM 0.34's evict_blocks (a failed KV load): blocks in use, pinned or free lose their
+        keys alike; an id past the pool fails vLLM's assert on both."""
+        rng, p = self.rng, self.pair
+        ids = set(rng.sample(range(p.ours.num_gpu_blocks), rng.randint(1, 4)))
+        if rng.random() < 0.05:
+            ids.add(p.ours.num_gpu_blocks)
+        call_both(self.what(f"evict_blocks({sorted(ids)})"), lambda: p.ours.evict_blocks(ids),
+                  lambda: p.vllm.evict_blocks(ids))
+
     def op_reset(self):
         rng, p = self.rng, self.pair
         if rng.random() < 0.5:  # free everything first so that the reset succeeds
@@ -5781,7 +5791,7 @@ class PoolTrace:
                (self.op_cache_partial_block, 2),
                (self.op_insert_block_hash, 2), (self.op_finish_request, 3), (self.op_touch, 2),
                (self.op_unpin, 2), (self.op_get_new_blocks, 1), (self.op_get_cached_block, 2),
-               (self.op_lookup, 2), (self.op_reset, 0.3)]
+               (self.op_lookup, 2), (self.op_evict_blocks, 0.5), (self.op_reset, 0.3)]
         fns, weights = zip(*ops)
         self.pair.check(self.what("init"))
         for _ in range(n_ops):
