@@ -524,15 +524,15 @@ class BlockPool:
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         """Evict blocks from the prefix cache by their block IDs (vLLM 0.34: the engine's
-        _handle_invalid_blocks, after a failed KV load). Only cached blocks lose their keys;
-        a block with ref_cnt > 0 stays allocated, and a pinned copy's source loses its hash."""
+        _handle_invalid_blocks, after a failed KV load). Cached blocks lose their keys,
+        whatever their ref_cnt: a block in use stays allocated, a pinned copy's source too."""
         for block_id in block_ids:
             assert block_id < len(self.blocks), (
                 f"Invalid block_id {block_id} >= {len(self.blocks)}. "
                 f"This indicates a bug in the KV connector - workers should "
                 f"only report block IDs that were allocated by the scheduler.")
             block = self.blocks[block_id]
-            # not in vLLM: _maybe_evict_cached_block's one kept call (no metrics, no KV events)
+            # not in vLLM: _maybe_evict_cached_block's one kept call (no metrics, no events)
             self._remove_cached_block_hashes(block)
 
     def reset_prefix_cache(self) -> bool:
@@ -2053,14 +2053,15 @@ class LoadFailureSafeCPUOffloadScheduler(SimpleCPUOffloadScheduler):  # not in v
         self._failed_load_gpu_blocks: set[int] = set()
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        # vLLM's KVConnectorOutput carries invalid_block_ids; section 3's leaves the field out.
-        # It arrives with (or before) the completion of the store that copied the block.
+        # vLLM's KVConnectorOutput carries invalid_block_ids (section 3's leaves it out). It
+        # arrives with the completion of the store that copied the block, or before it.
         invalid_block_ids = getattr(connector_output, "invalid_block_ids", None) or set()
         spoiled = invalid_block_ids & self._in_flight_store_gpu_blocks
         self._failed_load_gpu_blocks.update(spoiled)
         super().update_connector_output(connector_output)
 
-    def _process_store_completion(self, gpu_block_ids: list[int], cpu_block_ids: list[int]) -> None:
+    def _process_store_completion(self, gpu_block_ids: list[int], cpu_block_ids: list[int]
+                                  ) -> None:
         assert self._gpu_block_pool is not None
         gpu_blocks = self._gpu_block_pool.blocks
         kept = TransferMeta([], [])

@@ -5159,11 +5159,12 @@ def test_snapshot_sees_every_part(part):
 
 
 # ---- 2.10 A failed synchronous load beside the CPU tier: the crash vLLM 0.34 still has -----------
-# vLLM's MultiConnector with a sibling connector listed first that holds the first 32 tokens of a
-# 64-token prompt and loads them synchronously, reporting one block as failed (invalid_block_ids):
-# LMCacheConnectorV1 and MooncakeStoreConnector (load_async: false) report per-block errors so.
-# SyncSiblingEngine is the engine-side test double: MiniEngine with the sibling in front of its
-# connector and vLLM 0.34's Scheduler._handle_invalid_blocks after the forward.
+# vLLM's MultiConnector with a sibling connector listed first that holds the first 32 tokens
+# of a 64-token prompt and loads them synchronously, reporting one block as failed
+# (invalid_block_ids): LMCacheConnectorV1 and MooncakeStoreConnector (load_async: false)
+# report per-block errors so. SyncSiblingEngine is the engine-side test double: MiniEngine
+# with the sibling in front of its connector and vLLM 0.34's
+# Scheduler._handle_invalid_blocks after the forward.
 
 @dataclass
 class OutputWithInvalidBlocks(ko.KVConnectorOutput):
@@ -5172,21 +5173,22 @@ class OutputWithInvalidBlocks(ko.KVConnectorOutput):
 
 
 class SyncSiblingEngine(ko.MiniEngine):
-    """`sibling_hits[req_id] = (tokens, failed)`: the sibling holds the request's first `tokens`
-    and fails to load the block at table index `failed`. vLLM's order per step: MultiConnector
-    asks every child, the first with a hit (the sibling) loads, the others get the real blocks
-    with 0 external tokens; the loaded tokens count as computed at scheduling; the sibling's
-    worker loads before the forward; update_from_output handles invalid_block_ids first
-    (`policy` "fail": evict the failed block and those after it, finish the request with an
-    error; "recompute": computed tokens cut back to the failed block, recomputed next step),
-    then finished requests, then the connector's output. The GPU pool starts empty: no local
-    hit to look up."""
+    """`sibling_hits[req_id] = (tokens, failed)`: the sibling holds the request's first
+    `tokens` and fails to load the block at table index `failed`. vLLM's order per step:
+    MultiConnector asks every child, the first with a hit (the sibling) loads, the others
+    get the real blocks with 0 external tokens; the loaded tokens count as computed at
+    scheduling; the sibling's worker loads before the forward; update_from_output handles
+    invalid_block_ids first (`policy` "fail": evict the failed block and those after it,
+    finish the request with an error; "recompute": computed tokens cut back to the failed
+    block, recomputed next step), then finished requests, then the connector's output. The
+    GPU pool starts empty: no local hit to look up."""
 
     def __init__(self, *args, policy: str, sibling_hits: dict, **kw):
         super().__init__(*args, **kw)
         self.policy = policy
         self.sibling_hits = sibling_hits
-        self.sync_loads: dict[str, tuple[int, int]] = {}  # this step's: req id -> (tokens, failed)
+        # this step's sibling loads: req id -> (tokens, failed block index)
+        self.sync_loads: dict[str, tuple[int, int]] = {}
 
     def _admit(self, req, token_budget):
         hit = self.sibling_hits.pop(req.request_id, None)
@@ -5249,7 +5251,7 @@ class _LateStoreReports(ko.SimpleCPUOffloadWorker):
 
 
 def cpu_copy_of(eng, req, index: int):
-    """[L, 2, block_size, H, D]: the CPU copy registered under req's block `index`, or None."""
+    """[L, 2, block_size, H, D]: the CPU copy under req's block `index`'s key, or None."""
     conn = eng.connector
     key = ko.make_block_hash_with_group_id(req.block_hashes[index], 0)
     block = conn.cpu_block_pool.cached_block_hash_to_block.get_one_block(key)
@@ -5263,8 +5265,9 @@ def cpu_copy_of(eng, req, index: int):
 
 def run_failed_sync_load(policy: str, connector_cls, late: bool = False,
                          sibling_tokens: int = 32) -> dict:
-    """A (64 tokens, block 16) runs with its first `sibling_tokens` from the sibling, its second
-    block failing; its stores drain; the GPU prefix cache is dropped; B, the same prompt, runs."""
+    """A (64 tokens, block 16) runs with its first `sibling_tokens` from the sibling, its
+    second block failing; its stores drain; the GPU prefix cache is dropped; B, the same
+    prompt, runs."""
     model = ko.ToyModel(**FUZZ_MODEL)
     conn = connector_cls(16, 16)
     worker = (_LateStoreReports if late else ko.SimpleCPUOffloadWorker)(16)
@@ -5281,27 +5284,29 @@ def run_failed_sync_load(policy: str, connector_cls, late: bool = False,
     eng.add_request(b)
     stats = eng.run()
     check_idle(eng)
-    return dict(engine=eng, model=model, a=a, a_status=a_status, a_cpu_copies=a_cpu_copies, b=b,
-                stats=stats, prompt=prompt)
+    return dict(engine=eng, model=model, a=a, a_status=a_status, a_cpu_copies=a_cpu_copies,
+                b=b, stats=stats, prompt=prompt)
 
 
 @pytest.mark.parametrize("sibling_tokens", [32, 48])
 @pytest.mark.parametrize("late", [False, True], ids=["same-step", "late-report"])
 def test_failed_sync_load_policy_fail_crashes_the_store_completion(late, sibling_tokens):
     """Policy "fail", by hand. A's table is GPU blocks [1, 2, 3, 4] (block 16). Step 1: the
-    sibling's 32 tokens count as computed at scheduling, so build_connector_meta stores GPU blocks
-    1 and 2 (the 32 confirmed tokens) and pins them; the sibling's load into block 2 fails;
-    _handle_invalid_blocks evicts blocks 2, 3, 4 (block 2 loses its hash, pinned or not); A
-    finishes with an error. The store's completion (step 1, or step 2 when reported late) reaches
-    `assert primary_hash is not None` on block 2: the engine crashes. With the proposed fix:
-    block 1 (loaded fine) is registered, block 2's CPU block is freed unregistered; every pool
-    ends free; B hits block 1's copy on CPU (16 tokens) and its KV is exact. With 48 tokens from
-    the sibling, step 1 stores GPU block 3 too: loaded fine, but evicted as one after the failed
-    block, so it has no hash either, though no failure names it."""
+    sibling's 32 tokens count as computed at scheduling, so build_connector_meta stores GPU
+    blocks 1 and 2 (the 32 confirmed tokens) and pins them; the sibling's load into block 2
+    fails; _handle_invalid_blocks evicts blocks 2, 3, 4 (block 2 loses its hash, pinned or
+    not); A finishes with an error. The store's completion (step 1, or step 2 when reported
+    late) reaches `assert primary_hash is not None` on block 2: the engine crashes. With the
+    proposed fix: block 1 (loaded fine) is registered, block 2's CPU block is freed
+    unregistered; every pool ends free; B hits block 1's copy on CPU (16 tokens) and its KV
+    is exact. With 48 tokens from the sibling, step 1 stores GPU block 3 too: loaded fine,
+    but evicted as one after the failed block, so it has no hash either, though no failure
+    names it."""
     with pytest.raises(AssertionError) as crash:
         run_failed_sync_load("fail", ko.SimpleCPUOffloadScheduler, late, sibling_tokens)
     assert crash.traceback[-1].name == "_process_store_completion"
-    r = run_failed_sync_load("fail", ko.LoadFailureSafeCPUOffloadScheduler, late, sibling_tokens)
+    fix_cls = ko.LoadFailureSafeCPUOffloadScheduler
+    r = run_failed_sync_load("fail", fix_cls, late, sibling_tokens)
     assert r["a_status"] == ko.RequestStatus.FINISHED_ABORTED
     want = r["model"].expected_kv(r["prompt"])
     assert torch.equal(r["a_cpu_copies"][0], want[:, :, :16])
@@ -5313,14 +5318,15 @@ def test_failed_sync_load_policy_fail_crashes_the_store_completion(late, sibling
 
 @pytest.mark.parametrize("late", [False, True], ids=["same-step", "late-report"])
 def test_failed_sync_load_policy_recompute_registers_a_copy_never_loaded(late):
-    """Policy "recompute", the same step 1; then _handle_invalid_blocks keeps the blocks and cuts
-    A back to 16 computed tokens. The store completes: the copy of GPU block 2 (which the failed
-    load never wrote: zeros) is registered under A's second block hash, a valid one. Step 2
-    recomputes tokens 16-63 on GPU, but the store cursor is past that block (and its key is on
-    CPU already): the bad copy stays. Bytes: that CPU copy differs from ToyModel.expected_kv (the
-    other three equal it); B (same prompt, GPU cache dropped) hits 48 tokens on CPU (3 blocks,
-    the last token recomputed), loads it, and its KV for tokens 16-31 is wrong. With the proposed
-    fix: that block is never registered, B hits 16 tokens, every pool ends free, all KV exact."""
+    """Policy "recompute", the same step 1; then _handle_invalid_blocks keeps the blocks and
+    cuts A back to 16 computed tokens. The store completes: the copy of GPU block 2 (which
+    the failed load never wrote: zeros) is registered under A's second block hash, a valid
+    one. Step 2 recomputes tokens 16-63 on GPU, but the store cursor is past that block (and
+    its key is on CPU already): the bad copy stays. Bytes: that CPU copy differs from
+    ToyModel.expected_kv (the other three equal it); B (same prompt, GPU cache dropped) hits
+    48 tokens on CPU (3 blocks, the last token recomputed), loads it, and its KV for tokens
+    16-31 is wrong. With the proposed fix: that block is never registered, B hits 16 tokens,
+    every pool ends free, all KV exact."""
     r = run_failed_sync_load("recompute", ko.SimpleCPUOffloadScheduler, late)
     eng, model, prompt, b_stats = r["engine"], r["model"], r["prompt"], r["stats"]["B"]
     want = model.expected_kv(prompt)
@@ -5765,8 +5771,8 @@ class PoolTrace:
         self.lookups += 1
 
     def op_evict_blocks(self):
-        """vLLM 0.34's evict_blocks (a failed KV load): blocks in use, pinned or free lose their
-        keys alike; an id past the pool fails vLLM's assert on both."""
+        """vLLM 0.34's evict_blocks (a failed KV load): blocks in use, pinned or free lose
+        their keys alike; an id past the pool fails vLLM's assert on both."""
         rng, p = self.rng, self.pair
         ids = set(rng.sample(range(p.ours.num_gpu_blocks), rng.randint(1, 4)))
         if rng.random() < 0.05:
@@ -6635,11 +6641,11 @@ def make_vllm_engine_scheduler(kind: str, bs: int, budget: int, max_model_len: i
                                nb: int, cpu_blocks: int | None = None,
                                sibling: tuple[str, str] | None = None,
                                kv_load_failure_policy: str = "fail"):
-    """vLLM's own engine Scheduler with SimpleCPUOffloadConnector (eager) on CPU, nb GPU blocks.
-    `kind`: "fa" (full attention), "fa_mamba" (+ a Mamba group, mamba_cache_mode="align", its
-    page equal to the attention page) or "fa_sw" (+ a sliding window of 2 blocks). `sibling`
-    (class name, module path): a MultiConnector with that connector first, the simple one
-    second."""
+    """vLLM's own engine Scheduler with SimpleCPUOffloadConnector (eager) on CPU, nb GPU
+    blocks. `kind`: "fa" (full attention), "fa_mamba" (+ a Mamba group,
+    mamba_cache_mode="align", its page equal to the attention page) or "fa_sw" (+ a sliding
+    window of 2 blocks). `sibling` (class name, module path): a MultiConnector with that
+    connector first, the simple one second."""
     import tempfile
 
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
@@ -6704,11 +6710,11 @@ def make_vllm_engine_scheduler(kind: str, bs: int, budget: int, max_model_len: i
 def run_vllm_scheduler(kind: str, bs: int, prompt_len: int, budget: int, max_tokens: int,
                        cpu_blocks: int | None = None, gpu_blocks: int | None = None,
                        keep_gpu_cache: bool = False) -> dict:
-    """vLLM's own engine Scheduler + SimpleCPUOffloadConnector (eager) on CPU, the model runner
-    and the worker simulated (each step's store and load complete within the step); `kind` as in
-    make_vllm_engine_scheduler. A runs to completion and its stores drain; the GPU prefix cache
-    is reset (unless keep_gpu_cache); B, the same prompt, arrives. Returns the CPU map's keys
-    after A, and B's local (GPU) hit and first CPU lookup."""
+    """vLLM's own engine Scheduler + SimpleCPUOffloadConnector (eager) on CPU, the model
+    runner and the worker simulated (each step's store and load complete within the step);
+    `kind` as in make_vllm_engine_scheduler. A runs to completion and its stores drain; the
+    GPU prefix cache is reset (unless keep_gpu_cache); B, the same prompt, arrives. Returns
+    the CPU map's keys after A, and B's local (GPU) hit and first CPU lookup."""
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
@@ -7539,11 +7545,12 @@ def test_vllm_test_scheduler_py(case: Case, vllm_verdict: _Verdict, monkeypatch)
     vllm_verdict.record(case, "passes vacuously")
 
 
-# ---- 3.11 The crash vLLM 0.34 still has, on its own classes ----------------------------------------
-# 2.10's sequence on vLLM 0.34's engine Scheduler, MultiConnector, SimpleCPUOffloadConnector (eager)
-# and BlockPool; the model runner and workers simulated as in 3.8. Then the same with the proposed
-# fix applied to vLLM's manager.py as a maintainer would apply it: VLLM_034_FIX_DIFF (the README's
-# diff; kv_offload's LoadFailureSafeCPUOffloadScheduler makes the same change as a subclass).
+# ---- 3.11 The crash vLLM 0.34 still has, on its own classes --------------------------------------
+# 2.10's sequence on vLLM 0.34's engine Scheduler, MultiConnector, SimpleCPUOffloadConnector
+# (eager) and BlockPool; the model runner and workers simulated as in 3.8. Then the same
+# with the proposed fix applied to vLLM's manager.py as a maintainer would apply it:
+# VLLM_034_FIX_DIFF (the README's diff; kv_offload's LoadFailureSafeCPUOffloadScheduler
+# makes the same change as a subclass).
 
 VLLM_034_FIX_DIFF = '''\
 --- a/vllm/v1/simple_kv_offload/manager.py
@@ -7599,7 +7606,7 @@ VLLM_034_FIX_DIFF = '''\
 
 
 def vllm_manager_with_the_fix(tmp_path: pathlib.Path, monkeypatch) -> type:
-    """vLLM 0.34's SimpleCPUOffloadScheduler from its manager.py with VLLM_034_FIX_DIFF applied."""
+    """vLLM 0.34's SimpleCPUOffloadScheduler, from its manager.py with VLLM_034_FIX_DIFF."""
     import vllm.v1.simple_kv_offload.manager as vmanager
 
     if shutil.which("patch") is None:
@@ -7609,15 +7616,17 @@ def vllm_manager_with_the_fix(tmp_path: pathlib.Path, monkeypatch) -> type:
                    input=VLLM_034_FIX_DIFF, text=True, check=True)
     spec = importlib.util.spec_from_file_location("kv_offload_vllm_manager_fixed", patched)
     module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
+    # its dataclasses look their module up
+    monkeypatch.setitem(sys.modules, spec.name, module)
     spec.loader.exec_module(module)
     return module.SimpleCPUOffloadScheduler
 
 
 def vllm_sync_sibling(monkeypatch, hits: dict[str, int]) -> tuple[str, str]:
-    """A connector class for MultiConnector (name, module path): scheduler side of one that holds
-    `hits[req_id]` tokens and loads them synchronously, as LMCacheConnectorV1 does; its worker
-    (simulated by the test) reports failed blocks in invalid_block_ids."""
+    """A connector class for MultiConnector, as (name, module path): the scheduler side of one
+    that holds `hits[req_id]` tokens and loads them synchronously, as MooncakeStoreConnector
+    with load_async: false does; its worker (simulated by the test) reports failed blocks in
+    invalid_block_ids."""
     import types
 
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
@@ -7658,20 +7667,22 @@ def vllm_sync_sibling(monkeypatch, hits: dict[str, int]) -> tuple[str, str]:
 
 def run_vllm_failed_sync_load(policy: str, late: bool, monkeypatch, manager_cls=None,
                               sibling_tokens: int = 32) -> dict:
-    """The sequence in test_real_vllm_failed_sync_load's docstring; `manager_cls` replaces vLLM's
-    SimpleCPUOffloadScheduler (the fixed one). Returns what each step showed, or the crash."""
+    """The sequence in test_real_vllm_failed_sync_load's docstring; `manager_cls` replaces
+    vLLM's SimpleCPUOffloadScheduler (the fixed one). What each step showed, or the crash."""
     from vllm import SamplingParams
     from vllm.distributed.kv_transfer.kv_connector.v1 import simple_cpu_offload_connector
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
         MultiKVConnectorWorkerMetadata)
     from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, make_block_hash_with_group_id
+    from vllm.v1.core.kv_cache_utils import (get_request_block_hasher,
+                                             make_block_hash_with_group_id)
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import Request
     from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata as WorkerMeta
 
     if manager_cls is not None:
-        monkeypatch.setattr(simple_cpu_offload_connector, "SimpleCPUOffloadScheduler", manager_cls)
+        monkeypatch.setattr(simple_cpu_offload_connector, "SimpleCPUOffloadScheduler",
+                            manager_cls)
     sibling = vllm_sync_sibling(monkeypatch, {"A": sibling_tokens})
     s = make_vllm_engine_scheduler("fa", 16, 512, 4096, 16, cpu_blocks=16, sibling=sibling,
                                    kv_load_failure_policy=policy)
@@ -7680,7 +7691,7 @@ def run_vllm_failed_sync_load(policy: str, late: bool, monkeypatch, manager_cls=
     seen: dict = {"stores": [], "loads": [], "steps": 0}
 
     def step(failed_block: int | None = None):
-        """One engine step; `failed_block`: the sibling's load into that table index failed."""
+        """One engine step; `failed_block`: the sibling's load into that block index fails."""
         nonlocal held
         seen["steps"] += 1
         out = s.schedule()
@@ -7744,34 +7755,36 @@ def run_vllm_failed_sync_load(policy: str, late: bool, monkeypatch, manager_cls=
 @pytest.mark.parametrize("late", [False, True], ids=["same-step", "late-report"])
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_real_vllm_failed_sync_load(policy, late, sibling_tokens, monkeypatch, tmp_path):
-    """vLLM 0.34.0's own classes: engine Scheduler (16 GPU blocks of 16 tokens, prefix caching,
-    chunked prefill, budget 512), MultiConnector [a synchronous sibling, SimpleCPUOffloadConnector
-    eager, 15 usable CPU blocks], BlockPool; the model runner and the workers simulated (each
-    copy done within its step; with late-report, the store's report comes one step later).
-    Step 1, schedule(): A (64 tokens) arrives; MultiConnector asks both children: the sibling
-      holds 32 tokens (sync), the simple connector 0; the sibling is chosen, the simple one
-      gets update_state_after_alloc(A, blocks, 0); A's table is GPU blocks [1, 2, 3, 4], all
-      four cached at allocation; A's num_computed_tokens: 32, and 32 tokens are scheduled.
-      The simple connector's build_connector_meta sees 32 confirmed tokens: store event 0
-      copies GPU blocks 1, 2 to CPU blocks 1, 2 and pins the GPU ones.
-    Step 1, the workers: the sibling loads A's blocks synchronously, the load into GPU block 2
-      fails; the forward; the store copies GPU blocks 1, 2 (block 2 never loaded).
-    Step 1, update_from_output(): invalid_block_ids = {2}; _handle_invalid_blocks cuts A back
-      to 16 computed tokens and
-      "fail":      evicts blocks 2, 3, 4 from the prefix cache (BlockPool.evict_blocks: block
-                   2 loses its hash though store event 0 pins it), finishes A (FINISHED_ERROR),
-                   then the connectors' output: event 0's completion reaches
-                   `assert primary_hash is not None` (step 2 when reported late): the crash.
+    """vLLM 0.34.0's own classes: engine Scheduler (16 GPU blocks of 16 tokens, prefix
+    caching, chunked prefill, budget 512), MultiConnector [a synchronous sibling,
+    SimpleCPUOffloadConnector eager with 15 usable CPU blocks], BlockPool; the model runner
+    and the workers simulated (each copy done within its step; with late-report, the store
+    is reported one step later). With 32 tokens from the sibling:
+    Step 1, schedule(): A (64 tokens) arrives; MultiConnector asks both children: the
+      sibling holds 32 tokens (sync), the simple connector 0; the sibling is chosen, the
+      simple one gets update_state_after_alloc(A, blocks, 0). A's table is GPU blocks
+      [1, 2, 3, 4], all four cached at allocation; A has 32 computed tokens and 32
+      scheduled. The simple connector's build_connector_meta sees 32 confirmed tokens:
+      store event 0 copies GPU blocks 1, 2 to CPU blocks 1, 2, pinning the GPU ones.
+    Step 1, the workers: the sibling loads A's blocks synchronously; its load into GPU
+      block 2 fails; the forward; the store copies GPU blocks 1, 2 (block 2 never loaded).
+    Step 1, update_from_output(): invalid_block_ids = {2}; _handle_invalid_blocks cuts A
+      back to 16 computed tokens, then
+      "fail":      evicts blocks 2, 3, 4 from the prefix cache (BlockPool.evict_blocks:
+                   block 2 loses its hash, though event 0 pins it) and finishes A
+                   (FINISHED_ERROR); then the connectors' output: event 0's completion
+                   reaches `assert primary_hash is not None` (in step 2 when reported
+                   late): the crash.
       "recompute": keeps the blocks; event 0's completion registers CPU block 2 under A's
-                   second block hash. Step 2 recomputes tokens 16-63; the store cursor is past
-                   the block: the copy stays. A finishes; its flush stores blocks 3, 4.
+                   second block hash. Step 2 recomputes tokens 16-63; the store cursor is
+                   past the block, so the copy stays. A finishes; its flush stores the rest.
     Then the GPU prefix cache is reset and B (A's prompt) arrives: its CPU hit of 48 tokens
-    loads CPU block 2 (the bytes cannot be seen here, the workers being simulated; 2.10 shows
-    them on the module's worker).
-    With 48 tokens from the sibling, event 0 copies GPU block 3 too (to CPU block 3): in "fail"
-    it loses its hash as well, though no failure names it.
-    With VLLM_034_FIX_DIFF applied to vLLM's manager.py: no crash; block 2's copy (and block
-    3's in "fail") is freed unregistered; B hits 16 tokens; every pool ends free."""
+    loads CPU block 2 (the bytes cannot be seen here, the workers being simulated; 2.10
+    shows them on the module's worker).
+    With 48 tokens from the sibling, event 0 copies GPU block 3 too (to CPU block 3): in
+    "fail" it loses its hash as well, though no failure names it.
+    With VLLM_034_FIX_DIFF applied to vLLM's manager.py: no crash; block 2's copy (and
+    block 3's in "fail") is freed unregistered; B hits 16 tokens; every pool ends free."""
     vllm_version()
     bug = run_vllm_failed_sync_load(policy, late, monkeypatch, None, sibling_tokens)
     fix_cls = vllm_manager_with_the_fix(tmp_path, monkeypatch)
@@ -7781,7 +7794,8 @@ def test_real_vllm_failed_sync_load(policy, late, sibling_tokens, monkeypatch, t
     assert bug["stores"][0] == {b: b for b in range(1, num_stored + 1)}
     assert "crash" not in fixed and fixed["free"] == (15, 15)
     if policy == "fail":
-        assert bug["crash"] == ("_process_store_completion", "assert primary_hash is not None")
+        crash = ("_process_store_completion", "assert primary_hash is not None")
+        assert bug["crash"] == crash
         assert bug["crash_step"] == (2 if late else 1)
         assert fixed["a_status"] == "FINISHED_ERROR"
         assert fixed["a_cpu_blocks"] == [1, None, None, None]
