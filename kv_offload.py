@@ -820,11 +820,9 @@ class BlockPool:
         self.free_block_queue.append_n(blocks_to_evict_last)
 
     def evict_blocks(self, block_ids: set[int]) -> None:
-        """Evict blocks from the prefix cache by their block IDs.
-
-        only evicts blocks that are currently cached (have a hash). blocks
-        with ref_cnt > 0 are not freed from the block pool, only evicted
-        from the prefix cache hash table."""
+        """Evict blocks from the prefix cache by their block IDs (vLLM 0.34: the engine's
+        _handle_invalid_blocks, after a failed KV load). Cached blocks lose their keys,
+        whatever their ref_cnt: a block in use stays allocated, a pinned copy's source too."""
         for block_id in block_ids:
             assert block_id < len(self.blocks), (
                 f"Invalid block_id {block_id} >= {len(self.blocks)}. "
@@ -2411,6 +2409,55 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
 
 # -----------------------------------------------------------------------------
 # 8. Beyond vLLM: a proposed fix for a crash vLLM 0.34 still has (opt-in)
+
+class LoadFailureSafeCPUOffloadScheduler(SimpleCPUOffloadScheduler):  # not in vLLM: proposal
+    """Stores that a failed load spoiled register nothing (not in vLLM: a proposed fix).
+    A sibling connector (vLLM's MultiConnector) loads a request's prefix synchronously and
+    reports a block as failed (invalid_block_ids). The eager store of that step already copies
+    it: external tokens count as computed at build_connector_meta. vLLM 0.34's engine then
+      policy "fail":      evicts the block and those after it (BlockPool.evict_blocks), so the
+                          pinned source has no hash and the completion fails the base's
+                          `assert primary_hash is not None` (the engine crashes);
+      policy "recompute": keeps them, and the completion registers a copy of KV never loaded
+                          under a valid hash, which a later CPU hit loads.
+    Here a completed store whose GPU source lost its hash, or whose block a failed load
+    covered, frees its CPU block unregistered; every other block registers as in the base."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        # GPU blocks whose store was in flight when a load into them was reported failed
+        self._failed_load_gpu_blocks: set[int] = set()
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        # the failed load's report arrives with the completion of the store that copied the
+        # block, or before it
+        spoiled = connector_output.invalid_block_ids & self._in_flight_store_gpu_blocks
+        self._failed_load_gpu_blocks.update(spoiled)
+        super().update_connector_output(connector_output)
+
+    def _process_store_completion(self, gpu_block_ids: list[int], cpu_block_ids: list[int]
+                                  ) -> None:
+        assert self._gpu_block_pool is not None
+        gpu_blocks = self._gpu_block_pool.blocks
+        kept = TransferMeta([], [])
+        dropped = TransferMeta([], [])
+        for gpu_block_id, cpu_block_id in zip(gpu_block_ids, cpu_block_ids):
+            failed_load = gpu_block_id in self._failed_load_gpu_blocks
+            self._failed_load_gpu_blocks.discard(gpu_block_id)
+            # hash lost: evicted while pinned (vLLM's _handle_invalid_blocks, policy "fail")
+            spoiled = failed_load or gpu_blocks[gpu_block_id].block_hash is None
+            target = dropped if spoiled else kept
+            target.gpu_block_ids.append(gpu_block_id)
+            target.cpu_block_ids.append(cpu_block_id)
+        if dropped.gpu_block_ids:
+            # unpinned, unregistered: the CPU block goes to the front of the free queue
+            self._release_transfer_refs(dropped)
+        super()._process_store_completion(kept.gpu_block_ids, kept.cpu_block_ids)
+
+    def reset(self) -> bool:
+        # every sent store is abandoned (released, never registered): no mark is needed
+        self._failed_load_gpu_blocks.clear()
+        return super().reset()
 
 
 # -----------------------------------------------------------------------------

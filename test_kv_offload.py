@@ -70,6 +70,7 @@ import os
 import pathlib
 import random
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -5156,6 +5157,197 @@ def test_snapshot_sees_every_part(part):
     assert before[part] != world_snapshot(world)[part]
 
 
+
+# ---- 2.10 A failed synchronous load beside the CPU tier: the crash vLLM 0.34 still has -----------
+# vLLM's MultiConnector with a sibling connector listed first that holds the first 32 tokens
+# of a 64-token prompt and loads them synchronously, reporting one block as failed
+# (invalid_block_ids): LMCacheConnectorV1 and MooncakeStoreConnector (load_async: false)
+# report per-block errors so. SyncSiblingEngine is the engine-side test double: MiniEngine
+# with the sibling in front of its connector and vLLM 0.34's
+# Scheduler._handle_invalid_blocks after the forward.
+
+@dataclass
+class OutputWithInvalidBlocks(ko.KVConnectorOutput):
+    """vLLM's KVConnectorOutput field that the module's leaves out."""
+    invalid_block_ids: set = field(default_factory=set)
+
+
+class SyncSiblingEngine(ko.MiniEngine):
+    """`sibling_hits[req_id] = (tokens, failed)`: the sibling holds the request's first
+    `tokens` and fails to load the block at table index `failed`. vLLM's order per step:
+    MultiConnector asks every child, the first with a hit (the sibling) loads, the others
+    get the real blocks with 0 external tokens; the loaded tokens count as computed at
+    scheduling; the sibling's worker loads before the forward; update_from_output handles
+    invalid_block_ids first (`policy` "fail": evict the failed block and those after it,
+    finish the request with an error; "recompute": computed tokens cut back to the failed
+    block, recomputed next step), then finished requests, then the connector's output. The
+    GPU pool starts empty: no local hit to look up."""
+
+    def __init__(self, *args, policy: str, sibling_hits: dict, **kw):
+        super().__init__(*args, **kw)
+        self.policy = policy
+        self.sibling_hits = sibling_hits
+        # this step's sibling loads: req id -> (tokens, failed block index)
+        self.sync_loads: dict[str, tuple[int, int]] = {}
+
+    def _admit(self, req, token_budget):
+        hit = self.sibling_hits.pop(req.request_id, None)
+        if hit is None:
+            return super()._admit(req, token_budget)
+        assert self.connector.get_num_new_matched_tokens(req, 0) == (0, False)
+        blocks = self.gpu_block_pool.get_new_blocks(ko.cdiv(req.num_tokens, self.block_size))
+        self.req_to_blocks[req.request_id] = blocks
+        self.connector.update_state_after_alloc(req, (blocks,), 0)
+        req.num_computed_tokens = hit[0]
+        self.sync_loads[req.request_id] = hit
+        return min(req.num_tokens - hit[0], token_budget)
+
+    def _forward(self, scheduler_output):
+        for req_id, (num_tokens, failed) in self.sync_loads.items():  # the sibling's worker
+            loaded = [p for p in range(num_tokens) if p // self.block_size != failed]
+            tokens = [self.requests[req_id].all_token_ids[p] for p in loaded]
+            slots = self._slots(req_id, 0, num_tokens)[loaded]
+            for caches in self.rank_kv_caches:
+                self.model.forward(caches, tokens, loaded, slots)
+        super()._forward(scheduler_output)
+
+    def _update_from_output(self, scheduler_output):
+        failed_reqs = []
+        invalid_block_ids = set()
+        for req_id, (_, failed) in self.sync_loads.items():
+            table = [b.block_id for b in self.req_to_blocks[req_id]]
+            invalid_block_ids.add(table[failed])
+            req = self.requests[req_id]
+            req.num_computed_tokens = failed * self.block_size
+            del scheduler_output.num_scheduled_tokens[req_id]  # skipped by the output loop
+            if self.policy == "fail":
+                self.gpu_block_pool.evict_blocks(set(table[failed:]))
+                failed_reqs.append(req)
+        self.sync_loads.clear()
+        super()._update_from_output(scheduler_output)
+        # vLLM's finish_requests(FINISHED_ERROR); the module's states stop at FINISHED_ABORTED
+        for req in failed_reqs:
+            req.status = ko.RequestStatus.FINISHED_ABORTED
+            del self.requests[req.request_id]
+            self.running.remove(req)
+            self._free(req)
+        # MiniEngine hands the copy reports over next; vLLM sends the two in one output
+        if invalid_block_ids:
+            self.connector.update_connector_output(
+                OutputWithInvalidBlocks(invalid_block_ids=invalid_block_ids))
+
+
+class _LateStoreReports(ko.SimpleCPUOffloadWorker):
+    """A worker that reports each completed store one step after its copy ran."""
+
+    def __init__(self, num_cpu_blocks: int):
+        super().__init__(num_cpu_blocks)
+        self.held = None
+
+    def build_connector_worker_meta(self):
+        due = self.held
+        self.held = super().build_connector_worker_meta()
+        return due
+
+
+def cpu_copy_of(eng, req, index: int):
+    """[L, 2, block_size, H, D]: the CPU copy under req's block `index`'s key, or None."""
+    conn = eng.connector
+    key = ko.make_block_hash_with_group_id(req.block_hashes[index], 0)
+    block = conn.cpu_block_pool.cached_block_hash_to_block.get_one_block(key)
+    if block is None:
+        return None
+    cpu_caches = eng.workers[0].cpu_kv_caches
+    return torch.stack([torch.stack([cpu_caches[f"{n}.k"][block.block_id],
+                                     cpu_caches[f"{n}.v"][block.block_id]])
+                        for n in eng.kv_caches]).clone()
+
+
+def run_failed_sync_load(policy: str, connector_cls, late: bool = False,
+                         sibling_tokens: int = 32) -> dict:
+    """A (64 tokens, block 16) runs with its first `sibling_tokens` from the sibling, its
+    second block failing; its stores drain; the GPU prefix cache is dropped; B, the same
+    prompt, runs."""
+    model = ko.ToyModel(**FUZZ_MODEL)
+    conn = connector_cls(16, 16)
+    worker = (_LateStoreReports if late else ko.SimpleCPUOffloadWorker)(16)
+    eng = SyncSiblingEngine(16, 16, 512, model, conn, worker, capture_kv=True, policy=policy,
+                            sibling_hits={"A": (sibling_tokens, 1)})
+    prompt = _prompt(64, seed=34)
+    a = ko.Request("A", prompt, 16)
+    eng.add_request(a)
+    eng.run()
+    a_status = a.status
+    a_cpu_copies = [cpu_copy_of(eng, a, i) for i in range(4)]  # before B stores its own
+    assert eng.reset_gpu_prefix_cache()
+    b = ko.Request("B", prompt, 16)
+    eng.add_request(b)
+    stats = eng.run()
+    check_idle(eng)
+    return dict(engine=eng, model=model, a=a, a_status=a_status, a_cpu_copies=a_cpu_copies,
+                b=b, stats=stats, prompt=prompt)
+
+
+@pytest.mark.parametrize("sibling_tokens", [32, 48])
+@pytest.mark.parametrize("late", [False, True], ids=["same-step", "late-report"])
+def test_failed_sync_load_policy_fail_crashes_the_store_completion(late, sibling_tokens):
+    """Policy "fail", by hand. A's table is GPU blocks [1, 2, 3, 4] (block 16). Step 1: the
+    sibling's 32 tokens count as computed at scheduling, so build_connector_meta stores GPU
+    blocks 1 and 2 (the 32 confirmed tokens) and pins them; the sibling's load into block 2
+    fails; _handle_invalid_blocks evicts blocks 2, 3, 4 (block 2 loses its hash, pinned or
+    not); A finishes with an error. The store's completion (step 1, or step 2 when reported
+    late) reaches `assert primary_hash is not None` on block 2: the engine crashes. With the
+    proposed fix: block 1 (loaded fine) is registered, block 2's CPU block is freed
+    unregistered; every pool ends free; B hits block 1's copy on CPU (16 tokens) and its KV
+    is exact. With 48 tokens from the sibling, step 1 stores GPU block 3 too: loaded fine,
+    but evicted as one after the failed block, so it has no hash either, though no failure
+    names it."""
+    with pytest.raises(AssertionError) as crash:
+        run_failed_sync_load("fail", ko.SimpleCPUOffloadScheduler, late, sibling_tokens)
+    assert crash.traceback[-1].name == "_process_store_completion"
+    fix_cls = ko.LoadFailureSafeCPUOffloadScheduler
+    r = run_failed_sync_load("fail", fix_cls, late, sibling_tokens)
+    assert r["a_status"] == ko.RequestStatus.FINISHED_ABORTED
+    want = r["model"].expected_kv(r["prompt"])
+    assert torch.equal(r["a_cpu_copies"][0], want[:, :, :16])
+    assert r["a_cpu_copies"][1:] == [None, None, None]
+    assert (r["stats"]["B"].cpu_hit_tokens, r["stats"]["B"].computed_tokens) == (16, 48)
+    assert torch.equal(r["stats"]["B"].kv, r["model"].expected_kv(r["prompt"]))
+    check_cached_kv(r["engine"], [r["a"], r["b"]])
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["same-step", "late-report"])
+def test_failed_sync_load_policy_recompute_registers_a_copy_never_loaded(late):
+    """Policy "recompute", the same step 1; then _handle_invalid_blocks keeps the blocks and
+    cuts A back to 16 computed tokens. The store completes: the copy of GPU block 2 (which
+    the failed load never wrote: zeros) is registered under A's second block hash, a valid
+    one. Step 2 recomputes tokens 16-63 on GPU, but the store cursor is past that block (and
+    its key is on CPU already): the bad copy stays. Bytes: that CPU copy differs from
+    ToyModel.expected_kv (the other three equal it); B (same prompt, GPU cache dropped) hits
+    48 tokens on CPU (3 blocks, the last token recomputed), loads it, and its KV for tokens
+    16-31 is wrong. With the proposed fix: that block is never registered, B hits 16 tokens,
+    every pool ends free, all KV exact."""
+    r = run_failed_sync_load("recompute", ko.SimpleCPUOffloadScheduler, late)
+    eng, model, prompt, b_stats = r["engine"], r["model"], r["prompt"], r["stats"]["B"]
+    want = model.expected_kv(prompt)
+    assert r["a_status"] == ko.RequestStatus.FINISHED_LENGTH_CAPPED
+    copies = r["a_cpu_copies"]
+    assert not torch.equal(copies[1], want[:, :, 16:32])
+    assert all(torch.equal(copies[i], want[:, :, 16 * i:16 * i + 16]) for i in (0, 2, 3))
+    assert b_stats.cpu_hit_tokens == 48
+    assert torch.equal(b_stats.kv[:, :, :16], want[:, :, :16])
+    assert not torch.equal(b_stats.kv[:, :, 16:32], want[:, :, 16:32])
+    with pytest.raises(AssertionError, match="KV differs from expected_kv"):
+        check_cached_kv(eng, [r["a"], r["b"]])
+    r = run_failed_sync_load("recompute", ko.LoadFailureSafeCPUOffloadScheduler, late)
+    eng, b_stats = r["engine"], r["stats"]["B"]
+    copies = r["a_cpu_copies"]
+    assert copies[1] is None
+    assert all(torch.equal(copies[i], want[:, :, 16 * i:16 * i + 16]) for i in (0, 2, 3))
+    assert (b_stats.cpu_hit_tokens, b_stats.computed_tokens) == (16, 48)
+    assert torch.equal(b_stats.kv, want)
+    check_cached_kv(eng, [r["a"], r["b"]])
+
 # ==================================================================================================
 # Part 3 — the vLLM differential
 # ==================================================================================================
@@ -5578,6 +5770,16 @@ class PoolTrace:
                        self.what(f"find_longest_cache_hit(max_length={max_len})"))
         self.lookups += 1
 
+    def op_evict_blocks(self):
+        """vLLM 0.34's evict_blocks (a failed KV load): blocks in use, pinned or free lose
+        their keys alike; an id past the pool fails vLLM's assert on both."""
+        rng, p = self.rng, self.pair
+        ids = set(rng.sample(range(p.ours.num_gpu_blocks), rng.randint(1, 4)))
+        if rng.random() < 0.05:
+            ids.add(p.ours.num_gpu_blocks)
+        call_both(self.what(f"evict_blocks({sorted(ids)})"), lambda: p.ours.evict_blocks(ids),
+                  lambda: p.vllm.evict_blocks(ids))
+
     def op_reset(self):
         rng, p = self.rng, self.pair
         if rng.random() < 0.5:  # free everything first so that the reset succeeds
@@ -5595,7 +5797,7 @@ class PoolTrace:
                (self.op_cache_partial_block, 2),
                (self.op_insert_block_hash, 2), (self.op_finish_request, 3), (self.op_touch, 2),
                (self.op_unpin, 2), (self.op_get_new_blocks, 1), (self.op_get_cached_block, 2),
-               (self.op_lookup, 2), (self.op_reset, 0.3)]
+               (self.op_lookup, 2), (self.op_evict_blocks, 0.5), (self.op_reset, 0.3)]
         fns, weights = zip(*ops)
         self.pair.check(self.what("init"))
         for _ in range(n_ops):
@@ -6435,40 +6637,33 @@ def vllm_version() -> tuple[int, int]:
     return version
 
 
-def run_vllm_scheduler(kind: str, bs: int, prompt_len: int, budget: int, max_tokens: int,
-                       cpu_blocks: int | None = None, gpu_blocks: int | None = None,
-                       keep_gpu_cache: bool = False) -> dict:
-    """vLLM's own engine Scheduler + SimpleCPUOffloadConnector (eager) on CPU, the model runner
-    and the worker simulated (each step's store and load complete within the step). `kind`:
-    "fa" (full attention), "fa_mamba" (+ a Mamba group, mamba_cache_mode="align", its page equal
-    to the attention page) or "fa_sw" (+ a sliding window of 2 blocks). A runs to completion and
-    its stores drain; the GPU prefix cache is reset (unless keep_gpu_cache); B, the same prompt,
-    arrives. Returns the CPU map's keys after A, and B's local (GPU) hit and first CPU lookup."""
+def make_vllm_engine_scheduler(kind: str, bs: int, budget: int, max_model_len: int,
+                               nb: int, cpu_blocks: int | None = None,
+                               sibling: tuple[str, str] | None = None,
+                               kv_load_failure_policy: str = "fail"):
+    """vLLM's own engine Scheduler with SimpleCPUOffloadConnector (eager) on CPU, nb GPU
+    blocks. `kind`: "fa" (full attention), "fa_mamba" (+ a Mamba group,
+    mamba_cache_mode="align", its page equal to the attention page) or "fa_sw" (+ a sliding
+    window of 2 blocks). `sibling` (class name, module path): a MultiConnector with that
+    connector first, the simple one second."""
     import tempfile
 
-    from vllm import SamplingParams
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
                              SchedulerConfig, VllmConfig)
     from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import (get_request_block_hasher, init_none_hash,
-                                             resolve_kv_cache_block_sizes)
+    from vllm.v1.core.kv_cache_utils import init_none_hash, resolve_kv_cache_block_sizes
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
     from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
                                             KVCacheTensor, MambaSpec, SlidingWindowSpec)
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-    from vllm.v1.request import Request
-    from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata as WorkerMeta
     from vllm.v1.structured_output import StructuredOutputManager
 
-    max_model_len = max(4096, prompt_len + max_tokens + 16)
     model_dir = pathlib.Path(tempfile.mkdtemp(prefix="kv_offload_vllm_"))
     (model_dir / "config.json").write_text(json.dumps(dict(
         architectures=["OPTForCausalLM"], model_type="opt", hidden_size=64, num_attention_heads=2,
         num_hidden_layers=2, ffn_dim=128, vocab_size=50272, max_position_embeddings=max_model_len,
         word_embed_proj_dim=64)))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    nb = gpu_blocks or (2 * ko.cdiv(prompt_len, bs) + 16) * (1 if kind == "fa" else 2)
     fa = FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=8, dtype=torch.float16)
     page = fa.page_size_bytes
     groups = [KVCacheGroupSpec(["attn"], fa)]
@@ -6483,6 +6678,14 @@ def run_vllm_scheduler(kind: str, bs: int, prompt_len: int, budget: int, max_tok
             block_size=bs, num_kv_heads=1, head_size=8, dtype=torch.float16,
             sliding_window=2 * bs)))
     layers = [g.layer_names[0] for g in groups]
+    kv_connector = dict(kv_connector="SimpleCPUOffloadConnector", kv_connector_extra_config={
+        "cpu_bytes_to_use": page * (cpu_blocks or 2 * nb)})
+    if sibling is not None:
+        sibling_connector = dict(kv_connector=sibling[0], kv_connector_module_path=sibling[1],
+                                 kv_role="kv_both")
+        kv_connector = dict(kv_connector="MultiConnector", kv_connector_extra_config={
+            "connectors": [sibling_connector, dict(kv_connector, kv_role="kv_both")]},
+            kv_load_failure_policy=kv_load_failure_policy)
     vc = VllmConfig(
         model_config=ModelConfig(model=str(model_dir), dtype="float16", skip_tokenizer_init=True,
                                  max_model_len=max_model_len),
@@ -6491,9 +6694,7 @@ def run_vllm_scheduler(kind: str, bs: int, prompt_len: int, budget: int, max_tok
                                          is_encoder_decoder=False, async_scheduling=False),
         cache_config=CacheConfig(**cache_kw),
         device_config=DeviceConfig("cpu"),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
-            kv_connector_extra_config={"cpu_bytes_to_use": page * (cpu_blocks or 2 * nb)}))
+        kv_transfer_config=KVTransferConfig(kv_role="kv_both", **kv_connector))
     # hybrid-style shared tensors: each holds one layer of every group
     kcc = KVCacheConfig(num_blocks=nb, kv_cache_groups=groups,
                         kv_cache_tensors=[KVCacheTensor(page * nb, layers, page * nb, page)])
@@ -6501,9 +6702,30 @@ def run_vllm_scheduler(kind: str, bs: int, prompt_len: int, budget: int, max_tok
     register_all_kvcache_specs(vc)
     init_none_hash(sha256)
     sched_bs, hash_bs = resolve_kv_cache_block_sizes(kcc, vc)
-    s = Scheduler(vllm_config=vc, kv_cache_config=kcc, block_size=sched_bs,
-                  hash_block_size=hash_bs, log_stats=False,
-                  structured_output_manager=StructuredOutputManager(vc))
+    return Scheduler(vllm_config=vc, kv_cache_config=kcc, block_size=sched_bs,
+                     hash_block_size=hash_bs, log_stats=False,
+                     structured_output_manager=StructuredOutputManager(vc))
+
+
+def run_vllm_scheduler(kind: str, bs: int, prompt_len: int, budget: int, max_tokens: int,
+                       cpu_blocks: int | None = None, gpu_blocks: int | None = None,
+                       keep_gpu_cache: bool = False) -> dict:
+    """vLLM's own engine Scheduler + SimpleCPUOffloadConnector (eager) on CPU, the model
+    runner and the worker simulated (each step's store and load complete within the step);
+    `kind` as in make_vllm_engine_scheduler. A runs to completion and its stores drain; the
+    GPU prefix cache is reset (unless keep_gpu_cache); B, the same prompt, arrives. Returns
+    the CPU map's keys after A, and B's local (GPU) hit and first CPU lookup."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata as WorkerMeta
+
+    max_model_len = max(4096, prompt_len + max_tokens + 16)
+    nb = gpu_blocks or (2 * ko.cdiv(prompt_len, bs) + 16) * (1 if kind == "fa" else 2)
+    s = make_vllm_engine_scheduler(kind, bs, budget, max_model_len, nb, cpu_blocks)
+    hash_bs = s.hash_block_size
     lookups, lookup = {}, s.connector.get_num_new_matched_tokens
     s.connector.get_num_new_matched_tokens = (  # record each request's first CPU lookup
         lambda r, n, *a: lookups.setdefault(r.request_id, (n, lookup(r, n, *a)))[1])
@@ -7321,3 +7543,268 @@ def test_vllm_test_scheduler_py(case: Case, vllm_verdict: _Verdict, monkeypatch)
         pytest.fail(f"{case.name} passed on PreFixCPUOffloadScheduler: it no longer catches "
                     "the bugs PR #53532 fixed")
     vllm_verdict.record(case, "passes vacuously")
+
+
+# ---- 3.11 The crash vLLM 0.34 still has, on its own classes --------------------------------------
+# 2.10's sequence on vLLM 0.34's engine Scheduler, MultiConnector, SimpleCPUOffloadConnector
+# (eager) and BlockPool; the model runner and workers simulated as in 3.8. Then the same
+# with the proposed fix applied to vLLM's manager.py as a maintainer would apply it:
+# VLLM_034_FIX_DIFF (the README's diff; kv_offload's LoadFailureSafeCPUOffloadScheduler
+# makes the same change as a subclass).
+
+VLLM_034_FIX_DIFF = '''\
+--- a/vllm/v1/simple_kv_offload/manager.py
++++ b/vllm/v1/simple_kv_offload/manager.py
+@@ -269,6 +269,8 @@
+         self._reqs_to_store: dict[str, StoreRequestState] = {}
+         self._store_event_to_reqs: dict[int, list[str]] = {}
+         self._in_flight_store_gpu_blocks: set[int] = set()
++        # In-flight store sources that a failed load covered: never cached.
++        self._failed_load_gpu_blocks: set[int] = set()
+         self._pending_finished_stores: list[TransferMeta] = []
+         self._abandoned_reqs_to_load: dict[str, LoadRequestState] = {}
+ 
+@@ -1088,6 +1090,13 @@
+             if completed_blocks:
+                 self._interval_load_blocks_completed += completed_blocks
+ 
++        # --- Failed loads (e.g. a MultiConnector sibling's invalid_block_ids) ---
++        # A store in flight from such a block copies KV that was never loaded:
++        # its completion must not cache it.
++        self._failed_load_gpu_blocks.update(
++            connector_output.invalid_block_ids & self._in_flight_store_gpu_blocks
++        )
++
+         # --- Store completions ---
+         meta = connector_output.kv_connector_worker_meta
+         if not isinstance(meta, SimpleCPUOffloadWorkerMetadata):
+@@ -1150,7 +1159,14 @@
+         for i, (gpu_block_id, cpu_block) in enumerate(zip(gpu_block_ids, cpu_blocks)):
+             gpu_block = self._gpu_block_pool.blocks[gpu_block_id]
+             primary_hash = gpu_block.block_hash
+-            assert primary_hash is not None
++            failed_load = gpu_block_id in self._failed_load_gpu_blocks
++            self._failed_load_gpu_blocks.discard(gpu_block_id)
++            if primary_hash is None or failed_load:
++                # No valid KV was copied: a failed load covered the block, or
++                # the scheduler evicted its hash after one (_handle_invalid_blocks)
++                # while this store pinned it. Cache nothing; the CPU block is
++                # freed below, unhashed.
++                continue
+             self.cpu_block_pool._insert_block_hash(
+                 primary_hash,
+                 cpu_block,
+@@ -1493,6 +1509,7 @@
+ 
+         self._store_event_to_blocks.clear()
+         self._in_flight_store_gpu_blocks.clear()
++        self._failed_load_gpu_blocks.clear()
+ 
+         # Loads that have not been sent to the worker cannot have running DMA.
+         # In-flight loads stay pinned and are cleaned up on completion.
+'''
+
+
+def vllm_manager_with_the_fix(tmp_path: pathlib.Path, monkeypatch) -> type:
+    """vLLM 0.34's SimpleCPUOffloadScheduler, from its manager.py with VLLM_034_FIX_DIFF."""
+    import vllm.v1.simple_kv_offload.manager as vmanager
+
+    if shutil.which("patch") is None:
+        pytest.skip("the `patch` tool is not installed")
+    patched = tmp_path / "manager.py"
+    subprocess.run(["patch", "-s", "-o", str(patched), vmanager.__file__],
+                   input=VLLM_034_FIX_DIFF, text=True, check=True)
+    spec = importlib.util.spec_from_file_location("kv_offload_vllm_manager_fixed", patched)
+    module = importlib.util.module_from_spec(spec)
+    # its dataclasses look their module up
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module.SimpleCPUOffloadScheduler
+
+
+def vllm_sync_sibling(monkeypatch, hits: dict[str, int]) -> tuple[str, str]:
+    """A connector class for MultiConnector, as (name, module path): the scheduler side of one
+    that holds `hits[req_id]` tokens and loads them synchronously, as MooncakeStoreConnector
+    with load_async: false does; its worker (simulated by the test) reports failed blocks in
+    invalid_block_ids."""
+    import types
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                                   KVConnectorMetadata,
+                                                                   SupportsHMA)
+
+    class SyncSibling(KVConnectorBase_V1, SupportsHMA):
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            return hits.pop(request.request_id, 0), False
+
+        def update_state_after_alloc(self, request, blocks, num_external_tokens):
+            pass
+
+        def build_connector_meta(self, scheduler_output):
+            return KVConnectorMetadata()
+
+        def request_finished_all_groups(self, request, block_ids):
+            return False, None
+
+        # the worker side, never called: the test simulates the workers
+        def start_load_kv(self, forward_context, **kwargs):
+            raise NotImplementedError
+
+        def wait_for_layer_load(self, layer_name):
+            raise NotImplementedError
+
+        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+            raise NotImplementedError
+
+        def wait_for_save(self):
+            raise NotImplementedError
+
+    module = types.ModuleType("kv_offload_vllm_sync_sibling")
+    module.SyncSibling = SyncSibling
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return "SyncSibling", module.__name__
+
+
+def run_vllm_failed_sync_load(policy: str, late: bool, monkeypatch, manager_cls=None,
+                              sibling_tokens: int = 32) -> dict:
+    """The sequence in test_real_vllm_failed_sync_load's docstring; `manager_cls` replaces
+    vLLM's SimpleCPUOffloadScheduler (the fixed one). What each step showed, or the crash."""
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer.kv_connector.v1 import simple_cpu_offload_connector
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+        MultiKVConnectorWorkerMetadata)
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import (get_request_block_hasher,
+                                             make_block_hash_with_group_id)
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata as WorkerMeta
+
+    if manager_cls is not None:
+        monkeypatch.setattr(simple_cpu_offload_connector, "SimpleCPUOffloadScheduler",
+                            manager_cls)
+    sibling = vllm_sync_sibling(monkeypatch, {"A": sibling_tokens})
+    s = make_vllm_engine_scheduler("fa", 16, 512, 4096, 16, cpu_blocks=16, sibling=sibling,
+                                   kv_load_failure_policy=policy)
+    simple = s.connector.sub_connectors[1].scheduler_manager
+    held: list[int] = []  # store events done but not reported yet (late)
+    seen: dict = {"stores": [], "loads": [], "steps": 0}
+
+    def step(failed_block: int | None = None):
+        """One engine step; `failed_block`: the sibling's load into that block index fails."""
+        nonlocal held
+        seen["steps"] += 1
+        out = s.schedule()
+        meta = out.kv_connector_metadata.metadata[1]  # the simple connector's
+        if meta.store_event >= 0:
+            seen["stores"].append(dict(zip(meta.store_gpu_blocks, meta.store_cpu_blocks)))
+        if meta.load_event >= 0:
+            seen["loads"].append(dict(zip(meta.load_gpu_blocks, meta.load_cpu_blocks)))
+        invalid_block_ids = set()
+        if failed_block is not None:
+            seen["table"] = out.scheduled_new_reqs[0].block_ids[0]
+            invalid_block_ids.add(seen["table"][failed_block])
+        done = [meta.store_event] if meta.store_event >= 0 else []
+        reported, held = (held, done) if late else (done, [])
+        worker_meta = WorkerMeta({event: 1 for event in reported}) if reported else None
+        kv = KVConnectorOutput(
+            finished_recving=set(meta.load_event_to_reqs.get(meta.load_event, [])) or None,
+            kv_connector_worker_meta=MultiKVConnectorWorkerMetadata((None, worker_meta)),
+            invalid_block_ids=invalid_block_ids)
+        rids = list(out.num_scheduled_tokens)
+        sampled = [[] if s.requests[r].is_prefill_chunk else [7] for r in rids]
+        s.update_from_output(out, ModelRunnerOutput(req_ids=rids, sampled_token_ids=sampled,
+                                                    kv_connector_output=kv))
+
+    def run_until_idle():
+        for _ in range(8):
+            if not (s.requests or s.connector.has_pending_push_work() or held):
+                return
+            step()
+        raise AssertionError("the engine did not go idle")
+
+    prompt = [(i * 31) % 50000 + 3 for i in range(64)]
+    hasher = get_request_block_hasher(16, sha256)
+    a = Request("A", prompt, SamplingParams(max_tokens=1, ignore_eos=True), None,
+                block_hasher=hasher)
+    s.add_request(a)
+    try:
+        step(failed_block=1)
+        seen["a_status"] = a.status.name
+        run_until_idle()
+    except AssertionError as exc:
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        seen["crash"] = (frame.name, frame.line)
+        seen["crash_step"] = seen["steps"]
+        return seen
+    cpu_map = simple.cpu_block_pool.cached_block_hash_to_block
+    cpu_blocks = [cpu_map.get_one_block(make_block_hash_with_group_id(h, 0))
+                  for h in a.block_hashes]
+    seen["a_cpu_blocks"] = [None if b is None else b.block_id for b in cpu_blocks]
+    assert s.reset_prefix_cache()  # GPU only: the CPU cache stays
+    s.add_request(Request("B", prompt, SamplingParams(max_tokens=1, ignore_eos=True), None,
+                          block_hasher=hasher))
+    run_until_idle()
+    seen["free"] = (s.kv_cache_manager.block_pool.get_num_free_blocks(),
+                    simple.cpu_block_pool.get_num_free_blocks())
+    return seen
+
+
+@needs_vllm
+@pytest.mark.parametrize("sibling_tokens", [32, 48])
+@pytest.mark.parametrize("late", [False, True], ids=["same-step", "late-report"])
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_real_vllm_failed_sync_load(policy, late, sibling_tokens, monkeypatch, tmp_path):
+    """vLLM 0.34.0's own classes: engine Scheduler (16 GPU blocks of 16 tokens, prefix
+    caching, chunked prefill, budget 512), MultiConnector [a synchronous sibling,
+    SimpleCPUOffloadConnector eager with 15 usable CPU blocks], BlockPool; the model runner
+    and the workers simulated (each copy done within its step; with late-report, the store
+    is reported one step later). With 32 tokens from the sibling:
+    Step 1, schedule(): A (64 tokens) arrives; MultiConnector asks both children: the
+      sibling holds 32 tokens (sync), the simple connector 0; the sibling is chosen, the
+      simple one gets update_state_after_alloc(A, blocks, 0). A's table is GPU blocks
+      [1, 2, 3, 4], all four cached at allocation; A has 32 computed tokens and 32
+      scheduled. The simple connector's build_connector_meta sees 32 confirmed tokens:
+      store event 0 copies GPU blocks 1, 2 to CPU blocks 1, 2, pinning the GPU ones.
+    Step 1, the workers: the sibling loads A's blocks synchronously; its load into GPU
+      block 2 fails; the forward; the store copies GPU blocks 1, 2 (block 2 never loaded).
+    Step 1, update_from_output(): invalid_block_ids = {2}; _handle_invalid_blocks cuts A
+      back to 16 computed tokens, then
+      "fail":      evicts blocks 2, 3, 4 from the prefix cache (BlockPool.evict_blocks:
+                   block 2 loses its hash, though event 0 pins it) and finishes A
+                   (FINISHED_ERROR); then the connectors' output: event 0's completion
+                   reaches `assert primary_hash is not None` (in step 2 when reported
+                   late): the crash.
+      "recompute": keeps the blocks; event 0's completion registers CPU block 2 under A's
+                   second block hash. Step 2 recomputes tokens 16-63; the store cursor is
+                   past the block, so the copy stays. A finishes; its flush stores the rest.
+    Then the GPU prefix cache is reset and B (A's prompt) arrives: its CPU hit of 48 tokens
+    loads CPU block 2 (the bytes cannot be seen here, the workers being simulated; 2.10
+    shows them on the module's worker).
+    With 48 tokens from the sibling, event 0 copies GPU block 3 too (to CPU block 3): in
+    "fail" it loses its hash as well, though no failure names it.
+    With VLLM_034_FIX_DIFF applied to vLLM's manager.py: no crash; block 2's copy (and
+    block 3's in "fail") is freed unregistered; B hits 16 tokens; every pool ends free."""
+    vllm_version()
+    bug = run_vllm_failed_sync_load(policy, late, monkeypatch, None, sibling_tokens)
+    fix_cls = vllm_manager_with_the_fix(tmp_path, monkeypatch)
+    fixed = run_vllm_failed_sync_load(policy, late, monkeypatch, fix_cls, sibling_tokens)
+    assert bug["table"] == [1, 2, 3, 4]
+    num_stored = sibling_tokens // 16
+    assert bug["stores"][0] == {b: b for b in range(1, num_stored + 1)}
+    assert "crash" not in fixed and fixed["free"] == (15, 15)
+    if policy == "fail":
+        crash = ("_process_store_completion", "assert primary_hash is not None")
+        assert bug["crash"] == crash
+        assert bug["crash_step"] == (2 if late else 1)
+        assert fixed["a_status"] == "FINISHED_ERROR"
+        assert fixed["a_cpu_blocks"] == [1, None, None, None]
+        assert list(fixed["loads"][0].values()) == [1]
+        return
+    assert "crash" not in bug and bug["free"] == (15, 15)
+    assert bug["a_status"] == "RUNNING"
+    assert bug["a_cpu_blocks"][:num_stored] == list(range(1, num_stored + 1))
+    assert None not in bug["a_cpu_blocks"]
+    assert list(bug["loads"][0].values()) == [1, 2, 3]
+    assert fixed["a_cpu_blocks"][:2] == [1, None] and None not in fixed["a_cpu_blocks"][2:]
+    assert list(fixed["loads"][0].values()) == [1]
