@@ -3529,7 +3529,7 @@ _README_QUOTED = {
     "112": "the report: '112 of 217' blocks on CPU", "217": "the report: '112 of 217'",
     # a full run on the development machine (no GPU, no vLLM): pytest's last line and -rs;
     # test_readme_numbers_match_the_code derives the collected total and the GPU count
-    "284": "passed", "138": "skipped", "119": "vLLM's", "118": "No module named vllm",
+    "285": "passed", "138": "skipped", "119": "vLLM's", "118": "No module named vllm",
 }
 _README_SOURCES = ("VLLM_CPU_HIT_CASES", "test_real_vllm_hybrid_one_step_prompt",
                    "test_real_vllm_mamba_align_one_chunk_prompt",
@@ -3612,6 +3612,18 @@ def test_readme_numbers_match_the_code(executed_notebook):
     small = [ko.run_story(ko.SimpleCPUOffloadScheduler, 100, max_num_batched_tokens=budget,
                           num_cpu_blocks=5)["cpu_hit_tokens"] for budget in (1024, 32)]
     assert (f"the fix loads {small[0]} tokens; in chunks of 32 tokens: {small[1]}" in flat), small
+
+
+def test_readme_fits_and_its_first_screen_says_what_and_how():
+    """The README is at most 300 lines, and its first 20 (one screen) say what this is, both bugs,
+    the picture and every command: install, the demo, the tests, the notebook."""
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 300, len(lines)
+    screen = "\n".join(lines[:20])
+    for needed in ["**registration**", "**final flush**", "assets/headline.png",
+                   "pip install -r requirements.txt", "python kv_offload.py", "python -m pytest",
+                   "jupyter lab walkthrough.ipynb", "--execute walkthrough.ipynb"]:
+        assert needed in screen, needed
 
 
 def test_help_answers_before_torch_loads():
