@@ -43,7 +43,39 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any, NewType
 
-import torch
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (section 10's `main`), parsed before torch loads: --help and a bad flag
+    answer at once. The numbers below are section 10's defaults (a test holds them equal)."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0].strip() + "\n\n"
+        "With no flag, the demo: request A runs a prompt (blocks of 16 tokens, 1,024 tokens a\n"
+        "step, one output token), the GPU prefix cache is dropped, request B repeats the prompt.\n"
+        "Per configuration, vLLM 0.29's code beside the fix (and, in the small-pool row, the\n"
+        "prefix-aware class, not in vLLM): MiB stored to CPU / tokens B loaded from CPU.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bench", action="store_true",
+                        help="time the copy worker against one plain copy of the same bytes, on "
+                        "CPU and, when torch sees one, on CUDA; prints a row per measurement")
+    parser.add_argument("--gpu-check", action="store_true",
+                        help="on a CUDA machine: every CUDA test case, 200 random schedules on "
+                        "CUDA (fuzz seed 20261204, or $KV_OFFLOAD_FUZZ_SEED), then the CUDA copy "
+                        "bench; stops after 360 s; last line GPU CHECK: PASS or FAIL, exit status "
+                        "0 only on PASS")
+    parser.add_argument("--prompt-tokens", type=int, default=8192, metavar="N",
+                        help="tokens of the chunked prompt and of the small-pool row, whose CPU "
+                        "pool holds 7/8 of the prompt's blocks of 16; the one-step row keeps "
+                        "1,000 tokens (default: %(default)s; at least 48)")
+    args = parser.parse_args(argv)
+    if args.prompt_tokens < 48:  # the small pool (7/8 of the prompt's blocks) needs 2 blocks
+        parser.error(f"--prompt-tokens {args.prompt_tokens}: at least 48 (three blocks of 16)")
+    return args
+
+
+if __name__ == "__main__":
+    _parse_args(sys.argv[1:])  # --help or a bad flag exits here, before torch is imported
+
+import torch  # noqa: E402 - after the command line's check (torch takes seconds to import)
 
 logger = logging.getLogger(__name__)
 
@@ -3076,13 +3108,7 @@ def gpu_check(fuzz_examples: int = 200, limit_s: float = GPU_CHECK_LIMIT_S) -> i
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bench", action="store_true", help="the worker against a plain copy")
-    parser.add_argument("--gpu-check", action="store_true", help="the CUDA tests, fuzz, bench")
-    parser.add_argument("--prompt-tokens", type=int, default=8192, help="the demo's prompt")
-    args = parser.parse_args(argv)
-    if args.prompt_tokens < 48:  # the small pool (7/8 of the prompt's blocks) needs 2 blocks
-        parser.error(f"--prompt-tokens {args.prompt_tokens}: at least 48 (three blocks of 16)")
+    args = _parse_args(argv)  # defined before `import torch`, at the top
     if args.gpu_check:
         raise SystemExit(gpu_check())
     if args.bench:
