@@ -994,6 +994,46 @@ def find_longest_cache_hit(block_hashes: BlockHashList, max_length: int,
     return computed_blocks, hit_length
 
 
+class CPUKVCacheCoordinator:  # not in vLLM: a stand-in for vLLM's KV-cache coordinator
+    """What the CPU tier asks of vLLM's KV-cache coordinator (kv_cache_coordinator.py), for
+    full-attention groups: its pool, its groups' block sizes, the prefix a group may cache, and
+    the cache hit that holds in every group."""
+
+    def __init__(self, num_blocks: int, group_block_sizes: list[int], hash_block_size: int,
+                 scheduler_block_size: int):
+        self.block_pool = BlockPool(num_blocks, True, hash_block_size)
+        self.group_block_sizes = list(group_block_sizes)
+        self.scheduler_block_size = scheduler_block_size
+        # groups of one block size are looked up together (vLLM's SpecGroup); dict keeps order
+        self._group_ids_by_block_size: dict[int, list[int]] = {}
+        for g, size in enumerate(self.group_block_sizes):
+            self._group_ids_by_block_size.setdefault(size, []).append(g)
+
+    def get_num_cacheable_tokens(self, num_computed_tokens: int, kv_cache_group_id: int) -> int:
+        """The prefix eligible for hashing: a hybrid coordinator's is scheduler-block aligned."""
+        if len(self.group_block_sizes) > 1:
+            return num_computed_tokens - num_computed_tokens % self.scheduler_block_size
+        return num_computed_tokens
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+                               ) -> tuple[tuple[list[KVCacheBlock], ...], int, int]:
+        """(hit blocks per group, hit tokens, 0): the hit every group holds. For full attention
+        one pass is the fixed point vLLM's hybrid coordinator loops to; the third value (a
+        sparse-retention group's uncached shared prefix) is always 0 here."""
+        hits: list[list[KVCacheBlock]] = [[] for _ in self.group_block_sizes]
+        hit_length = max_cache_hit_length
+        for size, group_ids in self._group_ids_by_block_size.items():
+            blocks, hit_length = find_longest_cache_hit(
+                block_hashes, hit_length, group_ids, self.block_pool, size,
+                alignment_tokens=self.scheduler_block_size)
+            for g, group_blocks in zip(group_ids, blocks):
+                hits[g] = group_blocks
+        # trim the groups looked up before the cap fell
+        for g, size in enumerate(self.group_block_sizes):
+            del hits[g][cdiv(hit_length, size):]
+        return tuple(hits), hit_length, 0
+
+
 # -----------------------------------------------------------------------------
 # 3. Connector messages (scheduler <-> worker)
 
@@ -1160,16 +1200,11 @@ class SimpleCPUOffloadScheduler:
         # counts the CPU pool's null block
         # not in vLLM: vLLM derives it from the config
         self.num_cpu_blocks = num_cpu_blocks
-        # not in vLLM: vLLM's cpu_coordinator (left out) holds the sizes and the pool
-        self.group_block_sizes = list(group_block_sizes)
-        # not in vLLM
-        self.cpu_block_pool = BlockPool(num_cpu_blocks, True, hash_block_size)
-        # not in vLLM: groups of one block size are looked up together (vLLM's coordinator)
-        self._group_ids_by_block_size: dict[int, list[int]] = {}
-        # not in vLLM: the same
-        for g, size in enumerate(self.group_block_sizes):
-            # not in vLLM
-            self._group_ids_by_block_size.setdefault(size, []).append(g)
+        # not in vLLM: vLLM builds its coordinator from the CPU KV-cache config
+        self.cpu_coordinator = CPUKVCacheCoordinator(
+            num_cpu_blocks, group_block_sizes, hash_block_size, self.block_size)
+        self.group_block_sizes = self.cpu_coordinator.group_block_sizes
+        self.cpu_block_pool: BlockPool = self.cpu_coordinator.block_pool
         # GPU block pool reference - bound after scheduler builds kv_cache_manager
         self._gpu_block_pool: BlockPool | None = None
 
@@ -1224,23 +1259,6 @@ class SimpleCPUOffloadScheduler:
             f"{self.hash_block_size}")
         self._gpu_block_pool = gpu_block_pool
 
-    def _find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_length: int
-                                ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        """not in vLLM: vLLM's cpu_coordinator.find_longest_cache_hit; for full attention, one
-        pass is the fixed point its hybrid coordinator loops to."""
-        hits: list[list[KVCacheBlock]] = [[] for _ in self.group_block_sizes]
-        hit_length = max_length
-        for size, group_ids in self._group_ids_by_block_size.items():
-            blocks, hit_length = find_longest_cache_hit(block_hashes, hit_length, group_ids,
-                                                        self.cpu_block_pool, size,
-                                                        alignment_tokens=self.block_size)
-            for g, group_blocks in zip(group_ids, blocks):
-                hits[g] = group_blocks
-        # trim the groups looked up before the cap fell
-        for g, size in enumerate(self.group_block_sizes):
-            del hits[g][cdiv(hit_length, size):]
-        return tuple(hits), hit_length
-
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         """Return (num_new_tokens, is_async) from consecutive CPU cache hits."""
@@ -1275,8 +1293,9 @@ class SimpleCPUOffloadScheduler:
         max_hit_len = request.num_tokens - 1 - num_computed_tokens
         if max_hit_len <= 0:
             return 0, False
-        # not in vLLM: vLLM asks self.cpu_coordinator (left out; its third value is unused)
-        cpu_hit_blocks, hit_length = self._find_longest_cache_hit(remaining_hashes, max_hit_len)
+        cpu_hit_blocks, hit_length, _ = self.cpu_coordinator.find_longest_cache_hit(
+            remaining_hashes, max_hit_len
+        )
 
         if hit_length > 0:
             pin_blocks = [
@@ -1315,8 +1334,9 @@ class SimpleCPUOffloadScheduler:
         if num_local_tokens := self._pending_local_hits.pop(req_id, None):  # vLLM 0.34
             # Eager CPU is inclusive: a GPU prefix hit also uses the CPU copy,
             # but eager stores skip it, so move it to the MRU end here.
-            # not in vLLM: vLLM asks self.cpu_coordinator (left out)
-            prefix_hit, _ = self._find_longest_cache_hit(request.block_hashes, num_local_tokens)
+            prefix_hit, _, _ = self.cpu_coordinator.find_longest_cache_hit(
+                request.block_hashes, num_local_tokens
+            )
             prefix_blocks = [b for grp in prefix_hit for b in grp if not b.is_null]  # vLLM 0.34
             # not in vLLM: a hook (vLLM's touch, then free_blocks of the reversed blocks)
             self._refresh_cpu_lru(prefix_blocks)
@@ -1557,6 +1577,7 @@ class SimpleCPUOffloadScheduler:
 
         # Completion tracking is set-based, so keep one request ID.
         req_ids = list(dict.fromkeys(req_ids))
+        # not in vLLM: no event metadata (vLLM's fourth value)
         return merged_gpu_block_ids, merged_cpu_block_ids, req_ids
 
     def _cached_gpu_block(self, resolved_hashes: Sequence[bytes], block_idx: int,  # vLLM 0.30
@@ -1589,14 +1610,10 @@ class SimpleCPUOffloadScheduler:
             if len(gpu_block_ids) >= num_free:
                 break
             group_size = self.group_block_sizes[g]
-            # Mimic the GPU KV cache manager's cacheable prefix (vLLM 0.32: its coordinator's
-            # get_num_cacheable_tokens, left out; for full attention, hybrid models align it)
-            # not in vLLM
-            cacheable_tokens = confirmed_tokens
-            # not in vLLM
-            if len(self.group_block_sizes) > 1:
-                # not in vLLM
-                cacheable_tokens -= confirmed_tokens % self.block_size
+            # Mimic the GPU KV cache manager's cacheable prefix.
+            cacheable_tokens = self.cpu_coordinator.get_num_cacheable_tokens(  # vLLM 0.32
+                confirmed_tokens, g
+            )
             cacheable_tokens = min(  # vLLM 0.34
                 cacheable_tokens, len(request.block_hashes) * self.hash_block_size
             )
