@@ -994,15 +994,28 @@ def find_longest_cache_hit(block_hashes: BlockHashList, max_length: int,
     return computed_blocks, hit_length
 
 
+def check_block_sizes(block_size: int, hash_block_size: int,  # not in vLLM: a person's sizes
+                      group_block_sizes: list[int] | None) -> None:
+    """Sizes that do not nest would key blocks wrongly: a ValueError naming them (vLLM derives
+    the sizes from its config, and its coordinator asserts they nest)."""
+    group_block_sizes = group_block_sizes or [block_size]
+    nested = all(size % hash_block_size == 0 for size in group_block_sizes)
+    if not nested or block_size != math.lcm(*group_block_sizes):
+        raise ValueError(f"block sizes must nest: hash_block_size ({hash_block_size}) must "
+                         f"divide every group block size ({group_block_sizes}), and "
+                         f"block_size ({block_size}) must be their LCM")
+
+
 class CPUKVCacheCoordinator:  # not in vLLM: a stand-in for vLLM's KV-cache coordinator
     """What the CPU tier asks of vLLM's KV-cache coordinator (kv_cache_coordinator.py), for
     full-attention groups: its pool, its groups' block sizes, the prefix a group may cache, and
     the cache hit that holds in every group."""
 
-    def __init__(self, num_blocks: int, group_block_sizes: list[int], hash_block_size: int,
-                 scheduler_block_size: int):
+    def __init__(self, num_blocks: int, group_block_sizes: list[int] | None,
+                 hash_block_size: int, scheduler_block_size: int):
         self.block_pool = BlockPool(num_blocks, True, hash_block_size)
-        self.group_block_sizes = list(group_block_sizes)
+        # one group by default
+        self.group_block_sizes = list(group_block_sizes or [scheduler_block_size])
         self.scheduler_block_size = scheduler_block_size
         # groups of one block size are looked up together (vLLM's SpecGroup); dict keeps order
         self._group_ids_by_block_size: dict[int, list[int]] = {}
@@ -1182,16 +1195,8 @@ class SimpleCPUOffloadScheduler:
         # not in vLLM: the sizes are arguments (vLLM derives them from its config objects)
         if hash_block_size is None:
             hash_block_size = block_size
-        # not in vLLM: one group by default
-        if group_block_sizes is None:
-            group_block_sizes = [block_size]
-        # not in vLLM: sizes that do not nest would key blocks wrongly
-        nested = all(size % hash_block_size == 0 for size in group_block_sizes)
-        # not in vLLM
-        if not nested or block_size != math.lcm(*group_block_sizes):
-            raise ValueError(f"block sizes must nest: hash_block_size ({hash_block_size}) must "
-                             f"divide every group block size ({group_block_sizes}), and "
-                             f"block_size ({block_size}) must be their LCM")
+        # not in vLLM: a person's sizes, checked before vLLM's assert below
+        check_block_sizes(block_size, hash_block_size, group_block_sizes)
         # the scheduler block size: loads start on its multiples
         # not in vLLM: vLLM's argument is scheduler_block_size
         self.block_size = block_size
