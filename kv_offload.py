@@ -32,6 +32,7 @@ import itertools
 import logging
 import math
 import os
+import random
 import struct
 import subprocess
 import sys
@@ -1924,14 +1925,17 @@ class MiniEngine:
         worker_meta = None
         for w in self.workers:
             w.wait_for_save()  # stores read blocks confirmed by earlier steps (and finish flushes)
-            self._recving_counts.update(w.get_finished(set())[1] or ())
+            # sorted: a set's order follows PYTHONHASHSEED, and the order of completions
+            # decides the order of CPU frees, so eviction (not in vLLM: deterministic)
+            self._recving_counts.update(sorted(w.get_finished(set())[1] or ()))
             this_worker_meta = w.build_connector_worker_meta()
             if worker_meta is not None and this_worker_meta is not None:
                 this_worker_meta = worker_meta.aggregate(this_worker_meta)
             worker_meta = this_worker_meta or worker_meta
             w.clear_connector_metadata()
-        # a load is done once every worker (TP rank) reported it (vLLM's KVOutputAggregator)
-        finished_recving = {r for r, n in self._recving_counts.items() if n == len(self.workers)}
+        # a load is done once every worker (TP rank) reported it (vLLM's KVOutputAggregator); a
+        # list, in report order (not in vLLM: a set): the connector frees CPU blocks in its order
+        finished_recving = [r for r, n in self._recving_counts.items() if n == len(self.workers)]
         for req_id in finished_recving:
             del self._recving_counts[req_id]
         # as vLLM's update_from_output: finished requests first, then the completions
@@ -2061,6 +2065,198 @@ def run_rotation(num_prompts: int = 3, prompt_blocks: int = 64, num_cpu_blocks: 
     return dict(cpu_hit_tokens_per_round=loaded_per_round,
                 ideal_tokens_per_round=ideal_blocks * block_size,
                 kv_exact=kv_exact, all_free=gpu_all_free and cpu_all_free)
+
+
+WORKLOAD_FAMILIES = ("chat", "tree", "rag", "recency", "rotation")
+
+
+def workload_prompts(family: str, seed: int = 0, block_size: int = 4) -> list[list[int]]:
+    """A family's request stream, in arrival order; a segment is n blocks and a partial one.
+    chat: 4 users round-robin, 4 turns each, a shared 6-block system prompt; a turn extends the
+    user's last prompt by a response and a new message. tree: a shared 8-block few-shot prefix,
+    then a binary tree of thoughts 3 deep, expanded breadth first. rag: a 2-block system prompt,
+    one of 6 documents of 8 blocks (Zipf-popular), a question. recency: 70% of the requests
+    extend one of the last 3 prompts, the rest start afresh. rotation: 3 prompts, 4 rounds."""
+    rng = random.Random(seed)
+
+    def segment(num_blocks: int) -> list[int]:
+        num_tokens = num_blocks * block_size + rng.randrange(block_size)
+        return [rng.randrange(ToyModel.VOCAB_SIZE) for _ in range(num_tokens)]
+
+    prompts: list[list[int]] = []
+    if family == "chat":
+        histories = [segment(6)] * 4
+        for _turn, user in itertools.product(range(4), range(4)):
+            prompts.append(histories[user] + segment(2))
+            histories[user] = prompts[-1] + segment(2)
+    elif family == "tree":
+        frontier = [segment(8)]
+        for _depth in range(3):
+            frontier = [node + segment(2) for node in frontier for _branch in range(2)]
+            prompts.extend(frontier)
+    elif family == "rag":
+        system = segment(2)
+        documents = [segment(8) for _ in range(6)]
+        zipf_weights = [1 / (rank + 1) for rank in range(6)]
+        for _ in range(20):
+            document = rng.choices(documents, zipf_weights)[0]
+            prompts.append(system + document + segment(1))
+    elif family == "recency":
+        for _ in range(20):
+            if prompts and rng.random() < 0.7:
+                prompts.append(rng.choice(prompts[-3:]) + segment(1))
+            else:
+                prompts.append(segment(6))
+    elif family == "rotation":
+        prompts = [segment(12) for _ in range(3)] * 4
+    else:
+        raise ValueError(f"family {family!r}: one of {WORKLOAD_FAMILIES}")
+    return prompts
+
+
+def run_workload(prompts: list[list[int]], num_cpu_blocks: int, scheduler_cls: type,
+                 concurrency: int = 1, block_size: int = 4) -> dict:
+    """The prompts in batches of `concurrency` (all of a batch admitted in one step), the GPU
+    prefix cache dropped before each batch: tokens each request loaded from CPU, and checks."""
+    max_blocks = max(len(p) for p in prompts) // block_size + 2
+    num_gpu_blocks = concurrency * max_blocks + 1
+    model = ToyModel(num_layers=1, num_kv_heads=1, head_dim=4)  # small: the manager is measured
+    connector = scheduler_cls(num_cpu_blocks, block_size)
+    engine = MiniEngine(num_gpu_blocks, block_size, num_gpu_blocks * block_size, model, connector,
+                        SimpleCPUOffloadWorker(num_cpu_blocks), capture_kv=True)
+    loaded: list[int] = []
+    kv_exact = True
+    for first in range(0, len(prompts), concurrency):
+        assert engine.reset_gpu_prefix_cache(), "GPU blocks still in use after run()"
+        batch = {f"r{first + j}": p for j, p in enumerate(prompts[first:first + concurrency])}
+        for req_id, prompt in batch.items():
+            engine.add_request(Request(req_id, prompt, block_size))
+        stats = engine.run()
+        for req_id, prompt in batch.items():
+            loaded.append(stats[req_id].cpu_hit_tokens)
+            kv_exact = kv_exact and torch.equal(stats[req_id].kv, model.expected_kv(prompt))
+    cpu_all_free = connector.cpu_block_pool.get_num_free_blocks() == num_cpu_blocks - 1
+    return dict(loaded=loaded, kv_exact=kv_exact, all_free=cpu_all_free)
+
+
+def _max_weight_intervals(num_points: int, intervals: Counter, capacity: int) -> int:
+    """The largest total weight of intervals [s, t) that cover no point more than `capacity`
+    times: a min-cost flow of `capacity` units from point 0 to the last along a line, each
+    interval a shortcut of cost -w (a unit of flow is one cache slot over time). Successive
+    shortest paths (Bellman-Ford: the costs are negative); a few dozen points: fast."""
+    # graph[u]: edges [to, residual capacity, cost, index of the reverse edge in graph[to]]
+    graph: list[list[list[int]]] = [[] for _ in range(num_points)]
+    line = [(p, p + 1, capacity, 0) for p in range(num_points - 1)]
+    shortcuts = [(s, t, n, -w) for (s, t, w), n in intervals.items()]
+    for u, v, cap, cost in line + shortcuts:
+        graph[u].append([v, cap, cost, len(graph[v])])
+        graph[v].append([u, 0, -cost, len(graph[u]) - 1])
+    total = 0
+    flow = 0
+    sink = num_points - 1
+    while flow < capacity:
+        dist = [0] + [math.inf] * sink
+        via: list[tuple[int, int] | None] = [None] * num_points
+        changed = True
+        while changed:
+            changed = False
+            for u in range(num_points):
+                for i, (v, cap, cost, _) in enumerate(graph[u]):
+                    if cap and dist[u] + cost < dist[v]:
+                        dist[v] = dist[u] + cost
+                        via[v] = (u, i)
+                        changed = True
+        if dist[sink] >= 0:  # no interval left that pays: the rest of the flow takes the line
+            break
+        path = []
+        v = sink
+        while v:
+            u, i = via[v]
+            path.append(graph[u][i])
+            v = u
+        push = min([capacity - flow] + [edge[1] for edge in path])
+        for edge in path:
+            edge[1] -= push
+            graph[edge[0]][edge[3]][1] += push
+        flow += push
+        total -= push * dist[sink]
+    return total
+
+
+def workload_optimum(prompts: list[list[int]], num_cpu_blocks: int, concurrency: int = 1,
+                     block_size: int = 4) -> tuple[int, int]:
+    """(the offline optimum, the reusable tokens): the most tokens any CPU policy can load over
+    the stream run as run_workload runs it, and what an unbounded pool loads.
+    Why it bounds every online policy: the lookups of batch t see the CPU cache S(t-1) left by
+    the batches before; S(t) holds at most num_cpu_blocks - 1 blocks, each kept from S(t-1) or
+    stored by batch t, so a block batch t loads was in the cache without a break since the last
+    batch s < t that could store it. A loaded block is thus one interval [s, t) of one slot,
+    worth the requests of t that load it (at most those whose hit cap covers it); no point of
+    time is covered more often than the pool has slots. Dropping the rule that a hit is a
+    prefix (a lookup stops at its first miss) only adds choices: the interval optimum is an
+    upper bound. It is reached when requests run one at a time: a block's parent is wanted
+    whenever the block is, so the intervals chosen can keep every kept block's parent too
+    (tests check it against brute force on small streams)."""
+    hashes = [Request("", p, block_size).block_hashes for p in prompts]
+    last_stored: dict[bytes, int] = {}
+    intervals: Counter = Counter()
+    num_batches = cdiv(len(prompts), concurrency)
+    for batch in range(num_batches):
+        members = range(batch * concurrency, min(len(prompts), (batch + 1) * concurrency))
+        hits: Counter = Counter()
+        for i in members:
+            hits.update(hashes[i][:(len(prompts[i]) - 1) // block_size])
+        for key, weight in hits.items():
+            if key in last_stored:
+                intervals[(last_stored[key], batch, weight)] += 1
+        for i in members:
+            last_stored.update(dict.fromkeys(hashes[i], batch))
+    reusable = sum(w * n for (_s, _t, w), n in intervals.items())
+    optimum = _max_weight_intervals(num_batches, intervals, num_cpu_blocks - 1)
+    return optimum * block_size, reusable * block_size
+
+
+def workload_pool_sizes(prompts: list[list[int]], block_size: int = 4) -> list[int]:
+    """CPU pools (num_cpu_blocks, the null block counted) from half a prompt to the working set
+    (every distinct block the stream stores): half and all of the longest prompt, 1/4, 1/2, 3/4
+    and all of the working set."""
+    max_blocks = max(len(p) for p in prompts) // block_size
+    working_set = {h for p in prompts for h in Request("", p, block_size).block_hashes}
+    ws = len(working_set)
+    usable = [max_blocks // 2, max_blocks, ws // 4, ws // 2, ws * 3 // 4, ws]
+    return sorted({n + 1 for n in usable})
+
+
+def workload_table(families: Sequence[str] = WORKLOAD_FAMILIES,
+                   concurrencies: Sequence[int] = (1, 4)) -> list[dict]:
+    """Per family, batch size and pool: tokens loaded from CPU per request under vLLM's LRU (the
+    fixed class), the prefix-aware policy and the offline optimum, and what an unbounded pool
+    loads (the reusable tokens); printed as measured and returned. Goal: the policy never below
+    LRU and at least 90% of the optimum (KV exact and every pool free, asserted)."""
+    print(f"{'family':9}{'batch':>6}{'pool':>6}{'LRU':>8}{'policy':>8}{'optimum':>9}"
+          f"{'reusable':>10}  tokens loaded from CPU per request; policy / optimum", flush=True)
+    rows = []
+    for family, concurrency in itertools.product(families, concurrencies):
+        prompts = workload_prompts(family)
+        for num_cpu_blocks in workload_pool_sizes(prompts):
+            row: dict[str, Any] = dict(family=family, concurrency=concurrency,
+                                       num_cpu_blocks=num_cpu_blocks)
+            for name, cls in (("lru", SimpleCPUOffloadScheduler),
+                              ("policy", PrefixAwareCPUOffloadScheduler)):
+                run = run_workload(prompts, num_cpu_blocks, cls, concurrency)
+                assert run["kv_exact"] and run["all_free"], (family, num_cpu_blocks, name)
+                row[name] = sum(run["loaded"]) / len(prompts)
+            optimum, reusable = workload_optimum(prompts, num_cpu_blocks, concurrency)
+            row["optimum"] = optimum / len(prompts)
+            row["reusable"] = reusable / len(prompts)
+            row["goal"] = row["policy"] >= row["lru"] and row["policy"] >= 0.9 * row["optimum"]
+            share = row["policy"] / row["optimum"] if optimum else 1.0
+            verdict = "goal met" if row["goal"] else "gap"
+            print(f"{family:9}{concurrency:>6}{num_cpu_blocks:>6}{row['lru']:>8.1f}"
+                  f"{row['policy']:>8.1f}{row['optimum']:>9.1f}{row['reusable']:>10.1f}"
+                  f"  {share:.0%} {verdict}", flush=True)
+            rows.append(row)
+    return rows
 
 
 def offload_prompt(scheduler: SimpleCPUOffloadScheduler, prompt: list[int], block_size: int,

@@ -3760,7 +3760,8 @@ class FaultyConnector(FaultProxy):
                 due.insert(self._rel_rng.randint(0, len(due)), m)
                 self._rel_log.duplicate_reports += 1
         loads_first = not self._rel_faults.split or self._rel_rng.random() < 0.5
-        loads = ko.KVConnectorOutput(set(connector_output.finished_recving))
+        # a list: the connector frees in this order (a set's follows PYTHONHASHSEED)
+        loads = ko.KVConnectorOutput(list(connector_output.finished_recving))
         if loads_first:
             self._rel_inner.update_connector_output(loads)
         for m in due:
