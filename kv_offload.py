@@ -1472,13 +1472,19 @@ def _move_run_before(first: KVCacheBlock, last: KVCacheBlock, anchor: KVCacheBlo
 
 
 class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
-    """not in vLLM. A store never evicts the prefix it extends (judged by the hash chain), and
-    the CPU pool evicts a chain's children before its parents (among chains, LRU). vLLM's LRU
-    evicts a chain's root first, stranding every block after it: a pool a block smaller than a
-    prompt serves nothing; here n blocks serve n - 1. How: each CPU block records its parent's
-    key; a freed run goes just ahead of its parent, O(1) a block. Limits: sibling branches,
-    duplicate copies, late store reports and a lookup after a GPU hit (it pins a child, not its
-    parent) can still put a parent first; prompts in rotation that outgrow the pool still clash."""
+    """not in vLLM. A store never evicts the prefix it extends (judged by the hash chain), nor
+    the parent of a copy in flight, and the CPU pool evicts a chain's children before its
+    parents. vLLM's LRU evicts a chain's root first, stranding every block after it: a pool a
+    block smaller than a prompt serves nothing; here n blocks serve n - 1. How: each CPU block
+    records its parent's key; a freed run goes just ahead of its parent, O(1) a block.
+    Among chains, LRU, except that a store stops short of a block predicted to be used again
+    before the chain it stores: a block's next use is its last one plus the gap between its
+    last two (a tick: a store selection turning to another request); a chain's, its cached
+    parent's, or its evicted key's gap (a short memory of evicted keys, twice the pool). So
+    prompts in rotation keep a share each where LRU keeps none. Limits (workload_table
+    measures them): a chain used once is stored as by LRU; sibling branches, duplicate copies
+    and a lookup after a GPU hit (it pins a child, not its parent) can still put a parent
+    first; a prediction made on one reuse can keep a block that is never used again."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -1486,11 +1492,27 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         self._cpu_parent_keys: list[bytes | None] = [None] * self.num_cpu_blocks
         # CPU block id -> the roots of runs freed while it was in use: they wait for it
         self._waiting_runs: dict[int, list[KVCacheBlock]] = {}
+        # the clock: one tick per store selection (a request's step); CPU block id -> the tick
+        # of its last use (-1 - tick: stored at tick, not registered yet) and the ticks between
+        # its last two uses (None: used once); evicted keys -> their last use, oldest first
+        self._clock = 0
+        self._clock_state: StoreRequestState | None = None
+        self._last_use = [0] * self.num_cpu_blocks
+        self._reuse_gap: list[int | None] = [None] * self.num_cpu_blocks
+        self._evicted_last_use: dict[bytes, int] = {}
+        # parent key -> its children whose stores are in flight: the parent must stay
+        self._in_flight_children: Counter[bytes] = Counter()
 
     def _allocate_cpu_blocks(self, gpu_block_ids: list[int], request: Request
                              ) -> list[KVCacheBlock]:
         """Also record each destination's parent key: the previous source's in a run of one
         group, else cache_full_blocks' formula. Bound locals: this is the store path's loop."""
+        evicted = self._evicted_last_use
+        victim = self.cpu_block_pool.free_block_queue.fake_free_list_head.next_free_block
+        for _ in gpu_block_ids:
+            if victim.block_hash is not None:
+                evicted[victim.block_hash] = self._last_use[victim.block_id]
+            victim = victim.next_free_block
         cpu_blocks = super()._allocate_cpu_blocks(gpu_block_ids, request)
         assert self._gpu_block_pool is not None
         gpu_blocks = self._gpu_block_pool.blocks
@@ -1514,7 +1536,19 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
                 parent_keys[cpu_block.block_id] = parent_key
             else:
                 parent_keys[cpu_block.block_id] = None  # a chain's root
+            # stored again after an eviction: a reuse, whose gap predicts the next one
+            last_use = evicted.pop(gpu_block.block_hash, None)
+            self._reuse_gap[cpu_block.block_id] = None
+            if last_use is not None:
+                self._reuse_gap[cpu_block.block_id] = self._clock - last_use
+            # negative until the copy registers: the request's use, not one yet
+            self._last_use[cpu_block.block_id] = -1 - self._clock
+            if parent_keys[cpu_block.block_id] is not None:
+                self._in_flight_children[parent_keys[cpu_block.block_id]] += 1
             prev_block = gpu_block
+        # a short memory: as many evicted keys as the pool has blocks, twice
+        while len(evicted) > 2 * self.num_cpu_blocks:
+            del evicted[next(iter(evicted))]
         return cpu_blocks
 
     def _num_free_for_store(self, state: StoreRequestState) -> int:
@@ -1525,16 +1559,48 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         cursors = zip(state.block_ids, state.num_stored_blocks)
         num_wanted = sum(len(ids) - num_stored for ids, num_stored in cursors)
         num_free = self.cpu_block_pool.get_num_free_blocks()
+        if state is not self._clock_state:  # another request's selection: one tick
+            self._clock += 1
+            self._clock_state = state
+        incoming_reuse = self._predicted_reuse(state)
         block = self.cpu_block_pool.free_block_queue.fake_free_list_head.next_free_block
         for i in range(min(num_free, num_wanted)):
             key = block.block_hash
             num_tokens = block.block_hash_num_tokens
+            gap = self._reuse_gap[block.block_id]
+            # a block due again (not overdue) before the chain stored here is kept: stop short
+            last_use = self._last_use[block.block_id]
+            if key is not None and gap is not None and incoming_reuse is not None and (
+                    self._clock <= last_use + gap + 1 and last_use + gap < incoming_reuse):
+                return i
+            # the parent of a copy in flight: evicting it would orphan the copy when it lands
+            if key in self._in_flight_children:
+                return i
             if key is not None and num_tokens is not None:
                 fine_idx = num_tokens // self.hash_block_size - 1
                 if fine_idx < len(block_hashes) and key.startswith(block_hashes[fine_idx]):
                     return i
             block = block.next_free_block
         return num_free
+
+    def _predicted_reuse(self, state: StoreRequestState) -> int | None:
+        """The tick at which the chain `state` stores is predicted to be used again: by the
+        gap since its first uncached block was evicted, else by the reuse gap of the cached
+        block before it; None when neither was ever reused (a new chain: stored as by LRU)."""
+        request = state.request
+        scale = self.group_block_sizes[0] // self.hash_block_size
+        num_blocks = len(request.block_hashes) // scale
+        gap = None
+        for i in range(max(state.num_stored_blocks[0] - 1, 0), num_blocks):
+            key = make_block_hash_with_group_id(request.block_hashes[(i + 1) * scale - 1], 0)
+            block = self.cpu_block_pool.cached_block_hash_to_block.get_one_block(key)
+            if block is None:
+                last_use = self._evicted_last_use.get(key)
+                if last_use is not None and gap is None:
+                    gap = self._clock - last_use
+                break
+            gap = self._reuse_gap[block.block_id]
+        return None if gap is None else self._clock + gap
 
     def _refresh_cpu_lru(self, prefix_blocks: list[KVCacheBlock]) -> None:
         """Touch, then free in prefix order: the run placement puts the leaves first."""
@@ -1554,6 +1620,13 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, f"block {block.block_id} is freed twice"
             block_hash = block.block_hash
+            # a use ends (a hit, a GPU hit's refresh), or a store registers (not a use)
+            last_use = self._last_use[block.block_id]
+            if not block.ref_cnt and last_use < 0:
+                self._land_store(block)
+            elif not block.ref_cnt and block_hash is not None and last_use < self._clock:
+                self._reuse_gap[block.block_id] = self._clock - last_use
+                self._last_use[block.block_id] = self._clock
             if block.ref_cnt or block_hash is None:
                 if block_hash is None and not block.ref_cnt:
                     unhashed.append(block)
@@ -1572,6 +1645,15 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
             self._place_cpu_run(run)
         unhashed.reverse()  # as free_blocks(reversed(blocks)) would prepend them
         self.cpu_block_pool.free_block_queue.prepend_n(unhashed)
+
+    def _land_store(self, block: KVCacheBlock) -> None:
+        """A store's destination is released (registered or abandoned): its parent may go."""
+        self._last_use[block.block_id] = -1 - self._last_use[block.block_id]
+        parent_key = self._cpu_parent_keys[block.block_id]
+        if parent_key is not None:
+            self._in_flight_children[parent_key] -= 1
+            if not self._in_flight_children[parent_key]:
+                del self._in_flight_children[parent_key]
 
     def _place_cpu_run(self, run: list[KVCacheBlock]) -> None:
         """The freed run (root first) joins the back leaf first, runs that waited for it just ahead;

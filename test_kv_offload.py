@@ -1528,18 +1528,32 @@ def test_prefix_aware_eviction_ramp_at_448_blocks():
 
 def test_prefix_aware_eviction_rotation():
     """Not in vLLM. 3 prompts of 64 blocks round-robin through a 160-block pool (159 usable;
-    ideal 159 blocks a round = 2544 tokens). On, by hand: each request finds its first
-    159 - 2 * 64 = 31 blocks (the other two prompts are whole: they were stored since), loads
-    them and stores its other 33 blocks by evicting the tail of the least recently used chain
-    down to 31: from round 2 on, 3 * 31 * 16 = 1488 tokens a round, over half the ideal. Off
-    (vLLM), the rounds swing, and at least one falls below half of it."""
+    ideal 159 blocks a round = 2544 tokens). On, by hand for round 2: each request finds its
+    first 159 - 2 * 64 = 31 blocks (the other two prompts are whole: they were stored since),
+    loads them and stores its other 33 by evicting the tail of the least recently used chain
+    down to 31: 3 * 31 * 16 = 1488 tokens. Round 2's stores re-store evicted keys, so every
+    block now has a reuse gap (one round); from round 3 a store stops short of a block due
+    again before its own chain, and the pool keeps what the next requests load: 2512 tokens
+    (157 blocks, measured) of the ideal 2544. Off (vLLM), the rounds swing, and at least one
+    falls below half of the ideal. The rule's planted bug (stores never stop short) gives
+    round 2's 1488 in every round."""
     on = ko.run_rotation(num_prompts=3, prompt_blocks=64, num_cpu_blocks=160, rounds=4,
                          scheduler_cls=ko.PrefixAwareCPUOffloadScheduler)
     off = ko.run_rotation(num_prompts=3, prompt_blocks=64, num_cpu_blocks=160, rounds=4)
-    for r in (on, off):
+    planted = ko.run_rotation(num_prompts=3, prompt_blocks=64, num_cpu_blocks=160, rounds=4,
+                              scheduler_cls=_NeverStopsShort)
+    for r in (on, off, planted):
         assert r["kv_exact"] and r["all_free"] and r["ideal_tokens_per_round"] == 2544
-    assert on["cpu_hit_tokens_per_round"] == [0, 1488, 1488, 1488]
+    assert on["cpu_hit_tokens_per_round"] == [0, 1488, 2512, 2512]
+    assert planted["cpu_hit_tokens_per_round"] == [0, 1488, 1488, 1488]
     assert min(off["cpu_hit_tokens_per_round"][1:]) < 2544 // 2
+
+
+class _NeverStopsShort(ko.PrefixAwareCPUOffloadScheduler):
+    """The policy without its reuse prediction: no chain is ever predicted (bug planted)."""
+
+    def _predicted_reuse(self, state):
+        return None
 
 
 def test_prefix_aware_eviction_two_copies_of_one_prompt_in_one_store():
