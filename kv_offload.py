@@ -37,7 +37,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -1499,24 +1499,32 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         self._clock_state: StoreRequestState | None = None
         self._last_use = [0] * self.num_cpu_blocks
         self._reuse_gap: list[int | None] = [None] * self.num_cpu_blocks
-        self._evicted_last_use: dict[bytes, int] = {}
-        # parent key -> its children whose stores are in flight: the parent must stay
-        self._in_flight_children: Counter[bytes] = Counter()
+        self._evicted_last_use: OrderedDict[bytes, int] = OrderedDict()
+        # parent key -> its children whose stores are in flight: the parent must stay. Only a
+        # run's first copy counts (the others' parents are in flight with them): CPU block id
+        # -> its parent key, while in flight
+        self._in_flight_children: dict[bytes, int] = {}
+        self._in_flight_run_parents: dict[int, bytes] = {}
 
     def _allocate_cpu_blocks(self, gpu_block_ids: list[int], request: Request
                              ) -> list[KVCacheBlock]:
         """Also record each destination's parent key: the previous source's in a run of one
         group, else cache_full_blocks' formula. Bound locals: this is the store path's loop."""
         evicted = self._evicted_last_use
+        last_uses = self._last_use
         victim = self.cpu_block_pool.free_block_queue.fake_free_list_head.next_free_block
         for _ in gpu_block_ids:
             if victim.block_hash is not None:
-                evicted[victim.block_hash] = self._last_use[victim.block_id]
+                evicted[victim.block_hash] = last_uses[victim.block_id]
+                evicted.move_to_end(victim.block_hash)
             victim = victim.next_free_block
         cpu_blocks = super()._allocate_cpu_blocks(gpu_block_ids, request)
         assert self._gpu_block_pool is not None
         gpu_blocks = self._gpu_block_pool.blocks
         parent_keys = self._cpu_parent_keys
+        in_flight = self._in_flight_children
+        gaps = self._reuse_gap
+        clock = self._clock
         one_group = len(self.group_block_sizes) == 1
         prev_block = None  # the previous source: in a run of one group, the parent
         for gpu_block_id, cpu_block in zip(gpu_block_ids, cpu_blocks):
@@ -1530,25 +1538,25 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
             if one_group and prev_block is not None and (
                     prev_block.block_hash_num_tokens == parent_num_tokens):
                 parent_keys[cpu_block.block_id] = prev_block.block_hash  # no hashing
-            elif parent_num_tokens > 0:
+            elif parent_num_tokens > 0:  # a run's first copy: its parent may be in the queue
                 parent_fine_idx = parent_num_tokens // self.hash_block_size - 1
                 parent_key = request.block_hashes[parent_fine_idx] + gpu_block.block_hash[-4:]
                 parent_keys[cpu_block.block_id] = parent_key
+                self._in_flight_run_parents[cpu_block.block_id] = parent_key
+                in_flight[parent_key] = in_flight.get(parent_key, 0) + 1
             else:
                 parent_keys[cpu_block.block_id] = None  # a chain's root
             # stored again after an eviction: a reuse, whose gap predicts the next one
             last_use = evicted.pop(gpu_block.block_hash, None)
-            self._reuse_gap[cpu_block.block_id] = None
+            gaps[cpu_block.block_id] = None
             if last_use is not None:
-                self._reuse_gap[cpu_block.block_id] = self._clock - last_use
+                gaps[cpu_block.block_id] = clock - last_use
             # negative until the copy registers: the request's use, not one yet
-            self._last_use[cpu_block.block_id] = -1 - self._clock
-            if parent_keys[cpu_block.block_id] is not None:
-                self._in_flight_children[parent_keys[cpu_block.block_id]] += 1
+            last_uses[cpu_block.block_id] = -1 - clock
             prev_block = gpu_block
         # a short memory: as many evicted keys as the pool has blocks, twice
         while len(evicted) > 2 * self.num_cpu_blocks:
-            del evicted[next(iter(evicted))]
+            evicted.popitem(last=False)
         return cpu_blocks
 
     def _num_free_for_store(self, state: StoreRequestState) -> int:
@@ -1566,17 +1574,20 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         block = self.cpu_block_pool.free_block_queue.fake_free_list_head.next_free_block
         for i in range(min(num_free, num_wanted)):
             key = block.block_hash
-            num_tokens = block.block_hash_num_tokens
-            gap = self._reuse_gap[block.block_id]
-            # a block due again (not overdue) before the chain stored here is kept: stop short
-            last_use = self._last_use[block.block_id]
-            if key is not None and gap is not None and incoming_reuse is not None and (
-                    self._clock <= last_use + gap + 1 and last_use + gap < incoming_reuse):
-                return i
+            if key is None:  # nothing cached in it: free to take
+                block = block.next_free_block
+                continue
             # the parent of a copy in flight: evicting it would orphan the copy when it lands
             if key in self._in_flight_children:
                 return i
-            if key is not None and num_tokens is not None:
+            # a block due again (not overdue) before the chain stored here is kept: stop short
+            gap = self._reuse_gap[block.block_id]
+            due = self._last_use[block.block_id] + (gap or 0)
+            if gap is not None and incoming_reuse is not None and (
+                    self._clock <= due + 1 and due < incoming_reuse):
+                return i
+            num_tokens = block.block_hash_num_tokens
+            if num_tokens is not None:
                 fine_idx = num_tokens // self.hash_block_size - 1
                 if fine_idx < len(block_hashes) and key.startswith(block_hashes[fine_idx]):
                     return i
@@ -1611,6 +1622,10 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         """`blocks` in prefix order: free_blocks' ref drops; each run of hashed blocks reaching
         0 (consecutive, each the child of the one before) is placed by _place_cpu_run."""
         parent_keys = self._cpu_parent_keys
+        last_uses = self._last_use
+        in_flight = self._in_flight_children
+        run_parents = self._in_flight_run_parents
+        clock = self._clock
         unhashed: list[KVCacheBlock] = []
         run: list[KVCacheBlock] = []  # root first
         run_hash = None  # the hash of the run's last (leaf-most) block
@@ -1620,13 +1635,19 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, f"block {block.block_id} is freed twice"
             block_hash = block.block_hash
-            # a use ends (a hit, a GPU hit's refresh), or a store registers (not a use)
-            last_use = self._last_use[block.block_id]
+            # a store's destination lands (or is abandoned): not a use, but its parent may go
+            last_use = last_uses[block.block_id]
             if not block.ref_cnt and last_use < 0:
-                self._land_store(block)
-            elif not block.ref_cnt and block_hash is not None and last_use < self._clock:
-                self._reuse_gap[block.block_id] = self._clock - last_use
-                self._last_use[block.block_id] = self._clock
+                last_uses[block.block_id] = -1 - last_use
+                parent_key = run_parents.pop(block.block_id, None)
+                if parent_key is not None:
+                    num_children = in_flight.pop(parent_key) - 1
+                    if num_children:
+                        in_flight[parent_key] = num_children
+            # a use ends (a hit, a GPU hit's refresh): the gap since the last one
+            elif not block.ref_cnt and block_hash is not None and last_use < clock:
+                self._reuse_gap[block.block_id] = clock - last_use
+                last_uses[block.block_id] = clock
             if block.ref_cnt or block_hash is None:
                 if block_hash is None and not block.ref_cnt:
                     unhashed.append(block)
@@ -1645,15 +1666,6 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
             self._place_cpu_run(run)
         unhashed.reverse()  # as free_blocks(reversed(blocks)) would prepend them
         self.cpu_block_pool.free_block_queue.prepend_n(unhashed)
-
-    def _land_store(self, block: KVCacheBlock) -> None:
-        """A store's destination is released (registered or abandoned): its parent may go."""
-        self._last_use[block.block_id] = -1 - self._last_use[block.block_id]
-        parent_key = self._cpu_parent_keys[block.block_id]
-        if parent_key is not None:
-            self._in_flight_children[parent_key] -= 1
-            if not self._in_flight_children[parent_key]:
-                del self._in_flight_children[parent_key]
 
     def _place_cpu_run(self, run: list[KVCacheBlock]) -> None:
         """The freed run (root first) joins the back leaf first, runs that waited for it just ahead;
