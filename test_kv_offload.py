@@ -24,7 +24,7 @@ Contents (the file reads top to bottom in this order; each part and section has 
     2.2 Fault injection                   2.7 Module bugs found here, now fixed
     2.3 Random schedules and the fuzz     2.8 The two contracts; legal use never stalls
     2.4 Scripted interleavings            2.9 The checker checks
-    2.5 Failures the generator found
+    2.5 Failures the generator found      2.10 Workloads: the harness, the optimum, determinism
   Part 3 — the vLLM differential (each test skips without vLLM)
     3.1 Importing vLLM, comparing states  3.6 The pre-fix variant diverges by its bugs
     3.2 Hash chains with shared prefixes  3.7 The pre-fix variant against vLLM 0.29
@@ -47,7 +47,8 @@ Map: each piece of kv_offload.py and the sections that test it
     the constructor, bind_gpu_block_pool ............................... 2.6, 2.8
     the # PR #53532 tags ................................................ 1.13
   PreFixCPUOffloadScheduler (each PR test must fail on it) ............ 1.13, 1.14, 3.6, 3.7, 3.10
-  PrefixAwareCPUOffloadScheduler, run_rotation (not in vLLM) ......... 1.8, 2.3, 3.9
+  PrefixAwareCPUOffloadScheduler, run_rotation (not in vLLM) ......... 1.8, 2.3, 2.10, 3.9
+  workload_prompts, run_workload, workload_optimum, workload_table .... 2.10
   SimpleCPUOffloadWorker (the races and their planted bugs: 1.5) ...... 1.4, 1.5, 2.6, 2.8, 2.9
   ToyModel, MiniEngine, RequestStatus, RequestStats .................... 1.14, 2.1-2.5, 2.8
   run_story, offload_prompt, headline, the demo ...................... 1.8, 1.14, 1.16, 2.6, 3.8
@@ -56,6 +57,7 @@ Map: each piece of kv_offload.py and the sections that test it
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -64,6 +66,7 @@ import time
 import gc
 import hashlib
 import importlib
+import io
 import itertools
 import json
 import os
@@ -5289,6 +5292,32 @@ def test_workload_table_against_lru_and_the_optimum():
     for family in ko.WORKLOAD_FAMILIES:
         cells = [r for r in rows if r["family"] == family]
         assert sum(r["policy"] for r in cells) > sum(r["lru"] for r in cells), family
+
+
+def workload_readme_rows(rows: list[dict]) -> list[str]:
+    """The README's table rows, one per family and batch size, from workload_table's rows:
+    '| family | batch | pool: LRU / policy / optimum; ... | reusable | n of 6 |'."""
+    lines = []
+    for family, batch in itertools.product(ko.WORKLOAD_FAMILIES, (1, 4)):
+        cells = [r for r in rows if r["family"] == family and r["concurrency"] == batch]
+        text = "; ".join(f"{r['num_cpu_blocks']}: {r['lru']:.1f} / {r['policy']:.1f} / "
+                         f"{r['optimum']:.1f}" for r in cells)
+        met = sum(r["goal"] for r in cells)
+        lines.append(f"| {family} | {batch} | {text} | {cells[0]['reusable']:.1f} | "
+                     f"{met} of {len(cells)} |")
+    return lines
+
+
+def test_readme_workload_table_matches_the_harness():
+    """The README's table against the offline optimum is workload_table's, number for number
+    (skipped while the README has no such section)."""
+    text = (pathlib.Path(__file__).parent / "README.md").read_text()
+    if "### Against the offline optimum" not in text:
+        pytest.skip("the README has no workload table yet")
+    with contextlib.redirect_stdout(io.StringIO()):
+        rows = ko.workload_table()
+    for line in workload_readme_rows(rows):
+        assert line in text, f"the README's workload table: {line}"
 
 
 def test_workload_numbers_are_the_same_in_every_process():
