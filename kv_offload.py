@@ -1508,8 +1508,9 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
 
     def _allocate_cpu_blocks(self, gpu_block_ids: list[int], request: Request
                              ) -> list[KVCacheBlock]:
-        """Also record each destination's parent key: the previous source's in a run of one
-        group, else cache_full_blocks' formula. Bound locals: this is the store path's loop."""
+        """Also record each destination's parent key (the previous source's in a run of one
+        group, else cache_full_blocks' formula), each victim's last use under its evicted key,
+        and each destination's reuse gap. Bound locals: this is the store path's loop."""
         evicted = self._evicted_last_use
         last_uses = self._last_use
         victim = self.cpu_block_pool.free_block_queue.fake_free_list_head.next_free_block
@@ -1560,8 +1561,10 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         return cpu_blocks
 
     def _num_free_for_store(self, state: StoreRequestState) -> int:
-        """The free queue's front up to the first block of the request's own chain, wherever its
-        cursor is (evicting it would strand this store's copies); no further than it could take."""
+        """The free queue's front up to the first block to keep: one of the request's own chain,
+        wherever its cursor is (evicting it would strand this store's copies), the parent of a
+        copy in flight, or one due again before the chain stored; no further than it could take.
+        Ticks the clock when the selection turns to another request."""
         request = state.request
         block_hashes = request.block_hashes
         cursors = zip(state.block_ids, state.num_stored_blocks)

@@ -24,7 +24,7 @@ Contents (the file reads top to bottom in this order; each part and section has 
     2.2 Fault injection                   2.7 Module bugs found here, now fixed
     2.3 Random schedules and the fuzz     2.8 The two contracts; legal use never stalls
     2.4 Scripted interleavings            2.9 The checker checks
-    2.5 Failures the generator found      2.10 Workloads: the harness, the optimum, determinism
+    2.5 Failures the generator found      2.11 Workloads: the harness, the optimum, determinism
   Part 3 — the vLLM differential (each test skips without vLLM)
     3.1 Importing vLLM, comparing states  3.6 The pre-fix variant diverges by its bugs
     3.2 Hash chains with shared prefixes  3.7 The pre-fix variant against vLLM 0.29
@@ -47,8 +47,8 @@ Map: each piece of kv_offload.py and the sections that test it
     the constructor, bind_gpu_block_pool ............................... 2.6, 2.8
     the # PR #53532 tags ................................................ 1.13
   PreFixCPUOffloadScheduler (each PR test must fail on it) ............ 1.13, 1.14, 3.6, 3.7, 3.10
-  PrefixAwareCPUOffloadScheduler, run_rotation (not in vLLM) ......... 1.8, 2.3, 2.10, 3.9
-  workload_prompts, run_workload, workload_optimum, workload_table .... 2.10
+  PrefixAwareCPUOffloadScheduler, run_rotation (not in vLLM) ......... 1.8, 2.3, 2.11, 3.9
+  workload_prompts, run_workload, workload_optimum, workload_table .... 2.11
   SimpleCPUOffloadWorker (the races and their planted bugs: 1.5) ...... 1.4, 1.5, 2.6, 2.8, 2.9
   ToyModel, MiniEngine, RequestStatus, RequestStats .................... 1.14, 2.1-2.5, 2.8
   run_story, offload_prompt, headline, the demo ...................... 1.8, 1.14, 1.16, 2.6, 3.8
@@ -5187,7 +5187,7 @@ def test_snapshot_sees_every_part(part):
     assert before[part] != world_snapshot(world)[part]
 
 
-# ---- 2.10 Workloads: the harness, its offline optimum, determinism ------------------------------
+# ---- 2.11 Workloads: the harness, its offline optimum, determinism ------------------------------
 # The harness (kv_offload's workload_table) runs five request families over a sweep of CPU pools,
 # one request at a time and in batches of 4, under vLLM's LRU and PrefixAwareCPUOffloadScheduler,
 # against an offline optimum. Its oracle: enumeration of every sequence of cache states.
