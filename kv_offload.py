@@ -26,6 +26,7 @@ Sections 1-6 are vLLM 0.34's steps plus the fix (subclasses change a step by a h
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
 import hashlib
 import itertools
@@ -36,11 +37,13 @@ import struct
 import subprocess
 import sys
 import time
+import types
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -1222,9 +1225,12 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
 
 
 # -----------------------------------------------------------------------------
-# 6. Copy worker (vLLM's worker.py + copy_backend.py)
+# 6. Copy worker (vLLM's worker.py; the copy backend is ours: torch copies, not cuMemcpyBatchAsync)
 
-_TORCH_COPY_MIN_BYTES = 1 << 20  # CPU runs this large go through torch's threaded copy_
+# not in vLLM: the copy rule's threshold (TorchCopyBackend). A copy_ call costs 10-17 µs of host
+# time on CUDA, in which one pinned copy moves about 1 MiB (55 GB/s): below that the calls, not
+# the link, set the speed. An estimate from --gpu-check's copy_ rows, not yet a measured crossover.
+_GATHER_BELOW_BYTES = 1 << 20
 
 
 def _coalesce_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -1238,220 +1244,407 @@ def _coalesce_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple
     return [tuple(r) for r in runs]
 
 
-def _byte_rows(t: torch.Tensor):
-    """A CPU tensor [num_blocks, ...] as a numpy uint8 array [num_blocks, block_bytes] (a view)."""
-    return t.reshape(t.shape[0], -1).view(torch.uint8).numpy()
+def _device_rows(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A contiguous t [num_blocks, ...] as [num_blocks, row_words] over the same memory (no copy),
+    addressable from `device`: 8-byte words (bytes if a row is not a whole number of them). On
+    CUDA through __cuda_array_interface__: with unified addressing a pinned host address is valid
+    on the GPU, so kernels read and write the mirror across the link. On CPU through numpy's
+    __array_interface__: the same address arithmetic, so that CI checks it."""
+    if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
+        raise ValueError("a CPU mirror of CUDA caches must be pinned: the GPU reads it in place")
+    row_bytes = t[0].nbytes
+    word = 8 if row_bytes % 8 == 0 else 1
+    interface = {"shape": (t.shape[0], row_bytes // word), "typestr": f"<i{word}",
+                 "data": (t.data_ptr(), False), "strides": None, "version": 3}
+    if device.type == "cuda":
+        cuda_array = types.SimpleNamespace(__cuda_array_interface__=interface)
+        return torch.as_tensor(cuda_array, device=device)
+    return torch.from_numpy(np.asarray(types.SimpleNamespace(__array_interface__=interface)))
+
+
+class _Synchronous:
+    """torch.cuda's stream and event calls for CPU caches, where a copy is done when it returns:
+    one object plays the device, its streams and its events; nothing waits, every event is done."""
+
+    def Stream(self, priority: int = 0) -> _Synchronous:  # noqa: N802 (torch.cuda's name)
+        return self
+
+    def Event(self) -> _Synchronous:  # noqa: N802
+        return self
+
+    def current_stream(self) -> _Synchronous:
+        return self
+
+    def stream(self, stream: _Synchronous) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
+
+    def wait_event(self, event: _Synchronous) -> None:
+        pass
+
+    def wait_stream(self, stream: _Synchronous) -> None:
+        pass
+
+    def record(self, stream: _Synchronous) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class TorchCopyBackend:
+    """Not in vLLM: DmaCopyBackend's calls (init, launch_copy) with torch copies, issued in the
+    calling thread (vLLM: cuMemcpyBatchAsync from a background thread). Two paths, one rule:
+    a launch's ids are split into runs consecutive on both sides (_coalesce_runs); if each of its
+    copy_ calls (runs x regions) would move at least _GATHER_BELOW_BYTES, one slice copy_ per run
+    and region (the readable reference: DMA at the link's speed for large runs); otherwise one
+    index_select + index_copy_ per region over zero-copy device views of both sides
+    (_device_rows), two kernels per region however many runs, the mirror's side read or written
+    across the link. Both copy whole rows as integer words: the same bytes, NaN payloads too.
+    `dev` is torch.cuda, the tests' simulated device, or _Synchronous (CPU: copies are done when
+    launch_copy returns)."""
+
+    def __init__(self, dev: Any) -> None:
+        self.dev = dev
+
+    def init(self, gpu_caches: dict[str, torch.Tensor], cpu_caches: dict[str, torch.Tensor],
+             device: torch.device, load_stream: Any, store_stream: Any) -> None:
+        self._caches = (cpu_caches, gpu_caches)  # (source, destination) of a load
+        # [num_blocks, row_words] views, made once: an unpinned mirror on CUDA fails here
+        cpu_rows = {name: _device_rows(t, device) for name, t in cpu_caches.items()}
+        self._rows = (cpu_rows, {name: _device_rows(t, device) for name, t in gpu_caches.items()})
+        self._device = device
+        self._load_stream = load_stream
+        self._store_stream = store_stream
+
+    def launch_copy(self, src_blocks: list[int], dst_blocks: list[int], is_store: bool,
+                    event_idx: int, events_list: list[tuple[int, Any]],
+                    wait_event: Any = None) -> None:
+        stream = self._store_stream if is_store else self._load_stream
+        if wait_event is not None:
+            stream.wait_event(wait_event)
+        if not is_store:
+            # a load waits for the compute stream's work so far (the worker's docstring), read
+            # here: inside the copy stream's context the current stream is the copy stream
+            stream.wait_stream(self.dev.current_stream())
+        with self.dev.stream(stream):
+            self.copy_blocks(src_blocks, dst_blocks, is_store)
+        event = self.dev.Event()
+        event.record(stream)
+        events_list.append((event_idx, event))
+
+    def copy_blocks(self, src_blocks: list[int], dst_blocks: list[int], is_store: bool) -> None:
+        """Issue one launch's copies on the current stream, by the rule (class docstring)."""
+        runs = _coalesce_runs(src_blocks, dst_blocks)
+        cpu_caches = self._caches[0]
+        row_bytes = sum(t[0].nbytes for t in cpu_caches.values())
+        bytes_per_copy = len(src_blocks) * row_bytes / (len(runs) * len(cpu_caches))
+        if bytes_per_copy >= _GATHER_BELOW_BYTES:
+            src, dst = self._caches[::-1] if is_store else self._caches
+            for name, s in src.items():
+                d = dst[name]
+                for s0, d0, n in runs:
+                    d[d0:d0 + n].copy_(s[s0:s0 + n], non_blocking=True)
+            return
+        src, dst = self._rows[::-1] if is_store else self._rows
+        # the ids go up pinned, so that their upload is queued on this stream like the kernels
+        pin = self._device.type == "cuda"
+        src_ids = torch.tensor(src_blocks, pin_memory=pin).to(self._device, non_blocking=True)
+        dst_ids = torch.tensor(dst_blocks, pin_memory=pin).to(self._device, non_blocking=True)
+        for name, s in src.items():
+            # gather the rows (len(ids), row_words) on the device, then scatter them: 2 kernels
+            rows = s.index_select(0, src_ids)
+            dst[name].index_copy_(0, dst_ids, rows)
+
+
+_SYNCHRONOUS = _Synchronous()
+
+
+def _split_regions(kv_caches: dict[str, torch.Tensor], num_gpu_blocks: int,
+                   block_dim: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, region) of every cache, checked: block_dim 0 gives the cache itself, 1 its K and V
+    halves ("name.k", "name.v"). Block i must be row i of a contiguous region (a run of ids is
+    then one slice), and no region may take the name of another cache."""
+    for name, cache in kv_caches.items():
+        if block_dim and cache.shape[0] != 2:  # a third part would never be copied
+            raise ValueError(f"KV cache {name!r} of shape {tuple(cache.shape)} is not "
+                             "(2, num_gpu_blocks, ...)")
+        parts = {f"{name}.k": cache[0], f"{name}.v": cache[1]} if block_dim else {name: cache}
+        for key_name, region in parts.items():
+            if region.shape[0] != num_gpu_blocks or not region.is_contiguous():
+                raise ValueError(f"KV cache region {key_name!r} of shape {tuple(region.shape)} "
+                                 f"is not a contiguous [num_gpu_blocks={num_gpu_blocks}, ...]")
+            if key_name != name and key_name in kv_caches:
+                raise ValueError(f"KV cache region name {key_name!r} is used twice")
+            yield key_name, region
 
 
 class SimpleCPUOffloadWorker:
-    """Worker side: owns the CPU mirrors and runs the copies the metadata asks for.
+    """Worker-side handler for CPU offloading transfers.
+
+    Not in vLLM: the CPU pool's size and the block dimension are given (vLLM sizes the pool from
+    its byte budget and reads the regions from the KV-cache config), copies go through
+    TorchCopyBackend (two paths, one rule: see there), and a load waits for the compute stream.
     CUDA: loads (CPU->GPU) run on `load_stream`, stores (GPU->CPU) on `store_stream`, both at
     priority_range()[0] as in vLLM: the lowest, also the default stream's (0), so they do not
-    yield to compute on it. A store waits on a compute-done event recorded on the compute stream:
-    it must not read KV a kernel has not finished writing. A load waits for the compute stream's
-    earlier work (not in vLLM): its GPU destination may be a block that a finished request's
-    kernels still read. Completion is polled (event.query(), never a sync) in FIFO order, one
-    high-water mark per direction (event i done => every event <= i done): indices must grow.
-    CPU: the same calls, copies done synchronously (events are None). A `copy_engine` (torch.cuda's
-    names, e.g. the tests' DeferredCopyEngine) runs the CUDA branch itself on CPU caches."""
+    yield to compute on it. A store waits on a compute-done event recorded on the compute stream
+    at every store: it must not read KV a kernel has not finished writing. A load waits likewise
+    at every load (not in vLLM): its GPU destination may be a block that a finished request's
+    kernels still read. Both record the event outside the copy stream's context, where the
+    current stream is the compute stream. Completion is polled (event.query(), never a sync) in
+    FIFO order, one high-water mark per direction (event i done => every event <= i done):
+    indices must grow. CPU: the same calls, copies done when they return. A `copy_engine`
+    (torch.cuda's names, e.g. the tests' DeferredCopyEngine) stands in for torch.cuda."""
 
     def __init__(self, num_cpu_blocks: int, copy_engine: Any = None):
+        self.gpu_kv_caches: dict[str, torch.Tensor] | None = None
+        self.cpu_kv_caches: dict[str, torch.Tensor] | None = None
+        self.device: torch.device | None = None
+        # not in vLLM: given (vLLM sizes the pool from cpu_capacity_bytes at registration)
         self.num_cpu_blocks = num_cpu_blocks
-        self.num_gpu_blocks = 0
-        self.gpu_kv_caches: dict[str, torch.Tensor] = {}  # region -> [num_gpu_blocks, ...] view
-        self.cpu_kv_caches: dict[str, torch.Tensor] = {}  # region -> [num_cpu_blocks, ...]
-        self.device = torch.device("cpu")
-        self.copy_engine = copy_engine  # None: torch.cuda on CUDA, synchronous copies on CPU
-        self.load_stream = None  # set on CUDA or with a copy_engine; None: synchronous copies
-        self.store_stream = None
-        self._load_events: list[tuple[int, Any]] = []  # (event index, Event | None), FIFO
-        self._store_events: list[tuple[int, Any]] = []
-        self._load_hwm = -1  # highest completed event per direction (the high-water mark)
-        self._store_hwm = -1
-        self._last_load_event = -1  # not in vLLM: highest event bound (a new one must be above)
-        self._last_store_event = -1
+        # not in vLLM: torch.cuda's stand-in (None: torch.cuda on CUDA, synchronous on CPU)
+        self.copy_engine = copy_engine
+
+        # CUDA streams for the async transfers
+        self.load_stream: torch.cuda.Stream | None = None
+        self.store_stream: torch.cuda.Stream | None = None
+
+        self._backend: TorchCopyBackend | None = None  # not in vLLM: DmaCopyBackend's stand-in
+
+        # Ordered (event_idx, Event). Events pre-allocated on main thread.
+        self._load_events: list[tuple[int, torch.Event]] = []
+        self._store_events: list[tuple[int, torch.Event]] = []
+        # High-water marks: highest event_idx completed per stream.
+        # When the event list is empty, the hwm covers all prior events.
+        self._load_hwm: int = -1
+        self._store_hwm: int = -1
+
+        # Metadata for the current step
+        self._connector_metadata: SimpleCPUOffloadMetadata | None = None
+
+        # Compute-done event recorded before each store; reused across steps
+        # (get_finished runs once per step, copy queue is FIFO).
+        self._store_compute_done: torch.Event | None = None
+
+        # Pending event index sets, populated in bind_connector_metadata
         self._pending_load_event_indices: set[int] = set()
         self._pending_store_event_indices: set[int] = set()
-        self._finished_recving: set[str] = set()  # not in vLLM: empty loads, done at bind
+        # Completed store events to report via build_connector_worker_meta
         self._completed_store_events: dict[int, int] = {}
-        self._connector_metadata: SimpleCPUOffloadMetadata | None = None
-        self._store_compute_done = None  # reused: copies are FIFO per stream
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_gpu_blocks: int,
                            block_dim: int) -> None:
-        """Mirror the GPU KV caches in CPU memory. `block_dim` (from vLLM's KV-cache spec): 0 for
-        [num_gpu_blocks, ...], 1 for FlashAttention's (2, num_gpu_blocks, ...), split into K and
-        V regions. All or nothing: after an error (a failed pin too) a retry can succeed."""
+        """Register GPU KV caches and allocate pinned CPU tensors.
+
+        Not in vLLM: `block_dim` (vLLM reads it from the KV-cache spec) is 0 for
+        [num_gpu_blocks, ...] and 1 for FlashAttention's (2, num_gpu_blocks, ...), split into K
+        and V regions. All or nothing: after an error (a failed pin too) a retry can succeed.
+        """
         # not in vLLM: new mirrors would lose the served KV (and free pinned memory in use)
         assert not self.cpu_kv_caches, "register_kv_caches: once per worker"
-        regions: dict[str, torch.Tensor] = {}
-        seen: set[tuple[int, tuple[int, ...]]] = set()
-        for name, t in kv_caches.items():
-            if block_dim and t.shape[0] != 2:  # not in vLLM: a third part would not be copied
-                raise ValueError(f"KV cache {name!r} of shape {tuple(t.shape)} is not "
-                                 "(2, num_gpu_blocks, ...)")
-            parts = {f"{name}.k": t[0], f"{name}.v": t[1]} if block_dim else {name: t}
-            for key, region in parts.items():
-                # not in vLLM: block i must be row i, a run of ids one slice
-                if region.shape[0] != num_gpu_blocks or not region.is_contiguous():
-                    raise ValueError(f"KV cache region {key!r} of shape {tuple(region.shape)} "
-                                     f"is not a contiguous [num_gpu_blocks={num_gpu_blocks}, ...]")
-                # not in vLLM: a name used twice would leave one region without a mirror
-                if key in regions or (key != name and key in kv_caches):
-                    raise ValueError(f"KV cache region name {key!r} is used twice")
-                ident = (region.data_ptr(), tuple(region.shape))  # shared storage: copied once
-                if ident not in seen:
-                    seen.add(ident)
-                    regions[key] = region
-        device = next(iter(regions.values())).device
-        pin = device.type == "cuda"  # pinned host mirrors: DMA reads and writes them, async
-        cpu_kv_caches = {}  # one CPU mirror per region: the same row layout, num_cpu_blocks rows
-        for key, region in regions.items():
-            mirror_shape = (self.num_cpu_blocks, *region.shape[1:])
-            cpu_kv_caches[key] = torch.zeros(mirror_shape, dtype=region.dtype, pin_memory=pin)
-        if pin or self.copy_engine is not None:
-            dev = self.copy_engine or torch.cuda
-            low_priority = torch.cuda.Stream.priority_range()[0] if pin else 0  # vLLM's: lowest
-            self.load_stream = dev.Stream(device, priority=low_priority)
-            self.store_stream = dev.Stream(device, priority=low_priority)
-        self.device = device  # nothing can fail any more: register
-        self.num_gpu_blocks = num_gpu_blocks
-        self.gpu_kv_caches = regions
-        self.cpu_kv_caches = cpu_kv_caches
+        unique_gpu_caches: dict[str, torch.Tensor] = {}
+        seen: set[tuple[torch.device, int]] = set()
+        # not in vLLM: the regions from block_dim, checked (vLLM: the KV-cache config's placement)
+        for key_name, region in _split_regions(kv_caches, num_gpu_blocks, block_dim):
+            key = (region.device, region.data_ptr())
+            if key in seen:
+                continue
+            seen.add(key)
+            unique_gpu_caches[key_name] = region
+        # not in vLLM: a local, set on the worker last (vLLM sets self.device first)
+        device = next(iter(kv_caches.values())).device
+        # not in vLLM: torch.cuda, or its stand-in (the tests'), or synchronous CPU copies
+        dev = self.copy_engine or (torch.cuda if device.type == "cuda" else _SYNCHRONOUS)
+
+        low_pri = 0  # not in vLLM: CPU streams have no priorities
+        if device.type == "cuda":  # not in vLLM
+            # Use lowest priority so KV cache I/O yields to compute streams.
+            low_pri, _ = torch.cuda.Stream.priority_range()
+        self.load_stream = dev.Stream(priority=low_pri)  # not in vLLM: `dev`
+        self.store_stream = dev.Stream(priority=low_pri)  # not in vLLM: `dev`
+
+        # not in vLLM: before anything else is set, so that a failed allocation (a pinned one
+        # can fail) leaves the worker unregistered; vLLM allocates last
+        self._init_cpu_mode(unique_gpu_caches, device, dev)
+        self.device = device  # not in vLLM: see above
+        self.gpu_kv_caches = unique_gpu_caches
+
+    def _init_cpu_mode(self, unique_gpu_caches: dict[str, torch.Tensor], device: torch.device,
+                       dev: Any) -> None:
+        # not in vLLM: pinned on CUDA, always (vLLM warns and copies pageable memory)
+        pin_memory = device.type == "cuda"
+        self.cpu_kv_caches = self._alloc_cpu_caches(unique_gpu_caches, pin_memory)
+
+        self._backend = TorchCopyBackend(dev)  # not in vLLM: DmaCopyBackend's stand-in
+        self._backend.init(
+            unique_gpu_caches,
+            self.cpu_kv_caches,
+            device,
+            self.load_stream,
+            self.store_stream,
+        )
+
+    def _alloc_cpu_caches(self, unique_gpu_caches: dict[str, torch.Tensor],
+                          pin_memory: bool) -> dict[str, torch.Tensor]:
+        """One mirror per region: the same row layout, num_cpu_blocks rows (not in vLLM: one
+        allocation each, zeroed; vLLM carves them out of one mapping, pinned in chunks)."""
+        cpu_kv_caches = {}
+        for name, gpu_tensor in unique_gpu_caches.items():  # not in vLLM: no byte sizes
+            cpu_shape = (self.num_cpu_blocks,) + gpu_tensor.shape[1:]
+            cpu_kv_caches[name] = torch.zeros(  # not in vLLM: see the docstring
+                cpu_shape, dtype=gpu_tensor.dtype, pin_memory=pin_memory)
+        return cpu_kv_caches
 
     def bind_connector_metadata(self, metadata: SimpleCPUOffloadMetadata) -> None:
-        # not in vLLM: an event that does not grow would be reported done by an earlier one's
-        # high-water mark; copies under event -1 never reported; unpaired lists mispair blocks
-        assert metadata.load_event < 0 or metadata.load_event > self._last_load_event, (
-            f"load_event {metadata.load_event} after {self._last_load_event}: must grow")
-        assert metadata.store_event < 0 or metadata.store_event > self._last_store_event, (
-            f"store_event {metadata.store_event} after {self._last_store_event}: must grow")
+        self._check_metadata(metadata)  # not in vLLM
+        self._connector_metadata = metadata
+        if metadata.load_event >= 0:
+            self._pending_load_event_indices.add(metadata.load_event)
+        if metadata.store_event >= 0:
+            self._pending_store_event_indices.add(metadata.store_event)
+        self._complete_empty_events(metadata)  # not in vLLM
+
+    def _check_metadata(self, metadata: SimpleCPUOffloadMetadata) -> None:
+        """Not in vLLM: an event that does not grow would be reported done by an earlier one's
+        high-water mark; copies under event -1 are never reported; unpaired lists mispair.
+        An event bound earlier is pending or at most the high-water mark."""
+        last_load_event = max([self._load_hwm, *self._pending_load_event_indices])
+        last_store_event = max([self._store_hwm, *self._pending_store_event_indices])
+        assert metadata.load_event < 0 or metadata.load_event > last_load_event, (
+            f"load_event {metadata.load_event} after {last_load_event}: must grow")
+        assert metadata.store_event < 0 or metadata.store_event > last_store_event, (
+            f"store_event {metadata.store_event} after {last_store_event}: must grow")
         assert (metadata.load_event >= 0 or not metadata.load_cpu_blocks) and (
             metadata.store_event >= 0 or not metadata.store_gpu_blocks), "blocks under event -1"
         assert len(metadata.load_cpu_blocks) == len(metadata.load_gpu_blocks) and len(
             metadata.store_gpu_blocks) == len(metadata.store_cpu_blocks), "unpaired block ids"
-        self._connector_metadata = metadata
-        if metadata.load_event >= 0:
-            self._last_load_event = metadata.load_event
-            if metadata.load_cpu_blocks:
-                self._pending_load_event_indices.add(metadata.load_event)
-            else:  # not in vLLM: nothing to copy, done now (no copy event would report it)
-                reqs = metadata.load_event_to_reqs.get(metadata.load_event, ())
-                self._finished_recving.update(reqs)
-        if metadata.store_event >= 0:
-            self._last_store_event = metadata.store_event
-            if metadata.store_gpu_blocks:
-                self._pending_store_event_indices.add(metadata.store_event)
-            else:  # not in vLLM, as above
-                self._completed_store_events[metadata.store_event] = 1
+
+    def _complete_empty_events(self, metadata: SimpleCPUOffloadMetadata) -> None:
+        """Not in vLLM: an event with nothing to copy gets a done event (no copy would give it
+        one), reported in FIFO order with the others."""
+        if metadata.load_event >= 0 and not metadata.load_cpu_blocks:
+            self._load_events.append((metadata.load_event, _SYNCHRONOUS))
+        if metadata.store_event >= 0 and not metadata.store_gpu_blocks:
+            self._store_events.append((metadata.store_event, _SYNCHRONOUS))
 
     def clear_connector_metadata(self) -> None:
         self._connector_metadata = None
 
-    def handle_preemptions(self, metadata: SimpleCPUOffloadMetadata) -> None:
-        """A preempted request's GPU blocks may be reused at once: finish every copy first."""
-        if not metadata.need_flush:
-            return
-        for events, is_store in ((self._load_events, False), (self._store_events, True)):
-            for event_idx, event in events:
-                if event is not None:
-                    event.synchronize()  # note: a CPU-GPU sync point, only on preemption
-                self._set_hwm(is_store, event_idx)
-            events.clear()
-
     def start_load_kv(self) -> None:
+        # Invoked after the forward launch on steps without sync loads
+        # (SchedulerOutput.has_sync_kv_loads), so the CPU-side block copy
+        # op overhead (~5ms) stays hidden behind GPU compute. Stores are
+        # issued in wait_for_save().
         metadata = self._connector_metadata
         if metadata is not None and metadata.load_cpu_blocks:
-            self._launch(metadata.load_cpu_blocks, metadata.load_gpu_blocks, is_store=False,
-                         event_idx=metadata.load_event)
+            backend = self._backend
+            assert backend is not None
+            backend.launch_copy(
+                metadata.load_cpu_blocks,
+                metadata.load_gpu_blocks,
+                is_store=False,
+                event_idx=metadata.load_event,
+                events_list=self._load_events,
+            )
 
     def wait_for_save(self) -> None:
+        """Submit async stores.
+
+        Stores (GPU->CPU) read the live KV cache, which the compute stream may
+        still be writing under v1 overlapped execution, so they are ordered
+        after a compute-done event recorded on the current stream. See
+        #45704 for the bug and #39306 for the srcAccessOrder rationale.
+        """
         metadata = self._connector_metadata
         if metadata is not None and metadata.store_gpu_blocks:
-            self._launch(metadata.store_gpu_blocks, metadata.store_cpu_blocks, is_store=True,
-                         event_idx=metadata.store_event)
+            backend = self._backend
+            assert backend is not None
+            if self._store_compute_done is None:
+                # not in vLLM: torch.Event(), or the stand-in's
+                self._store_compute_done = backend.dev.Event()
+            # not in vLLM: torch.cuda.current_stream(), or the stand-in's
+            self._store_compute_done.record(backend.dev.current_stream())
+            backend.launch_copy(
+                metadata.store_gpu_blocks,
+                metadata.store_cpu_blocks,
+                is_store=True,
+                event_idx=metadata.store_event,
+                events_list=self._store_events,
+                wait_event=self._store_compute_done,
+            )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[None, set[str] | None]:
-        """Non-blocking: (None, requests whose loads completed); stores report as worker meta."""
+        """Report completed transfer events to the scheduler (non-blocking).
+
+        Returns (None, req_ids whose loads have completed): stores report as worker metadata.
+        """
         metadata = self._connector_metadata
-        finished_recving = self._finished_recving
-        self._finished_recving = set()
+        finished_recving: set[str] = set()
+
         if self._pending_load_event_indices:
             load_wm = self._poll_stream_events(is_store=False)
             for j in [j for j in self._pending_load_event_indices if j <= load_wm]:
                 self._pending_load_event_indices.discard(j)
-                # the requests of every outstanding event come with each step's metadata
-                if metadata is not None:
-                    finished_recving.update(metadata.load_event_to_reqs.get(j, ()))
+                req_ids = (
+                    metadata.load_event_to_reqs.get(j) if metadata is not None else None
+                )
+                if req_ids:
+                    finished_recving.update(req_ids)
+
         if self._pending_store_event_indices:
             store_wm = self._poll_stream_events(is_store=True)
             for j in [j for j in self._pending_store_event_indices if j <= store_wm]:
                 self._pending_store_event_indices.discard(j)
                 self._completed_store_events[j] = 1
+
         return None, finished_recving or None
 
     def build_connector_worker_meta(self) -> SimpleCPUOffloadWorkerMetadata | None:
+        """Return completed store events since the last call."""
         if not self._completed_store_events:
             return None
-        meta = SimpleCPUOffloadWorkerMetadata(self._completed_store_events)
+        meta = SimpleCPUOffloadWorkerMetadata(
+            completed_store_events=self._completed_store_events,
+        )
         self._completed_store_events = {}
         return meta
 
-    def _launch(self, src_ids: list[int], dst_ids: list[int], is_store: bool,
-                event_idx: int) -> None:
-        src, dst = self.cpu_kv_caches, self.gpu_kv_caches
-        if is_store:
-            src, dst = dst, src
-        runs = _coalesce_runs(src_ids, dst_ids)
-        event = None
-        if self.load_stream is not None:  # CUDA, or a copy_engine (the tests' simulated device)
-            dev = self.copy_engine or torch.cuda
-            stream = self.store_stream if is_store else self.load_stream
-            compute = dev.current_stream(self.device)
-            if is_store:
-                if self._store_compute_done is None:
-                    self._store_compute_done = dev.Event()
-                self._store_compute_done.record(compute)
-                stream.wait_event(self._store_compute_done)
-            else:
-                stream.wait_stream(compute)  # not in vLLM: see the class docstring
-            with dev.stream(stream):
-                for name, s in src.items():
-                    d = dst[name]
-                    for s0, d0, n in runs:
-                        d[d0:d0 + n].copy_(s[s0:s0 + n], non_blocking=True)
-            event = dev.Event()
-            event.record(stream)
-        else:
-            # CPU: numpy slice assignment is a plain memcpy, without torch's per-call dispatch
-            # (µs: see --bench); but on one core, so large runs go through torch's threaded copy_
-            min_bytes = _TORCH_COPY_MIN_BYTES if torch.get_num_threads() > 1 else math.inf
-            for name, s in src.items():
-                d = dst[name]
-                s_np = _byte_rows(s)
-                d_np = _byte_rows(d)
-                for s0, d0, n in runs:
-                    if n * s_np.shape[1] >= min_bytes:
-                        d[d0:d0 + n].copy_(s[s0:s0 + n])
-                    else:
-                        d_np[d0:d0 + n] = s_np[s0:s0 + n]
-        events = self._store_events if is_store else self._load_events
-        events.append((event_idx, event))
+    def handle_preemptions(self, kv_connector_metadata: SimpleCPUOffloadMetadata) -> None:
+        """Sync all in-flight transfers before preempted blocks are reused."""
+        if not kv_connector_metadata.need_flush:
+            return
+        self._flush_and_sync_all()
+
+    def _flush_and_sync_all(self) -> None:
+        """Synchronize all in-flight transfer events."""
+        for event_idx, event in self._load_events:
+            # note: a CPU-GPU sync point, only on preemption
+            event.synchronize()
+            self._load_hwm = event_idx
+        self._load_events.clear()
+
+        for event_idx, event in self._store_events:
+            event.synchronize()
+            self._store_hwm = event_idx
+        self._store_events.clear()
 
     def _poll_stream_events(self, is_store: bool) -> int:
-        """Non-blocking: pop the completed events in FIFO order; returns the high-water mark."""
+        """Non-blocking poll for completed events and return the high-water mark."""
         events = self._store_events if is_store else self._load_events
-        while events and (events[0][1] is None or events[0][1].query()):  # None: CPU copy, done
-            event_idx, _ = events.pop(0)
-            self._set_hwm(is_store, event_idx)
-        return self._store_hwm if is_store else self._load_hwm
-
-    def _set_hwm(self, is_store: bool, idx: int) -> None:
-        # max(): never back, or an event above it but already done would never be reported
+        hwm = self._store_hwm if is_store else self._load_hwm
+        while events:
+            event_idx, event = events[0]
+            if not event.query():
+                break
+            hwm = event_idx
+            events.pop(0)
         if is_store:
-            self._store_hwm = max(self._store_hwm, idx)
+            self._store_hwm = hwm
         else:
-            self._load_hwm = max(self._load_hwm, idx)
+            self._load_hwm = hwm
+        return hwm
 
 
 # -----------------------------------------------------------------------------
