@@ -2312,6 +2312,15 @@ def headline(prompt_tokens: int = 8192) -> dict[str, dict[str, tuple[float, int]
     return rows
 
 
+def story_load_ids() -> tuple[list[int], list[int]]:
+    """The demo's story load (8192 tokens, block 16: 511 blocks) as the worker receives it:
+    (GPU ids, CPU ids). B's GPU table is the free queue after A: 513-575, 384 down to 1,
+    385-448 (test_copy_calls_per_block_of_the_story derives it and checks it on the real run);
+    its CPU sources are blocks 1-511: 386 runs, 384 of them single blocks."""
+    gpu_ids = [*range(513, 576), *range(384, 0, -1), *range(385, 449)]
+    return gpu_ids, list(range(1, 512))
+
+
 def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_copy: int = 512,
                  reps: int = 5, num_layers: int = 8) -> Iterator[dict]:
     """Rows as measured: the worker's copies of n_copy blocks against one plain copy_ of the same
