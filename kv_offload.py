@@ -1226,11 +1226,12 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
 
 
 # -----------------------------------------------------------------------------
-# 6. Copy worker (vLLM's worker.py; the copy backend is ours: torch copies, not cuMemcpyBatchAsync)
+# 6. Copy worker (vLLM's worker.py; the copy backend is ours: torch, not cuMemcpyBatchAsync)
 
-# not in vLLM: the copy rule's threshold (TorchCopyBackend). A copy_ call costs 10-17 µs of host
-# time on CUDA, in which one pinned copy moves about 1 MiB (55 GB/s): below that the calls, not
-# the link, set the speed. An estimate from --gpu-check's copy_ rows, not yet a measured crossover.
+# not in vLLM: the copy rule's threshold (TorchCopyBackend). A copy_ call costs 10-17 µs
+# of host time on CUDA, in which one pinned copy moves about 1 MiB (55 GB/s): below that,
+# the calls set the speed, not the link. An estimate from --gpu-check's copy_ rows, not a
+# measured crossover.
 _GATHER_BELOW_BYTES = 1 << 20
 
 
@@ -1246,13 +1247,13 @@ def _coalesce_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple
 
 
 def _device_rows(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A contiguous t [num_blocks, ...] as [num_blocks, row_words] over the same memory (no copy),
-    addressable from `device`: 8-byte words (bytes if a row is not a whole number of them). On
-    CUDA through __cuda_array_interface__: with unified addressing a pinned host address is valid
-    on the GPU, so kernels read and write the mirror across the link. On CPU through numpy's
-    __array_interface__: the same address arithmetic, so that CI checks it."""
+    """A contiguous t [num_blocks, ...] as [num_blocks, row_words] over the same memory (no
+    copy), addressable from `device`: 8-byte words (bytes if a row is not a whole number of
+    them). On CUDA through __cuda_array_interface__: with unified addressing, a pinned host
+    address is valid on the GPU, so kernels read and write the mirror across the link. On
+    CPU through numpy's __array_interface__: the same address arithmetic, checked in CI."""
     if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
-        raise ValueError("a CPU mirror of CUDA caches must be pinned: the GPU reads it in place")
+        raise ValueError("a CPU mirror of CUDA caches must be pinned: the GPU reads it")
     row_bytes = t[0].nbytes
     word = 8 if row_bytes % 8 == 0 else 1
     interface = {"shape": (t.shape[0], row_bytes // word), "typestr": f"<i{word}",
@@ -1263,49 +1264,17 @@ def _device_rows(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.asarray(types.SimpleNamespace(__array_interface__=interface)))
 
 
-class _Synchronous:
-    """torch.cuda's stream and event calls for CPU caches, where a copy is done when it returns:
-    one object plays the device, its streams and its events; nothing waits, every event is done."""
-
-    def Stream(self, priority: int = 0) -> _Synchronous:  # noqa: N802 (torch.cuda's name)
-        return self
-
-    def Event(self) -> _Synchronous:  # noqa: N802
-        return self
-
-    def current_stream(self) -> _Synchronous:
-        return self
-
-    def stream(self, stream: _Synchronous) -> contextlib.nullcontext:
-        return contextlib.nullcontext()
-
-    def wait_event(self, event: _Synchronous) -> None:
-        pass
-
-    def wait_stream(self, stream: _Synchronous) -> None:
-        pass
-
-    def record(self, stream: _Synchronous) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-
 class TorchCopyBackend:
-    """Not in vLLM: DmaCopyBackend's calls (init, launch_copy) with torch copies, issued in the
-    calling thread (vLLM: cuMemcpyBatchAsync from a background thread). Two paths, one rule:
-    a launch's ids are split into runs consecutive on both sides (_coalesce_runs); if each of its
-    copy_ calls (runs x regions) would move at least _GATHER_BELOW_BYTES, one slice copy_ per run
-    and region (the readable reference: DMA at the link's speed for large runs); otherwise one
-    index_select + index_copy_ per region over zero-copy device views of both sides
-    (_device_rows), two kernels per region however many runs, the mirror's side read or written
-    across the link. Both copy whole rows as integer words: the same bytes, NaN payloads too.
-    `dev` is torch.cuda, the tests' simulated device, or _Synchronous (CPU: copies are done when
-    launch_copy returns)."""
+    """Not in vLLM: DmaCopyBackend's calls (init, launch_copy) with torch copies, issued in
+    the calling thread (vLLM: cuMemcpyBatchAsync from a background thread). Two paths, one
+    rule: a launch's ids are split into runs consecutive on both sides (_coalesce_runs); if
+    each of its copy_ calls (runs x regions) would move at least _GATHER_BELOW_BYTES, one
+    slice copy_ per run and region (the readable reference: DMA at the link's speed for
+    large runs); otherwise one index_select + index_copy_ per region over zero-copy device
+    views of both sides (_device_rows), two kernels per region however many runs, the
+    mirror's side read or written across the link. Both copy whole rows as integer words:
+    the same bytes, NaN payloads too. `dev` is torch.cuda, the tests' simulated device, or
+    torch.cpu (whose streams and events do nothing: a CPU copy is done when it returns)."""
 
     def __init__(self, dev: Any) -> None:
         self.dev = dev
@@ -1315,10 +1284,13 @@ class TorchCopyBackend:
         self._caches = (cpu_caches, gpu_caches)  # (source, destination) of a load
         # [num_blocks, row_words] views, made once: an unpinned mirror on CUDA fails here
         cpu_rows = {name: _device_rows(t, device) for name, t in cpu_caches.items()}
-        self._rows = (cpu_rows, {name: _device_rows(t, device) for name, t in gpu_caches.items()})
+        gpu_rows = {name: _device_rows(t, device) for name, t in gpu_caches.items()}
+        self._rows = (cpu_rows, gpu_rows)
         self._device = device
         self._load_stream = load_stream
         self._store_stream = store_stream
+        # the rule's threshold (a benchmark sets it to force a path)
+        self.gather_below_bytes = _GATHER_BELOW_BYTES
 
     def launch_copy(self, src_blocks: list[int], dst_blocks: list[int], is_store: bool,
                     event_idx: int, events_list: list[tuple[int, Any]],
@@ -1342,7 +1314,7 @@ class TorchCopyBackend:
         cpu_caches = self._caches[0]
         row_bytes = sum(t[0].nbytes for t in cpu_caches.values())
         bytes_per_copy = len(src_blocks) * row_bytes / (len(runs) * len(cpu_caches))
-        if bytes_per_copy >= _GATHER_BELOW_BYTES:
+        if bytes_per_copy >= self.gather_below_bytes:
             src, dst = self._caches[::-1] if is_store else self._caches
             for name, s in src.items():
                 d = dst[name]
@@ -1362,14 +1334,11 @@ class TorchCopyBackend:
             dst[name].index_copy_(0, dst_ids, rows)
 
 
-_SYNCHRONOUS = _Synchronous()
-
-
 def _split_regions(kv_caches: dict[str, torch.Tensor], num_gpu_blocks: int,
                    block_dim: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, region) of every cache, checked: block_dim 0 gives the cache itself, 1 its K and V
-    halves ("name.k", "name.v"). Block i must be row i of a contiguous region (a run of ids is
-    then one slice), and no region may take the name of another cache."""
+    """(name, region) of every cache, checked: block_dim 0 gives the cache itself, 1 its K
+    and V halves ("name.k", "name.v"). Block i must be row i of a contiguous region (a run of
+    ids is then one slice), and no region may take the name of another cache."""
     for name, cache in kv_caches.items():
         if block_dim and cache.shape[0] != 2:  # a third part would never be copied
             raise ValueError(f"KV cache {name!r} of shape {tuple(cache.shape)} is not "
@@ -1377,8 +1346,9 @@ def _split_regions(kv_caches: dict[str, torch.Tensor], num_gpu_blocks: int,
         parts = {f"{name}.k": cache[0], f"{name}.v": cache[1]} if block_dim else {name: cache}
         for key_name, region in parts.items():
             if region.shape[0] != num_gpu_blocks or not region.is_contiguous():
-                raise ValueError(f"KV cache region {key_name!r} of shape {tuple(region.shape)} "
-                                 f"is not a contiguous [num_gpu_blocks={num_gpu_blocks}, ...]")
+                raise ValueError(f"KV cache region {key_name!r} of shape "
+                                 f"{tuple(region.shape)} is not a contiguous "
+                                 f"[num_gpu_blocks={num_gpu_blocks}, ...]")
             if key_name != name and key_name in kv_caches:
                 raise ValueError(f"KV cache region name {key_name!r} is used twice")
             yield key_name, region
@@ -1394,15 +1364,16 @@ class SimpleCPUOffloadWorker:
     move at least _GATHER_BELOW_BYTES (1 MiB) is copied run by run with copy_; any other is
     gathered and scattered, two kernels per region, over zero-copy views of the pinned mirrors.
     CUDA: loads (CPU->GPU) run on `load_stream`, stores (GPU->CPU) on `store_stream`, both at
-    priority_range()[0] as in vLLM: the lowest, also the default stream's (0), so they do not
-    yield to compute on it. A store waits on a compute-done event recorded on the compute stream
-    at every store: it must not read KV a kernel has not finished writing. A load waits likewise
-    at every load (not in vLLM): its GPU destination may be a block that a finished request's
-    kernels still read. Both record the event outside the copy stream's context, where the
-    current stream is the compute stream. Completion is polled (event.query(), never a sync) in
-    FIFO order, one high-water mark per direction (event i done => every event <= i done):
-    indices must grow. CPU: the same calls, copies done when they return. A `copy_engine`
-    (torch.cuda's names, e.g. the tests' DeferredCopyEngine) stands in for torch.cuda."""
+    torch.cuda.Stream.priority_range()[0] as in vLLM: the lowest, also the default stream's
+    (0), so they do not yield to compute on it. A store waits on a compute-done event recorded
+    on the compute stream at every store: it must not read KV a kernel has not finished
+    writing. A load waits for the compute stream's work so far at every load (not in vLLM):
+    its GPU destination may be a block that a finished request's kernels still read. Both
+    read the compute stream outside the copy stream's context (inside it, the current stream
+    is the copy stream). Completion is polled (event.query(), never a sync) in FIFO order, one
+    high-water mark per direction (event i done => every event <= i done): indices must grow.
+    CPU: the same calls, copies done when they return. A `copy_engine` (torch.cuda's names,
+    e.g. the tests' DeferredCopyEngine) stands in for torch.cuda."""
 
     def __init__(self, num_cpu_blocks: int, copy_engine: Any = None):
         self.gpu_kv_caches: dict[str, torch.Tensor] | None = None
@@ -1452,7 +1423,8 @@ class SimpleCPUOffloadWorker:
         assert not self.cpu_kv_caches, "register_kv_caches: once per worker"
         unique_gpu_caches: dict[str, torch.Tensor] = {}
         seen: set[tuple[torch.device, int]] = set()
-        # not in vLLM: the regions from block_dim, checked (vLLM: the KV-cache config's placement)
+        # not in vLLM: the regions from block_dim, checked (vLLM: the KV-cache config's
+        # placement of each tensor)
         for key_name, region in _split_regions(kv_caches, num_gpu_blocks, block_dim):
             key = (region.device, region.data_ptr())
             if key in seen:
@@ -1461,8 +1433,8 @@ class SimpleCPUOffloadWorker:
             unique_gpu_caches[key_name] = region
         # not in vLLM: a local, set on the worker last (vLLM sets self.device first)
         device = next(iter(kv_caches.values())).device
-        # not in vLLM: torch.cuda, or its stand-in (the tests'), or synchronous CPU copies
-        dev = self.copy_engine or (torch.cuda if device.type == "cuda" else _SYNCHRONOUS)
+        # not in vLLM: torch.cuda, or its stand-in (the tests'), or torch.cpu's no-op streams
+        dev = self.copy_engine or (torch.cuda if device.type == "cuda" else torch.cpu)
 
         low_pri = 0  # not in vLLM: CPU streams have no priorities
         if device.type == "cuda":  # not in vLLM
@@ -1531,9 +1503,9 @@ class SimpleCPUOffloadWorker:
         """Not in vLLM: an event with nothing to copy gets a done event (no copy would give it
         one), reported in FIFO order with the others."""
         if metadata.load_event >= 0 and not metadata.load_cpu_blocks:
-            self._load_events.append((metadata.load_event, _SYNCHRONOUS))
+            self._load_events.append((metadata.load_event, torch.cpu.Event()))
         if metadata.store_event >= 0 and not metadata.store_gpu_blocks:
-            self._store_events.append((metadata.store_event, _SYNCHRONOUS))
+            self._store_events.append((metadata.store_event, torch.cpu.Event()))
 
     def clear_connector_metadata(self) -> None:
         self._connector_metadata = None
@@ -2384,18 +2356,6 @@ def _batched_dma(fn: Any, src: dict[str, torch.Tensor], dst: dict[str, torch.Ten
         raise RuntimeError(f"cuMemcpyBatchAsync: error {err} at descriptor {fail_idx.value}")
 
 
-@contextlib.contextmanager
-def forced_copy_path(path: str) -> Iterator[None]:
-    """Inside, every launch takes `path` ("copy_" or "gather"), whatever the rule says."""
-    global _GATHER_BELOW_BYTES
-    saved = _GATHER_BELOW_BYTES
-    _GATHER_BELOW_BYTES = 0 if path == "copy_" else math.inf
-    try:
-        yield
-    finally:
-        _GATHER_BELOW_BYTES = saved
-
-
 def _bench_cases(block_kib: int, num_blocks: int, n_copy: int, num_layers: int,
                  cases: str) -> Iterator[tuple[str, str, dict[str, torch.Tensor], int, list[int],
                                                 list[int], tuple[str, ...]]]:
@@ -2485,8 +2445,8 @@ def bench_copies(device: str, block_kib: int = 32, num_blocks: int = 1024, n_cop
                 w.bind_connector_metadata(SimpleCPUOffloadMetadata(**{
                     f"{direction}_event": event, f"{direction}_gpu_blocks": gpu_ids,
                     f"{direction}_cpu_blocks": cpu_ids}))
-                with forced_copy_path(path):
-                    (w.wait_for_save if is_store else w.start_load_kv)()
+                w._backend.gather_below_bytes = 0 if path == "copy_" else math.inf
+                (w.wait_for_save if is_store else w.start_load_kv)()
                 w.clear_connector_metadata()
 
             copies = {"copy_": (lambda: worker_copy("copy_"), stream),

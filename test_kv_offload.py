@@ -900,10 +900,10 @@ def test_copy_rule_picks_the_path_by_bytes_per_copy_call():
     in 386 runs -> 511 x 64 KiB / (386 x 8 calls) = 10.6 KiB per copy_ call < 1 MiB: gather/
     scatter (2 x 8 kernels). One run of 512 blocks: 4 MiB per call: copy_ (8 calls). One run
     of 64 blocks: 512 KiB per call: gather/scatter."""
-    backend = ko.TorchCopyBackend(ko._SYNCHRONOUS)
+    backend = ko.TorchCopyBackend(torch.cpu)
     regions = {f"r{i}": torch.zeros(580, 4096, dtype=torch.float16) for i in range(8)}
     mirrors = {f"r{i}": torch.zeros(515, 4096, dtype=torch.float16) for i in range(8)}
-    backend.init(regions, mirrors, torch.device("cpu"), ko._SYNCHRONOUS, ko._SYNCHRONOUS)
+    backend.init(regions, mirrors, torch.device("cpu"), torch.cpu.Stream(), torch.cpu.Stream())
     counts = []
     for src, dst in [(STORY_CPU_IDS, STORY_GPU_IDS), (range(1, 513), range(1, 513)),
                      (range(1, 65), range(101, 165))]:
@@ -914,7 +914,7 @@ def test_copy_rule_picks_the_path_by_bytes_per_copy_call():
     assert counts == [(0, 8, 8), (8, 0, 0), (0, 8, 8)]
 
 
-def test_unpinned_mirror_on_cuda_is_an_error():
+def test_unpinned_mirror_is_an_error_on_a_gpu():
     """A CUDA worker's mirror must be pinned: the gather/scatter kernels read and write it in
     place across the link, which pageable memory does not allow. Registration builds the views,
     so an unpinned mirror fails there, before any CUDA call (checked on CPU with a plain
@@ -922,7 +922,7 @@ def test_unpinned_mirror_on_cuda_is_an_error():
     memory)."""
     with pytest.raises(ValueError, match="must be pinned"):
         ko._device_rows(torch.zeros(4, 8), torch.device("cuda"))
-    backend = ko.TorchCopyBackend(ko._SYNCHRONOUS)
+    backend = ko.TorchCopyBackend(torch.cpu)
     with pytest.raises(ValueError, match="must be pinned"):
         backend.init({}, {"l0.k": torch.zeros(4, 8)}, torch.device("cuda"), None, None)
 
@@ -3126,10 +3126,14 @@ def test_gpu_check_selects_every_gpu_case():
             "test_async_load_does_not_land_in_a_block_a_running_forward_reads",
             "test_issue_and_poll_never_block",
             "test_handle_preemptions_waits_for_an_in_flight_store",
+            "test_async_every_store_waits_for_its_forward",
+            "test_async_every_load_waits_for_the_forwards_before_it",
+            "test_unpinned_mirror_fails_registration",
             "test_copy_calls_per_block_of_the_story"} <= names
     assert all("cuda" in i.split("[")[1] for i in ids), ids
     if not torch.cuda.is_available():
-        one = _pytest_here("-k", "cuda and worker_copies and flash and contiguous", env=env)
+        one = _pytest_here("-k", "cuda and worker_copies and flash and contiguous and gather",
+                           env=env)
         assert "1 failed" in one and "skipped" not in one, one
 
 
