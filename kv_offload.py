@@ -1281,7 +1281,7 @@ class TorchCopyBackend:
 
     def init(self, gpu_caches: dict[str, torch.Tensor], cpu_caches: dict[str, torch.Tensor],
              device: torch.device, load_stream: Any, store_stream: Any) -> None:
-        self._caches = (cpu_caches, gpu_caches)  # (source, destination) of a load
+        self._caches = (cpu_caches, gpu_caches)  # a load's (source, destination)
         # [num_blocks, row_words] views, made once: an unpinned mirror on CUDA fails here
         cpu_rows = {name: _device_rows(t, device) for name, t in cpu_caches.items()}
         gpu_rows = {name: _device_rows(t, device) for name, t in gpu_caches.items()}
@@ -1315,13 +1315,17 @@ class TorchCopyBackend:
         row_bytes = sum(t[0].nbytes for t in cpu_caches.values())
         bytes_per_copy = len(src_blocks) * row_bytes / (len(runs) * len(cpu_caches))
         if bytes_per_copy >= self.gather_below_bytes:
-            src, dst = self._caches[::-1] if is_store else self._caches
+            src, dst = self._caches
+            if is_store:
+                src, dst = dst, src
             for name, s in src.items():
                 d = dst[name]
                 for s0, d0, n in runs:
                     d[d0:d0 + n].copy_(s[s0:s0 + n], non_blocking=True)
             return
-        src, dst = self._rows[::-1] if is_store else self._rows
+        src, dst = self._rows
+        if is_store:
+            src, dst = dst, src
         # the ids go up pinned, so that their upload is queued on this stream like the kernels
         pin = self._device.type == "cuda"
         src_ids = torch.tensor(src_blocks, pin_memory=pin).to(self._device, non_blocking=True)
