@@ -4,8 +4,8 @@ kv_offload: vLLM's simple CPU KV-cache offload (eager mode), all of it in one fi
 
 A runnable, tested reference of the offload manager, the prefix-cache block pool under it, the
 GPU<->CPU copy worker and a toy engine that drives them as vLLM's scheduler does, so that vLLM
-issue #53498 and its fix, PR #53532, can be run. It follows vLLM 0.34 (the pre-fix variant:
-0.29) with vLLM's names, ref counts, allocation and eviction order, guards and asserts:
+issue #53498 and its fix (pull request #53532) can be run. It follows vLLM 0.34 (the pre-fix
+variant: 0.29) with vLLM's names, ref counts, allocation and eviction order, guards and asserts:
   vllm/v1/core/{kv_cache_utils,block_pool,single_type_kv_cache_manager}.py
   vllm/v1/simple_kv_offload/{metadata,manager,worker,copy_backend}.py
 But it leaves out: lazy mode, the disk backend, KV-cache events and metrics; sliding-window,
@@ -42,49 +42,173 @@ import types
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from enum import Enum, auto
+from typing import Any, NewType
 
-import numpy as np
-import torch
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (section 10's `main`), parsed before torch loads: --help and a bad flag
+    answer at once. The numbers below are section 10's defaults (a test holds them equal)."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0].strip() + "\n\n"
+        "With no flag, the demo: request A runs a prompt (blocks of 16 tokens, 1,024 tokens a\n"
+        "step, one output token), the GPU prefix cache is dropped, request B repeats the prompt.\n"
+        "Per configuration, vLLM 0.29's code beside the fix (and, in the small-pool row, the\n"
+        "prefix-aware class, not in vLLM): MiB stored to CPU / tokens B loaded from CPU.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bench", action="store_true",
+                        help="time the copy worker's two paths, vLLM's batched DMA (CUDA) and one "
+                        "plain copy of the same bytes, on CPU and, when torch sees one, on CUDA; "
+                        "prints a row per measurement")
+    parser.add_argument("--gpu-check", action="store_true",
+                        help="on a CUDA machine: every CUDA test case, 200 random schedules on "
+                        "CUDA (fuzz seed 20261204, or $KV_OFFLOAD_FUZZ_SEED), then the CUDA copy "
+                        "bench; stops after 360 s; last line GPU CHECK: PASS or FAIL, exit status "
+                        "0 only on PASS")
+    parser.add_argument("--prompt-tokens", type=int, default=8192, metavar="N",
+                        help="tokens of the chunked prompt and of the small-pool row, whose CPU "
+                        "pool holds 7/8 of the prompt's blocks of 16; the one-step row keeps "
+                        "1,000 tokens (default: %(default)s; at least 48)")
+    args = parser.parse_args(argv)
+    if args.prompt_tokens < 48:  # the small pool (7/8 of the prompt's blocks) needs 2 blocks
+        parser.error(f"--prompt-tokens {args.prompt_tokens}: at least 48 (three blocks of 16)")
+    return args
+
+
+if __name__ == "__main__":
+    _parse_args(sys.argv[1:])  # --help or a bad flag exits here, before torch is imported
+
+import numpy as np  # noqa: E402 - as torch (which imports it)
+import torch  # noqa: E402 - after the command line's check (torch takes seconds to import)
 
 logger = logging.getLogger(__name__)
 
 # -----------------------------------------------------------------------------
 # 1. Hashing and requests
 
-NONE_HASH: bytes = hashlib.sha256(b"kv_offload-none-hash").digest()  # chains' seed: fixed
+BlockHash = NewType("BlockHash", bytes)
+
+# `BlockHashWithGroupId` combines a `BlockHash` with its KV cache group ID.
+# It is represented as raw bytes for compactness and efficiency. The helper
+# functions below pack/unpack the `BlockHash` and group id into/from the key.
+BlockHashWithGroupId = NewType("BlockHashWithGroupId", bytes)
 
 
-def hash_block_tokens(parent_block_hash: bytes | None, token_ids: Sequence[int],
-                      extra_keys: Any = None) -> bytes:
-    """sha256(parent hash, token ids, extra keys): the fingerprint of the prefix ending here."""
-    h = hashlib.sha256(parent_block_hash or NONE_HASH)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))  # fixed width and byte order
-    if extra_keys is not None:
-        h.update(repr(extra_keys).encode())
-    return h.digest()
+def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> BlockHashWithGroupId:
+    """Pack a `BlockHash` and group id into a `BlockHashWithGroupId`.
+
+    The group id is encoded using 4 bytes in big-endian order and appended to
+    the block hash bytes.  This representation avoids creating tuples while
+    still allowing us to recover both components when needed."""
+    return BlockHashWithGroupId(block_hash + group_id.to_bytes(4, "big", signed=False))
 
 
-def make_block_hash_with_group_id(block_hash: bytes, group_id: int) -> bytes:
-    """Prefix-cache key: hash + 4-byte big-endian group id (bytes, not a tuple, as in vLLM)."""
-    return block_hash + group_id.to_bytes(4, "big")
+def get_block_hash(key: BlockHashWithGroupId) -> BlockHash:
+    """Extract the `BlockHash` from a `BlockHashWithGroupId`."""
+    return BlockHash(key[:-4])
 
 
-def get_block_hash(key: bytes) -> bytes:
-    return key[:-4]
+def get_group_id(key: BlockHashWithGroupId) -> int:
+    """Extract the group id from a `BlockHashWithGroupId`."""
+    return int.from_bytes(key[-4:], "big", signed=False)
 
 
-def get_group_id(key: bytes) -> int:
-    return int.from_bytes(key[-4:], "big")
+# The hash seed for the first block of any prefix block sequence: fixed, so that every process
+# computes the same hashes for the same tokens (vLLM derives it from a seed string too).
+# not in vLLM: sha256 of a constant (vLLM: init_none_hash(hash_fn))
+NONE_HASH: BlockHash = BlockHash(hashlib.sha256(b"kv_offload-none-hash").digest())
+
+
+def hash_block_tokens(parent_block_hash: BlockHash | None, curr_block_token_ids: Sequence[int],
+                      extra_keys: tuple[Any, ...] | None = None) -> BlockHash:
+    """Computes a hash value corresponding to the contents of a block and the contents of the
+    preceding block(s): sha256 over the parent hash, the token ids (fixed width and byte order)
+    and the extra keys. vLLM takes the hash function as an argument (sha256_cbor by default)."""
+    if not parent_block_hash:
+        parent_block_hash = NONE_HASH
+    # not in vLLM: the hash function, inlined (vLLM: hash_function((parent, tokens, extras)))
+    h = hashlib.sha256(parent_block_hash)
+    h.update(struct.pack(f"<{len(curr_block_token_ids)}q", *curr_block_token_ids))  # not in vLLM
+    if extra_keys is not None:  # not in vLLM
+        h.update(repr(extra_keys).encode())  # not in vLLM
+    return BlockHash(h.digest())  # not in vLLM
+
+
+class BlockHashListWithBlockSize:  # vLLM 0.30
+    """Convert block-hash granularity from `hash_block_size` to `target_block_size`.
+    Used when KV cache groups have different block sizes. Each `hash_block_size` hash is
+    already chained over its entire prefix, so the hash at the last `hash_block_size` boundary
+    of a `target_block_size` block uniquely fingerprints that block's prefix."""
+
+    def __init__(self, block_hashes: list[BlockHash], hash_block_size: int,
+                 target_block_size: int):
+        self.block_hashes = block_hashes
+        assert target_block_size % hash_block_size == 0
+        self.scale_factor = target_block_size // hash_block_size
+
+    def __len__(self) -> int:
+        return len(self.block_hashes) // self.scale_factor
+
+    def __getitem__(self, idx):
+        if isinstance(idx, int):
+            return self._get_value_at(idx)
+
+        if isinstance(idx, slice):
+            start, stop, step = idx.indices(len(self))
+            return [self._get_value_at(i) for i in range(start, stop, step)]
+
+        raise TypeError(f"Invalid index type: {type(idx)!r}")
+
+    def __iter__(self) -> Iterator[BlockHash]:
+        for i in range(len(self)):
+            yield self._get_value_at(i)
+
+    def _get_value_at(self, idx: int) -> BlockHash:
+        # The last hash_block_size hash within the target block already chains
+        # over the whole prefix, so it is the target block's hash.
+        return self.block_hashes[(idx + 1) * self.scale_factor - 1]
+
+
+BlockHashList = list[BlockHash] | BlockHashListWithBlockSize
+
+
+def resolve_block_hashes(block_hashes: BlockHashList, hash_block_size: int,  # vLLM 0.30
+                         block_size: int, *, supports_fine_grained_hash_lookup: bool = False,
+                         alignment_tokens: int | None = None) -> BlockHashList:
+    """Resolve the block-hash view at ``block_size``.
+
+    When ``block_size`` equals ``hash_block_size``, reuse the precomputed block
+    hashes directly; otherwise view them at ``block_size`` granularity.
+    Fine-grained lookup keeps the original hashes for partial cache hits."""
+    if block_size == hash_block_size:
+        return block_hashes
+    if isinstance(block_hashes, BlockHashListWithBlockSize):
+        # Already a block-size view
+        assert block_hashes.scale_factor == block_size // hash_block_size
+        return block_hashes
+    # Fine-grained partial hits keep the raw hashes. The caller passes
+    # alignment_tokens = hash_block_size to enable them, else >= block_size.
+    if (
+        supports_fine_grained_hash_lookup
+        and alignment_tokens is not None
+        and alignment_tokens < block_size
+        and block_size % alignment_tokens == 0
+    ):
+        return block_hashes
+    assert block_size % hash_block_size == 0
+    return BlockHashListWithBlockSize(block_hashes, hash_block_size, block_size)
 
 
 class RequestStatus(enum.IntEnum):
     """vLLM's request states (those the engine uses); anything after PREEMPTED is finished."""
     WAITING = enum.auto()
-    WAITING_FOR_REMOTE_KVS = enum.auto()  # its load is in flight: holds GPU blocks, not scheduled
+    # its load is in flight: holds GPU blocks, not scheduled
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
-    PREEMPTED = enum.auto()  # GPU blocks freed, back in the waiting queue; resumed later
-    FINISHED_LENGTH_CAPPED = enum.auto()  # max_tokens reached
+    # GPU blocks freed, back in the waiting queue; resumed later
+    PREEMPTED = enum.auto()
+    # max_tokens reached
+    FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
 
     @staticmethod
@@ -108,10 +232,13 @@ class Request:
         self.hash_block_size = hash_block_size
         self.max_tokens = max_tokens
         self.num_computed_tokens = 0
-        self.status = RequestStatus.WAITING  # this and the next three: set by the engine
+        # this and the next three: set by the engine
+        self.status = RequestStatus.WAITING
         self.num_preemptions = 0
-        self.num_output_placeholders = 0  # scheduled, not yet produced (async scheduling): 0 here
-        self.skip_reading_external_kv = False  # vLLM: no connector reads (e.g. prompt logprobs)
+        # scheduled, not yet produced (async scheduling): 0 here
+        self.num_output_placeholders = 0
+        # vLLM: no connector reads (e.g. prompt logprobs)
+        self.skip_reading_external_kv = False
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()
 
@@ -132,7 +259,8 @@ class Request:
 
     def _update_block_hashes(self) -> None:
         hash_block_size = self.hash_block_size
-        start = len(self.block_hashes) * hash_block_size  # the chunks full since the last call
+        # the chunks full since the last call
+        start = len(self.block_hashes) * hash_block_size
         while start + hash_block_size <= len(self.all_token_ids):
             parent = self.block_hashes[-1] if self.block_hashes else None
             chunk = self.all_token_ids[start:start + hash_block_size]
@@ -141,7 +269,8 @@ class Request:
 
 
 def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+    """Ceiling division."""
+    return -(a // -b)
 
 
 # -----------------------------------------------------------------------------
@@ -149,156 +278,321 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
-    """Metadata of one KV-cache block (GPU or CPU: both pools use this class)."""
-    block_id: int  # index into the pool's KV tensors; 0 is the pool's null block
-    ref_cnt: int = 0  # holders: running requests, in-flight copies, pins; 0 = in the free queue
-    block_hash: bytes | None = None  # primary key (hash + group id); set_block_hash() only (bug 1)
-    block_hash_num_tokens: int | None = None  # prefix tokens it covers (None if unknown, e.g. CPU)
-    prev_free_block: KVCacheBlock | None = None  # free-queue links: only the queue touches them
-    next_free_block: KVCacheBlock | None = None
-    is_null: bool = False  # the placeholder block 0: never freed, touched, hashed or evicted
+    """KV-cache block metadata (GPU or CPU: both pools use this class)."""
 
-    def set_block_hash(self, key: bytes, num_tokens: int | None = None) -> None:
+    # Block ID, ranging from 0 to num_gpu_blocks - 1.
+    block_id: int
+    # Reference count.
+    ref_cnt: int = 0
+    # The hash key (block hash + group id) of the block, only available
+    # when the block is full and cached.
+    block_hash: BlockHashWithGroupId | None = None
+    # Number of prefix tokens covered by block_hash. For full blocks this is
+    # the full block boundary; partial entries can end inside a cache block.
+    block_hash_num_tokens: int | None = None
+
+    # Used to construct a doubly linked list for free blocks.
+    # These two attributes should only be manipulated by FreeKVCacheBlockQueue.
+    prev_free_block: "KVCacheBlock | None" = None
+    next_free_block: "KVCacheBlock | None" = None
+
+    # Whether the block is a null block that should never be cached.
+    is_null: bool = False
+
+    def set_block_hash(self, block_hash: BlockHashWithGroupId,
+                       num_tokens: int | None = None) -> None:
         assert self.block_hash is None and self.block_hash_num_tokens is None, (
-            f"block {self.block_id} already has a hash: a block must be evicted (reset_hash) "
-            "before it is registered under a new key")
-        self.block_hash = key
+            "The block already has a hash. This should not happen."
+        )
+        self.block_hash = block_hash
         self.block_hash_num_tokens = num_tokens
 
-    def reset_hash(self) -> None:
+    def reset_hash(self):
+        """Reset the block hash when the block is evicted."""
         self.block_hash = None
         self.block_hash_num_tokens = None
 
-    def __repr__(self) -> str:  # ids only: the links would recurse through the whole queue
-        return (f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, "
-                f"block_hash={self.block_hash.hex()[:8] if self.block_hash else None})")
+    def __repr__(self) -> str:
+        # Use block_id instead of KVCacheBlock object to avoid calling __repr__
+        # on KVCacheBlock object recursively.
+        prev_block_id = self.prev_free_block.block_id if self.prev_free_block else None
+        next_block_id = self.next_free_block.block_id if self.next_free_block else None
+        return (
+            f"KVCacheBlock(block_id={self.block_id}, "
+            f"ref_cnt={self.ref_cnt}, "
+            f"block_hash={self.block_hash!r}, "
+            f"block_hash_num_tokens={self.block_hash_num_tokens}, "
+            f"prev_free_block={prev_block_id}, "
+            f"next_free_block={next_block_id})"
+        )
 
 
 class FreeKVCacheBlockQueue:
-    """Doubly linked list of free blocks, through the blocks' own prev/next fields. Front =
-    reused first: freed blocks without a hash go there, cached ones to the back (LRU order).
-    Not a deque: touch() takes a hit block out of the *middle* in O(1). Two sentinels (fake
-    head, fake tail) remove the empty-list branches."""
+    """This class organizes a list of KVCacheBlock objects to a doubly linked
+    list of free blocks. We implement this class instead of using Python
+    builtin deque to support removing a block in the middle of the queue
+    in O(1) time. To close the performance gap to the builtin deque which is
+    implemented in C++, this class does not allocate any Python objects when
+    manipulating the linked list. Instead, this class manipulates the
+    prev_free_block and next_free_block attributes of the given blocks.
+
+    The queue is ordered by block ID in the beginning. When a block is allocated
+    and then freed, it will be appended back with the eviction order:
+    1. The least recent used block is at the front (LRU).
+    2. If two blocks have the same last accessed time (allocated by the
+       same sequence), the one with more hash tokens (the tail of a block
+       chain) is at the front.
+    Note that we maintain this order by reversing the block order when free
+    blocks of a request. This operation is outside of this class."""
 
     def __init__(self, blocks: list[KVCacheBlock]) -> None:
         self.num_free_blocks = len(blocks)
-        self.fake_free_list_head = KVCacheBlock(-1)
-        self.fake_free_list_tail = KVCacheBlock(-1)
-        chain = [self.fake_free_list_head, *blocks, self.fake_free_list_tail]
-        for a, b in zip(chain, chain[1:]):
-            a.next_free_block = b
-            b.prev_free_block = a
+
+        # Initialize doubly links of consecutive blocks
+        for i in range(self.num_free_blocks):
+            if i > 0:
+                blocks[i].prev_free_block = blocks[i - 1]
+            if i < self.num_free_blocks - 1:
+                blocks[i].next_free_block = blocks[i + 1]
+
+        # Create a fake head and a tail block for the doubly linked list to
+        # reduce branching in the code
+        #
+        # The implementation guaranteed that the fake head and tail
+        # are NEVER got popped, so we could safely assume each real blocks
+        # in the queue has prev and next blocks.
+        self.fake_free_list_head = KVCacheBlock(block_id=-1)
+        self.fake_free_list_tail = KVCacheBlock(block_id=-1)
+        if self.num_free_blocks > 0:
+            # Connect fake_head and fake_tail to the first and last block
+            # respectively.
+            self.fake_free_list_head.next_free_block = blocks[0]
+            blocks[0].prev_free_block = self.fake_free_list_head
+            self.fake_free_list_tail.prev_free_block = blocks[-1]
+            blocks[-1].next_free_block = self.fake_free_list_tail
+        else:
+            # For empty list, simply connect the fake head and tail.
+            self.fake_free_list_head.next_free_block = self.fake_free_list_tail
+            self.fake_free_list_tail.prev_free_block = self.fake_free_list_head
 
     def popleft(self) -> KVCacheBlock:
-        if self.num_free_blocks == 0:
+        """Pop the first free block and reduce num_free_blocks by 1."""
+        head = self.fake_free_list_head
+        first_block = head.next_free_block
+        if first_block is self.fake_free_list_tail or first_block is None:
+            assert self.num_free_blocks == 0, (
+                f"num_free_blocks ({self.num_free_blocks}) is out of sync "
+                "with the free list."
+            )
             raise ValueError("No free blocks available")
-        return self.popleft_n(1)[0]
+
+        next_block = first_block.next_free_block
+        if next_block is None:
+            # This should not happen if the block is from the free list.
+            # It indicates a bug in the caller's logic.
+            raise RuntimeError(
+                "Invalid block found in popleft() "
+                "which doesn't have a valid next_free_block"
+            )
+
+        # Connect fake_head and the next block of first_block (i.e. second block
+        # or fake tail).
+        head.next_free_block = next_block
+        next_block.prev_free_block = head
+
+        # Remove the block from the linked list.
+        first_block.prev_free_block = first_block.next_free_block = None
+
+        self.num_free_blocks -= 1
+        return first_block
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        assert 0 <= n <= self.num_free_blocks, f"popleft_n({n}) with {self.num_free_blocks} free"
-        ret = []
-        curr = self.fake_free_list_head.next_free_block
-        for _ in range(n):
-            ret.append(curr)
-            nxt = curr.next_free_block
-            # a block out of the queue has no links: that is how touch() tells it is not free
-            curr.prev_free_block = None
-            curr.next_free_block = None
-            curr = nxt
-        # `curr` is the first block left (or the fake tail): it follows the fake head now
-        self.fake_free_list_head.next_free_block = curr
-        curr.prev_free_block = self.fake_free_list_head
+        """Pop the first n free blocks and reduce num_free_blocks by n."""
+        if n == 0:
+            return []
+        assert self.num_free_blocks >= n
         self.num_free_blocks -= n
+
+        curr_block = self.fake_free_list_head.next_free_block
+        if n == 1:
+            assert curr_block is not None
+            next_block = curr_block.next_free_block
+            curr_block.prev_free_block = None
+            curr_block.next_free_block = None
+            if next_block is not None:
+                self.fake_free_list_head.next_free_block = next_block
+                next_block.prev_free_block = self.fake_free_list_head
+            return [curr_block]
+
+        # Pop n blocks from the head of the list
+        ret = []
+        for _ in range(n):
+            assert curr_block is not None
+            ret.append(curr_block)
+            last_block = curr_block
+            curr_block = curr_block.next_free_block
+            # Reset prev_free_block and next_free_block of all popped blocks
+            last_block.prev_free_block = None
+            last_block.next_free_block = None
+
+        if curr_block is not None:
+            # The queue is not empty, connect the fake head to
+            # the new first block.
+            self.fake_free_list_head.next_free_block = curr_block
+            curr_block.prev_free_block = self.fake_free_list_head
         return ret
 
     def remove(self, block: KVCacheBlock) -> None:
-        prev = block.prev_free_block
-        nxt = block.next_free_block
-        if prev is None or nxt is None:
-            raise RuntimeError(f"remove() of a block that is not in the free queue: {block}")
-        prev.next_free_block = nxt
-        nxt.prev_free_block = prev
-        block.prev_free_block = None
-        block.next_free_block = None
+        """Remove a block in the free list and reduce num_free_blocks by 1."""
+        prev_block = block.prev_free_block
+        next_block = block.next_free_block
+        if prev_block is None or next_block is None:
+            # This should not happen if the block is from the free list.
+            # It indicates a bug in the caller's logic.
+            raise RuntimeError(f"remove() called on an invalid block: {block}")
+
+        # Link the previous block to the next block.
+        prev_block.next_free_block = next_block
+        # Link the next block to the previous block.
+        next_block.prev_free_block = prev_block
+
+        # Remove the block from the linked list.
+        block.prev_free_block = block.next_free_block = None
         self.num_free_blocks -= 1
 
     def append(self, block: KVCacheBlock) -> None:
-        if self.fake_free_list_tail.prev_free_block is None:  # corrupted: fail before linking
-            raise RuntimeError("prev_free_block of fake_free_list_tail should always exist")
-        self.append_n([block])
+        """Put a block back into the free list and increase num_free_blocks by 1."""
+        tail = self.fake_free_list_tail
+        last_block = tail.prev_free_block
+        if last_block is None:
+            raise RuntimeError(
+                "prev_free_block of fake_free_list_tail should always exist"
+            )
+        # Connect the new block after the last block.
+        last_block.next_free_block = block
+        block.prev_free_block = last_block
 
-    def append_n(self, blocks: list[KVCacheBlock]) -> None:
-        if not blocks:
-            return
-        last_block = self.fake_free_list_tail.prev_free_block
-        assert last_block is not None, "prev_free_block of fake_free_list_tail should always exist"
-        self._link_after(last_block, blocks)
+        # Connect the fake tail after the new block.
+        block.next_free_block = tail
+        tail.prev_free_block = block
+
+        self.num_free_blocks += 1
 
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Put a list of blocks at the front of the free list."""
+        if len(blocks) == 0:
+            return
+
+        first_block = self.fake_free_list_head.next_free_block
+        assert first_block is not None, (
+            "next_free_block of fake_free_list_head should always exist"
+        )
+
+        prev_block = self.fake_free_list_head
+        for block in blocks:
+            block.prev_free_block = prev_block
+            prev_block.next_free_block = block
+            prev_block = block
+
+        prev_block.next_free_block = first_block
+        first_block.prev_free_block = prev_block
+
+        self.num_free_blocks += len(blocks)
+
+    def append_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Put a list of blocks back into the free list."""
         if not blocks:
             return
-        first_block = self.fake_free_list_head.next_free_block
-        assert first_block is not None, "next_free_block of fake_free_list_head should always exist"
-        self._link_after(self.fake_free_list_head, blocks)
 
-    def _link_after(self, prev: KVCacheBlock, blocks: list[KVCacheBlock]) -> None:
-        # splice `blocks` (not empty), in order, between `prev` and its current successor
-        nxt = prev.next_free_block
-        for b in blocks:
-            prev.next_free_block = b
-            b.prev_free_block = prev
-            prev = b
-        prev.next_free_block = nxt
-        nxt.prev_free_block = prev
+        tail = self.fake_free_list_tail
+        last_block = tail.prev_free_block
+        assert last_block is not None, (
+            "prev_free_block of fake_free_list_tail should always exist"
+        )
+        # Add inter-connections between consecutive blocks
+        for block in blocks:
+            block.prev_free_block = last_block
+            last_block.next_free_block = block
+            last_block = block
+
+        # Connect the last block of <blocks> to the fake tail
+        last_block.next_free_block = tail
+        tail.prev_free_block = last_block
+
         self.num_free_blocks += len(blocks)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        """Front to back. O(n): for tests and pictures only."""
+        """Get all free blocks in the free list. Mainly used for testing."""
         ret = []
-        curr = self.fake_free_list_head.next_free_block
-        while curr is not self.fake_free_list_tail:
-            ret.append(curr)
-            curr = curr.next_free_block
+        if self.fake_free_list_head.next_free_block is None:
+            raise RuntimeError(
+                "next_free_block of fake_free_list_head should always exist"
+            )
+        # Start from the first block
+        curr_block: KVCacheBlock = self.fake_free_list_head.next_free_block
+        # As long as next_free_block is available, we haven't reached to
+        # the fake tail yet.
+        while curr_block.next_free_block is not None:
+            ret.append(curr_block)
+            curr_block = curr_block.next_free_block
         return ret
 
 
 class BlockHashToBlockMap:
-    """Prefix-cache map: key (hash + group id) -> the blocks cached under it. Several blocks may
-    carry one key (block tables are append-only: vLLM does not de-duplicate); get_one_block()
-    returns the earliest inserted. Entries are block *ids* (vLLM 0.34: the GC skips a dict of
-    bytes and ints); `_dup_ids` holds the rare keys of several blocks."""
+    """Cache of blocks that are used for prefix caching, from block hash to
+    one or more cached blocks of the pool.
 
-    def __init__(self, blocks: list[KVCacheBlock]) -> None:
-        self._blocks = blocks  # the pool's blocks: block id -> block
-        self._cache: dict[bytes, int] = {}
-        self._dup_ids: dict[bytes, dict[int, None]] = {}  # an insertion-ordered set per key
+    A cached block is a full block with a block hash that can be used
+    for prefix caching.
+    The cached block may be used by running requests or in the
+    free_block_queue that could potentially be evicted.
 
-    def get_one_block(self, key: bytes) -> KVCacheBlock | None:
+    NOTE #1: We currently don't de-duplicate the blocks in the cache,
+    meaning that if a block becomes full and is cached, we don't check
+    if there is already an identical block in the cache. This is because
+    we want to make sure the allocated block IDs won't change so that
+    block tables are append-only.
+    NOTE #2: Entries hold block ids, not blocks: the cyclic GC does not track a
+    dict of only bytes and ints, so cached blocks add nothing to each collection."""
+
+    def __init__(self, blocks: list[KVCacheBlock]):
+        self._blocks = blocks
+        # Block id of one block per key.
+        # not in vLLM: a plain dict (vLLM: gc_untrack({}), for Python 3.14's GC)
+        self._cache: dict[BlockHashWithGroupId, int] = {}
+        # All block ids, in insertion order, of keys cached by several blocks.
+        # Kept apart so that `_cache` holds no containers.
+        self._dup_ids: dict[BlockHashWithGroupId, dict[int, None]] = {}
+
+    def get_one_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
+        """Gets any block with the given block hash key."""
         block_id = self._cache.get(key)
         return None if block_id is None else self._blocks[block_id]
 
-    def contain(self, key: bytes, block_id: int) -> bool:
+    def contain(self, key: BlockHashWithGroupId, block_id: int) -> bool:
+        """Checks whether the key maps to the given block ID."""
         dup_ids = self._dup_ids.get(key)
         if dup_ids is not None:
             return block_id in dup_ids
         return self._cache.get(key) == block_id
 
-    def insert(self, key: bytes, block: KVCacheBlock) -> None:
+    def insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
+        """Inserts the KVCacheBlock to the cache"""
         block_id = self._cache.setdefault(key, block.block_id)
-        if block_id != block.block_id:  # the key already names another block
-            dup_ids = self._dup_ids.setdefault(key, {block_id: None})
-            dup_ids[block.block_id] = None
+        if block_id != block.block_id:
+            self._dup_ids.setdefault(key, {block_id: None})[block.block_id] = None
 
-    def pop(self, key: bytes, block_id: int) -> KVCacheBlock | None:
+    def pop(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
+        """Pops block_id from the blocks cached under key, if it is there."""
         dup_ids = self._dup_ids.get(key)
         if dup_ids is None:
             if self._cache.get(key) != block_id:
                 return None
             del self._cache[key]
         else:
-            if dup_ids.pop(block_id, False) is False:  # the values are None: False = absent
+            if dup_ids.pop(block_id, False) is False:
                 return None
-            self._cache[key] = next(iter(dup_ids))  # the earliest inserted of the others
+            self._cache[key] = next(iter(dup_ids))
             if len(dup_ids) == 1:
                 del self._dup_ids[key]
         return self._blocks[block_id]
@@ -312,132 +606,232 @@ class BlockHashToBlockMap:
 
 
 class BlockPool:
-    """Allocates, frees and prefix-caches KV blocks, GPU and CPU alike. Invariants: a block but
-    the null one is in free_block_queue iff ref_cnt == 0. A hashed block is findable under its
-    primary key and every secondary key in cached_block_hashes_by_block[block_id]. Eviction is
-    lazy: a free cached block stays a hit until get_new_blocks() hands it out again."""
+    """BlockPool that manages KVCacheBlocks (GPU and CPU alike).
+    It provides methods to allocate, free and cache the kv cache blocks. The
+    free_block_queue stores the free blocks in eviction order to enable
+    allocation, free, and cache eviction. The cached_block_hash_to_block
+    maps between block hash and cached block to support finding cached blocks
+    by their block hash.
+    NOTE: a block but the null one is in free_block_queue iff ref_cnt == 0; a hashed block is
+    found under its primary key and every secondary key in cached_block_hashes_by_block;
+    eviction is lazy: a free cached block stays a hit until get_new_blocks() hands it out."""
 
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int):
         assert isinstance(num_gpu_blocks, int) and num_gpu_blocks > 0
-        self.num_gpu_blocks = num_gpu_blocks  # vLLM's name; the CPU pool uses it too
+        self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
-        self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
+        # All kv-cache blocks.
+        # not in vLLM: no pool back-reference (vLLM 0.34's deferred frees across pools)
+        self.blocks: list[KVCacheBlock] = [KVCacheBlock(idx) for idx in range(num_gpu_blocks)]
+        # Free block queue that constructs and manipulates a doubly linked
+        # list of free blocks (including eviction candidates when caching is
+        # enabled).
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
-        self.cached_block_hash_to_block = BlockHashToBlockMap(self.blocks)
-        # secondary keys: fine-grained prefix boundaries inside a block that already has a primary
-        self.cached_block_hashes_by_block: dict[int, set[bytes]] = {}
-        self.null_block = self.free_block_queue.popleft()  # block 0: placeholder, never handed out
+
+        # Cache for block lookup
+        self.cached_block_hash_to_block: BlockHashToBlockMap = BlockHashToBlockMap(
+            self.blocks
+        )
+        self.cached_block_hashes_by_block: dict[int, set[BlockHashWithGroupId]] = {}
+
+        # To represent a placeholder block with block_id=0.
+        # The ref_cnt of null_block is not maintained, needs special care to
+        # avoid freeing it.
+        self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
 
-    def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list[int]
+    def get_cached_block(self, block_hash: BlockHash, kv_cache_group_ids: list[int]
                          ) -> list[KVCacheBlock] | None:
-        """One cached block per group for this hash, or None if any group misses."""
-        if len(kv_cache_group_ids) == 1:  # the common case, without the list building
+        """Get the cached block by the block hash for each group in
+        `kv_cache_group_ids`, or None if cache miss for any group.
+        If there are duplicated blocks, we return the first block in the cache."""
+        cached_blocks = []
+        for group_id in kv_cache_group_ids:
+            block_hash_with_group_id = make_block_hash_with_group_id(
+                block_hash, group_id
+            )
             block = self.cached_block_hash_to_block.get_one_block(
-                make_block_hash_with_group_id(block_hash, kv_cache_group_ids[0]))
-            return None if block is None else [block]
-        out = []
-        for g in kv_cache_group_ids:
-            block = self.cached_block_hash_to_block.get_one_block(
-                make_block_hash_with_group_id(block_hash, g))
-            if block is None:
+                block_hash_with_group_id
+            )
+            if not block:
                 return None
-            out.append(block)
-        return out
+            cached_blocks.append(block)
+        return cached_blocks
 
     def cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock],
                           num_cached_blocks: int, num_full_blocks: int, block_size: int,
                           kv_cache_group_id: int) -> None:
-        """Register blocks[num_cached_blocks:num_full_blocks] (now full) under their hashes: the
-        last fine hash inside each block, since a fine hash chains over its whole prefix."""
+        """Cache a list of full blocks for prefix caching: blocks[num_cached_blocks:
+        num_full_blocks], each under the last fine hash inside it (a fine hash chains over its
+        whole prefix). The block hashes are computed by the Request object."""
         if num_cached_blocks >= num_full_blocks:
             return
-        scale = block_size // self.hash_block_size
-        group_suffix = make_block_hash_with_group_id(b"", kv_cache_group_id)
-        for i in range(num_cached_blocks, num_full_blocks):
-            blk = blocks[i]
-            if blk.is_null:
+        new_full_blocks = blocks[num_cached_blocks:num_full_blocks]
+        block_hashes = resolve_block_hashes(
+            request.block_hashes, self.hash_block_size, block_size
+        )
+
+        new_block_hashes = block_hashes[num_cached_blocks:]
+        # Appended per block below: much cheaper than packing the group id each time.
+        group_suffix = make_block_hash_with_group_id(BlockHash(b""), kv_cache_group_id)
+        for i, blk in enumerate(new_full_blocks):
+            # Some blocks may be null or masked out when enabling sparse attention
+            # like sliding window attention, or Mamba models with prefix-caching
+            # in align mode. We skip null blocks here.
+            if blk.is_null:  # not in vLLM: `or` the block mask (left out)
                 continue
-            num_tokens = (i + 1) * block_size
-            key = request.block_hashes[(i + 1) * scale - 1] + group_suffix
+            block_hash = new_block_hashes[i]
+            num_hash_tokens = (num_cached_blocks + i + 1) * block_size
+
+            # Update and added the full block to the cache.
+            block_hash_with_group_id = BlockHashWithGroupId(block_hash + group_suffix)
             if blk.block_hash is not None:
-                # only valid case: a partial-tail entry (cache_partial_block) being promoted
-                num_tokens_cached = blk.block_hash_num_tokens
-                assert num_tokens_cached is not None and num_tokens_cached < num_tokens, (
-                    f"block {blk.block_id} is already cached as full: cached twice?")
+                # The only valid case where a "new full block" already has a
+                # hash is partial->full promotion of the same cache block.
+                assert (
+                    blk.block_hash_num_tokens is not None
+                    and blk.block_hash_num_tokens < num_hash_tokens
+                )
+                # not in vLLM: the removed keys feed vLLM's events (left out)
                 self._remove_cached_block_hashes(blk)
-            self._insert_block_hash(key, blk, num_tokens)
+            self._insert_block_hash(
+                block_hash_with_group_id,
+                blk,
+                num_tokens=num_hash_tokens,
+            )
 
     def cache_partial_block(self, request: Request, block: KVCacheBlock, num_tokens: int,
-                            kv_cache_group_id: int) -> bytes | None:
-        """Make `block` reachable from the fine-grained boundary at `num_tokens` inside it; a
-        block with a longer (e.g. full) key gets a *secondary* key (GPU secondaries' origin)."""
+                            kv_cache_group_id: int) -> BlockHashWithGroupId | None:
+        """Register a partial prefix-cache entry for an existing block: make `block` reachable
+        from the fine-grained boundary at `num_tokens` inside it. A block with a longer (e.g.
+        full) key gets a *secondary* key: the origin of the GPU pool's secondaries."""
         if block.is_null:
             return None
-        block_hash = request.block_hashes[num_tokens // self.hash_block_size - 1]
-        key = make_block_hash_with_group_id(block_hash, kv_cache_group_id)
-        cached = (block.block_hash == key
-                  or self.cached_block_hash_to_block.contain(key, block.block_id))
-        num_tokens_cached = block.block_hash_num_tokens
-        if not cached and num_tokens_cached is not None and num_tokens_cached < num_tokens:
-            self._remove_cached_block_hashes(block)  # a longer partial prefix replaces a shorter
-        self._insert_block_hash(key, block, num_tokens)
-        return key
 
-    def _remove_cached_block_hashes(self, block: KVCacheBlock) -> list[bytes]:
-        """Take the primary and every secondary key of `block` out of the map; reset its hash."""
+        block_hash = self._get_partial_block_hash(request, num_tokens)
+        num_hash_blocks = num_tokens // self.hash_block_size
+        block_hash_with_group_id = make_block_hash_with_group_id(
+            block_hash, kv_cache_group_id
+        )
+        already_cached = block.block_hash == block_hash_with_group_id or (
+            self.cached_block_hash_to_block.contain(
+                block_hash_with_group_id, block.block_id
+            )
+        )
+        if (
+            not already_cached
+            and block.block_hash is not None
+            and block.block_hash_num_tokens is not None
+            and block.block_hash_num_tokens < num_hash_blocks * self.hash_block_size
+        ):
+            # not in vLLM: the removed keys feed vLLM's events (left out)
+            self._remove_cached_block_hashes(block)
+        self._insert_block_hash(
+            block_hash_with_group_id,
+            block,
+            num_tokens=num_hash_blocks * self.hash_block_size,
+        )
+        return block_hash_with_group_id
+
+    def _get_partial_block_hash(self, request: Request, num_tokens: int) -> BlockHash:
+        assert num_tokens % self.hash_block_size == 0
+        num_hash_blocks = num_tokens // self.hash_block_size
+        assert 0 < num_hash_blocks <= len(request.block_hashes)
+
+        # Each hash_block_size hash chains over its full prefix, so the partial
+        # entry for any group block size is the hash at that prefix boundary.
+        return request.block_hashes[num_hash_blocks - 1]
+
+    def _remove_cached_block_hashes(self, block: KVCacheBlock) -> list[BlockHashWithGroupId]:
+        # A block only has secondary hashes alongside a primary one.
         if block.block_hash is None:
-            return []  # a block has secondary keys only alongside a primary one
-        keys = [block.block_hash]
-        keys.extend(self.cached_block_hashes_by_block.pop(block.block_id, ()))
-        removed = [k for k in keys
-                   if self.cached_block_hash_to_block.pop(k, block.block_id) is not None]
+            return []
+
+        block_hashes = [block.block_hash]
+        block_hashes.extend(self.cached_block_hashes_by_block.pop(block.block_id, ()))
+
+        removed_hashes: list[BlockHashWithGroupId] = []
+        for block_hash in block_hashes:
+            if (
+                self.cached_block_hash_to_block.pop(block_hash, block.block_id)
+                is not None
+            ):
+                removed_hashes.append(block_hash)
         block.reset_hash()
-        return removed
+        return removed_hashes
 
-    def _insert_block_hash(self, key: bytes, block: KVCacheBlock, num_tokens: int | None) -> None:
+    def _insert_block_hash(self, block_hash_with_group_id: BlockHashWithGroupId,
+                           block: KVCacheBlock, num_tokens: int | None) -> None:
         if block.block_hash is None:
-            # the common case, checked first (vLLM 0.34): no hash, so no entry in the map yet
-            block.set_block_hash(key, num_tokens)
-        elif (block.block_hash == key
-              or self.cached_block_hash_to_block.contain(key, block.block_id)):
-            # Guard 1: this key is the block's primary -> assumed registered. A block *stamped*
-            # with it (vLLM 0.29) but never inserted returns here too: the trap the fix's first
-            # version had to reset_hash() around. Guard 2: already a secondary of this block.
+            # A block without a hash has no entries in the cache yet.
+            block.set_block_hash(block_hash_with_group_id, num_tokens=num_tokens)
+        # NOTE: the first guard assumes a block carrying this key as its primary is registered
+        # under it. A block *stamped* with it (vLLM 0.29) but never inserted returns here too:
+        # the trap the fix's first version had to call reset_hash() around.
+        elif (
+            block.block_hash == block_hash_with_group_id
+            or self.cached_block_hash_to_block.contain(
+                block_hash_with_group_id, block.block_id
+            )
+        ):
             return
         else:
-            self.cached_block_hashes_by_block.setdefault(block.block_id, set()).add(key)
-        self.cached_block_hash_to_block.insert(key, block)
+            self.cached_block_hashes_by_block.setdefault(block.block_id, set()).add(
+                block_hash_with_group_id
+            )
+        self.cached_block_hash_to_block.insert(block_hash_with_group_id, block)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Pop `num_blocks` from the front of the free queue (LRU first), evicting their cached
-        keys now (lazy eviction). Returned blocks have ref_cnt == 1 and no hash."""
+        """Get new blocks from the free block pool (LRU first), evicting their cached keys now
+        (lazy eviction). Note that we do not check block cache in this function."""
         if num_blocks > self.get_num_free_blocks():
-            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool "
-                             f"({self.get_num_free_blocks()} free)")
-        ret = self.free_block_queue.popleft_n(num_blocks)
-        caching = self.enable_caching
-        for block in ret:
-            if caching and block.block_hash is not None:  # skip the call: nothing to evict
-                self._remove_cached_block_hashes(block)
-            assert block.ref_cnt == 0, f"block {block.block_id} in the free queue with refs"
-            block.ref_cnt = 1
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+
+        ret: list[KVCacheBlock] = self.free_block_queue.popleft_n(num_blocks)
+
+        # In order to only iterate the list once, we duplicated code a bit
+        if self.enable_caching:
+            for block in ret:
+                # Most blocks were never cached, so skip the call when possible.
+                if block.block_hash is not None:
+                    self._maybe_evict_cached_block(block)
+                assert block.ref_cnt == 0
+                block.ref_cnt = 1
+        else:
+            for block in ret:
+                assert block.ref_cnt == 0
+                block.ref_cnt = 1
         return ret
 
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """If a block is cached in `cached_block_hash_to_block`, we reset its hash
+        metadata and evict it from the cache. True if the block is evicted."""
+        evicted_hashes = self._remove_cached_block_hashes(block)
+        if not evicted_hashes:
+            # The block doesn't have hash, eviction is not needed
+            return False
+        return True
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take one more reference (a prefix hit, a pinned copy)."""
+        """Touch a block increases its reference count by 1, and may remove
+        the block from the free queue. This is used when a block is hit by
+        another request with the same prefix."""
         for block in blocks:
             if block.is_null:
                 continue
-            if block.ref_cnt == 0:  # in the free list (i.e. eviction candidate): remove it
+            # ref_cnt=0 means this block is in the free list (i.e. eviction
+            # candidate), so remove it.
+            if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock],
                     evict_first: bool = False) -> None:
-        """Drop one reference each; blocks reaching 0 return to the free queue in the given order.
-        evict_first: for blocks another tier already holds (vLLM 0.34's lazy mode; not eager)."""
+        """Free a list of blocks. The blocks should be ordered by their
+        eviction priority, where the first block will be evicted first.
+        evict_first: also put freed cached blocks at the front of the free
+        queue, for blocks whose contents another tier already holds."""
         # Identify blocks with hash (LRU cache) and without it (never match APC)
         blocks_to_evict_last = []
         blocks_to_evict_first = []
@@ -449,78 +843,154 @@ class BlockPool:
             assert block.ref_cnt >= 0, f"free_blocks: block {block.block_id} is freed twice"
             if block.ref_cnt == 0:
                 if block.block_hash is None or not self.enable_caching or evict_first:
-                    # LIFO reuse of non-cached blocks for better GPU locality, and of cached
-                    # ones when asked to evict them first
+                    # LIFO reuse of non-cached blocks for better GPU locality,
+                    # and of cached ones when asked to evict them first.
                     blocks_to_evict_first.append(block)
-                else:  # FIFO reuse of cached blocks for LRU eviction behavior
+                else:
+                    # FIFO reuse of cached blocks for LRU eviction behavior.
                     blocks_to_evict_last.append(block)
+
+        # Blocks to reuse first are prepended to the front of the free queue.
         self.free_block_queue.prepend_n(blocks_to_evict_first)
+        # Blocks to reuse last are appended to the end of the free queue.
         self.free_block_queue.append_n(blocks_to_evict_last)
 
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Evict blocks from the prefix cache by their block IDs (vLLM 0.34: the engine's
+        _handle_invalid_blocks, after a failed KV load). Cached blocks lose their keys,
+        whatever their ref_cnt: a block in use stays allocated, a pinned copy's source too."""
+        for block_id in block_ids:
+            assert block_id < len(self.blocks), (
+                f"Invalid block_id {block_id} >= {len(self.blocks)}. "
+                f"This indicates a bug in the KV connector - workers should "
+                f"only report block IDs that were allocated by the scheduler."
+            )
+            block = self.blocks[block_id]
+            self._maybe_evict_cached_block(block)
+
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached key (e.g. after a weight update). Refused (False) while any block
-        but the null block is in use: a running request could still hit its own blocks."""
-        if self.num_gpu_blocks - self.get_num_free_blocks() != 1:
+        """Reset prefix cache. This function may be used in RLHF
+        flows to invalidate prefix caching after the weights are updated,
+        or used for resetting prefix caching status for benchmarking.
+        Refused (False) while any block but the null block is in use."""
+        num_used_blocks = self.num_gpu_blocks - self.get_num_free_blocks()
+        if num_used_blocks != 1:  # The null block is always marked as used
+            logger.warning(
+                "Failed to reset prefix cache because some "
+                "blocks (%d) are not freed yet",
+                num_used_blocks - 1,
+            )
             return False
-        # in place, as vLLM 0.34 (a new map made after a gc.freeze() would not be frozen)
+
+        # Remove all hashes so that no new blocks will hit. Clear in place: a
+        # new map created after the startup gc.freeze() would not be frozen.
         self.cached_block_hash_to_block.clear()
         self.cached_block_hashes_by_block.clear()
+
+        # Remove all hashes from all blocks.
         for block in self.blocks:
             block.reset_hash()
+
+        logger.info("Successfully reset prefix cache")
+
         return True
 
     def get_num_free_blocks(self) -> int:
+        """Get the number of free blocks in the pool."""
         return self.free_block_queue.num_free_blocks
 
     def get_usage(self) -> float:
-        total = self.num_gpu_blocks - 1  # the null block is not capacity
-        return 1.0 - self.get_num_free_blocks() / total if total else 0.0
+        """Get the KV cache usage (between 0.0 and 1.0)."""
+        # Subtract 1 to account for null block.
+        total_gpu_blocks = self.num_gpu_blocks - 1
+        if not total_gpu_blocks:
+            return 0
+        return 1.0 - (self.get_num_free_blocks() / total_gpu_blocks)
 
 
-def find_longest_cache_hit(block_hashes: Sequence[bytes], max_length: int,
+def find_longest_cache_hit(block_hashes: BlockHashList, max_length: int,
                            kv_cache_group_ids: list[int], block_pool: BlockPool, block_size: int,
                            alignment_tokens: int | None = None
                            ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
     """vLLM's FullAttentionManager.find_longest_cache_hit: the longest cached prefix of at most
-    `max_length` tokens for every group at once, as (blocks per group, hit tokens). Hashes are per
-    hash_block_size; the hit is rounded down to `alignment_tokens` (default: hash_block_size)."""
-    hash_block_size = block_pool.hash_block_size
+    `max_length` tokens for every group at once, as (blocks per group, hit tokens). Hashes are
+    per hash_block_size; the hit is rounded down to `alignment_tokens` (default:
+    hash_block_size). vLLM takes the group's KV-cache spec for the block size."""
+    # not in vLLM: the default (vLLM's callers always pass it)
     if alignment_tokens is None:
-        alignment_tokens = hash_block_size
-    fine_grained = alignment_tokens < block_size  # interior hash boundaries can be probed
-    if fine_grained and alignment_tokens != hash_block_size:
-        raise ValueError(f"fine-grained alignment must equal hash_block_size "
-                         f"({hash_block_size}), got {alignment_tokens}")
-    scale_factor = block_size // hash_block_size
-    full_block_hashes = itertools.islice(block_hashes, scale_factor - 1, None, scale_factor)
-    computed_blocks: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
-    # Phase 1: cached full blocks from the start; the first miss ends it (the hashes chain)
-    get_cached_block = block_pool.get_cached_block  # bound once: the CPU-hit hot path
-    for block_hash in itertools.islice(full_block_hashes, max_length // block_size):
-        cached_block = get_cached_block(block_hash, kv_cache_group_ids)
-        if not cached_block:
-            break
-        if len(cached_block) == 1:  # one group: no zip (a third of this loop's time)
-            computed_blocks[0].append(cached_block[0])
-            continue
-        for computed, cached in zip(computed_blocks, cached_block):
-            computed.append(cached)
-    hit_length = len(computed_blocks[0]) * block_size
-    # Phase 2 (fine-grained): probe the first missed block's interior hash boundaries high to
-    # low (longest first). Only a secondary key can hit there: a primary is a block's end hash.
+        alignment_tokens = block_pool.hash_block_size
+    block_hashes = resolve_block_hashes(
+        block_hashes,
+        block_pool.hash_block_size,
+        block_size,
+        # not in vLLM: vLLM reads the class's supports_fine_grained_hash_lookup (True here)
+        supports_fine_grained_hash_lookup=True,
+        alignment_tokens=alignment_tokens,
+    )
+
+    # Fine-grained mode (alignment_tokens == hash_block_size <
+    # block_size): resolve_block_hashes kept the raw hash-granularity
+    # list so interior boundaries can be probed.
+    fine_grained = (
+        alignment_tokens < block_size and block_size % alignment_tokens == 0
+    )
     if fine_grained:
+        full_block_hashes: BlockHashList = BlockHashListWithBlockSize(
+            block_hashes, alignment_tokens, block_size
+        )
+    else:
+        full_block_hashes = block_hashes
+
+    computed_blocks: tuple[list[KVCacheBlock], ...] = tuple(
+        [] for _ in range(len(kv_cache_group_ids))
+    )
+    # Phase 1: longest run of cached full blocks from the start. A missing
+    # block implies every later block misses too (chained hashes).
+    # not in vLLM: one group (the CPU hit's hot path) looked up without get_cached_block's
+    # list and the zip: the same blocks, in a third less time
+    if len(kv_cache_group_ids) == 1:
+        get_one_block = block_pool.cached_block_hash_to_block.get_one_block  # not in vLLM
+        group_suffix = make_block_hash_with_group_id(BlockHash(b""), kv_cache_group_ids[0])
+        # not in vLLM: the fast path's loop
+        for block_hash in itertools.islice(full_block_hashes, max_length // block_size):
+            block = get_one_block(BlockHashWithGroupId(block_hash + group_suffix))
+            if block is None:
+                break
+            computed_blocks[0].append(block)
+    # not in vLLM: vLLM's loop is this branch
+    else:
+        for block_hash in itertools.islice(full_block_hashes, max_length // block_size):
+            cached_block = block_pool.get_cached_block(block_hash, kv_cache_group_ids)
+            if not cached_block:
+                break
+            for computed, cached in zip(computed_blocks, cached_block):
+                computed.append(cached)
+    hit_length = len(computed_blocks[0]) * block_size
+
+    # Phase 2 (fine-grained only): extend into the first non-full block by
+    # probing its interior hash boundaries high-to-low (longest hit first).
+    if fine_grained:
+        scale_factor = block_size // alignment_tokens
         first_partial_idx = len(computed_blocks[0]) * scale_factor
-        max_partial_idx = min(first_partial_idx + scale_factor - 1, max_length // hash_block_size,
-                              len(block_hashes))
+        max_partial_idx = min(
+            first_partial_idx + scale_factor - 1,
+            max_length // alignment_tokens,
+            len(block_hashes),
+        )
         for fine_idx in range(max_partial_idx - 1, first_partial_idx - 1, -1):
-            cached_tail = block_pool.get_cached_block(block_hashes[fine_idx], kv_cache_group_ids)
+            cached_tail = block_pool.get_cached_block(
+                block_hashes[fine_idx], kv_cache_group_ids
+            )
             if not cached_tail:
                 continue
             for computed, cached in zip(computed_blocks, cached_tail):
                 computed.append(cached)
-            hit_length = (fine_idx + 1) * hash_block_size
+            hit_length = (fine_idx + 1) * alignment_tokens
             break
-    # round down to the alignment (a no-op when fine-grained), then trim the blocks past it
+
+    # Round down to the alignment; a no-op when fine-grained (hits land on
+    # hash boundaries by construction) and when alignment_tokens ==
+    # block_size. Then trim blocks past the new tail.
     hit_length -= hit_length % alignment_tokens
     num_blocks = cdiv(hit_length, block_size)
     for computed in computed_blocks:
@@ -528,30 +998,74 @@ def find_longest_cache_hit(block_hashes: Sequence[bytes], max_length: int,
     return computed_blocks, hit_length
 
 
+class CPUKVCacheCoordinator:  # not in vLLM: a stand-in for vLLM's KV-cache coordinator
+    """What the CPU tier asks of vLLM's KV-cache coordinator (kv_cache_coordinator.py), for
+    full-attention groups: its pool, its groups' block sizes, the prefix a group may cache, and
+    the cache hit that holds in every group."""
+
+    def __init__(self, num_blocks: int, group_block_sizes: list[int], hash_block_size: int,
+                 scheduler_block_size: int):
+        self.block_pool = BlockPool(num_blocks, True, hash_block_size)
+        self.group_block_sizes = list(group_block_sizes)
+        self.scheduler_block_size = scheduler_block_size
+        # groups of one block size are looked up together (vLLM's SpecGroup); dict keeps order
+        self._group_ids_by_block_size: dict[int, list[int]] = {}
+        for g, size in enumerate(self.group_block_sizes):
+            self._group_ids_by_block_size.setdefault(size, []).append(g)
+
+    def get_num_cacheable_tokens(self, num_computed_tokens: int, kv_cache_group_id: int) -> int:
+        """The prefix eligible for hashing: a hybrid coordinator's is scheduler-block aligned."""
+        if len(self.group_block_sizes) > 1:
+            return num_computed_tokens - num_computed_tokens % self.scheduler_block_size
+        return num_computed_tokens
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+                               ) -> tuple[tuple[list[KVCacheBlock], ...], int, int]:
+        """(hit blocks per group, hit tokens, 0): the hit every group holds. For full attention
+        one pass is the fixed point vLLM's hybrid coordinator loops to; the third value (a
+        sparse-retention group's uncached shared prefix) is always 0 here."""
+        hits: list[list[KVCacheBlock]] = [[] for _ in self.group_block_sizes]
+        hit_length = max_cache_hit_length
+        for size, group_ids in self._group_ids_by_block_size.items():
+            blocks, hit_length = find_longest_cache_hit(
+                block_hashes, hit_length, group_ids, self.block_pool, size,
+                alignment_tokens=self.scheduler_block_size)
+            for g, group_blocks in zip(group_ids, blocks):
+                hits[g] = group_blocks
+        # trim the groups looked up before the cap fell
+        for g, size in enumerate(self.group_block_sizes):
+            del hits[g][cdiv(hit_length, size):]
+        return tuple(hits), hit_length, 0
+
+
 # -----------------------------------------------------------------------------
 # 3. Connector messages (scheduler <-> worker)
 
 @dataclass
 class TransferMeta:
-    """One batch of block copies; gpu_block_ids[i] <-> cpu_block_ids[i]."""
     gpu_block_ids: list[int]
     cpu_block_ids: list[int]
 
 
+# not in vLLM: the parts of vLLM's SchedulerOutput the connector reads, in a shape of this
+# module's (vLLM: scheduled_new_reqs and scheduled_cached_reqs, each with its block ids)
 @dataclass
 class SchedulerOutput:
-    """The parts of vLLM's SchedulerOutput the connector reads (new and running: one dict)."""
     # req_id -> tokens computed this step. Its order decides who is stored when the CPU is short
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # not in vLLM
     # req_id -> GPU block ids allocated this step, per KV-cache group (whole table if resumed)
-    new_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
-    resumed_req_ids: set[str] = field(default_factory=set)  # new_block_ids: a whole new table
-    preempted_req_ids: set[str] = field(default_factory=set)  # its blocks may be reused at once
+    new_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)  # not in vLLM
+    # new_block_ids holds a whole new table (vLLM lists these in scheduled_new_reqs)
+    resumed_req_ids: set[str] = field(default_factory=set)  # not in vLLM
+    # its blocks may be reused at once
+    preempted_req_ids: set[str] = field(default_factory=set)  # not in vLLM
 
 
+# not in vLLM: vLLM's yield_req_data over this module's SchedulerOutput (new and resumed
+# requests first, then running ones, as the engine fills num_scheduled_tokens)
 def yield_req_data(scheduler_output: SchedulerOutput
                    ) -> Iterator[tuple[str, tuple[list[int], ...] | None, bool]]:
-    """(req_id, new block ids or None, is_full_table): scheduled requests first, in order."""
+    """Yields: (req_id, block_id_groups, is_full_table)."""
     for req_id in scheduler_output.num_scheduled_tokens:
         yield (req_id, scheduler_output.new_block_ids.get(req_id),
                req_id in scheduler_output.resumed_req_ids)
@@ -560,36 +1074,64 @@ def yield_req_data(scheduler_output: SchedulerOutput
             yield req_id, ids, req_id in scheduler_output.resumed_req_ids
 
 
+INVALID_JOB_ID = -1
+
+
 @dataclass
 class SimpleCPUOffloadMetadata:
-    """Scheduler -> worker, once per step; request ids appear only in load_event_to_reqs."""
-    load_event: int = -1  # -1 = nothing to load this step; else a monotonically growing index
-    load_gpu_blocks: list[int] = field(default_factory=list)  # destinations
-    load_cpu_blocks: list[int] = field(default_factory=list)  # sources, index-parallel
-    # every outstanding load event -> its requests (completions report against the latest)
+    """Metadata passed from scheduler to worker for CPU offload operations.
+
+    The worker receives flat block lists keyed by a monotonic event_idx.
+    Job->req_id translation is handled by the scheduler-side manager
+    (via inverse maps), so the worker never knows about request identities.
+    """
+
+    # Load event per step. INVALID_JOB_ID means no blocks to load this step.
+    load_event: int = INVALID_JOB_ID
+    load_gpu_blocks: list[int] = field(default_factory=list)
+    load_cpu_blocks: list[int] = field(default_factory=list)
+    # Reverse map: load_event->req_ids, for tracking requests with finished load events
     load_event_to_reqs: dict[int, list[str]] = field(default_factory=dict)
-    store_event: int = -1
-    store_gpu_blocks: list[int] = field(default_factory=list)  # sources
-    store_cpu_blocks: list[int] = field(default_factory=list)  # destinations
-    need_flush: bool = False  # a preemption: its GPU blocks may be reused, so finish all copies
+
+    # Store event per step. INVALID_JOB_ID means no blocks to store this step.
+    store_event: int = INVALID_JOB_ID
+    store_gpu_blocks: list[int] = field(default_factory=list)
+    store_cpu_blocks: list[int] = field(default_factory=list)
+
+    # Whether any requests were preempted this step and need flush pending transfers.
+    need_flush: bool = False
 
 
 @dataclass
 class SimpleCPUOffloadWorkerMetadata:
-    """Worker -> scheduler: store events completed since the last report, {event: n workers}."""
+    """Worker -> Scheduler metadata for completed store events.
+
+    Each worker reports {event_idx: 1} for newly completed stores.
+    ``aggregate()`` sums counts across workers within a step.
+    The scheduler-side manager accumulates across steps and processes
+    a store completion only when count reaches ``world_size``.
+    """
+
     completed_store_events: dict[int, int]
 
-    def aggregate(self, other: SimpleCPUOffloadWorkerMetadata) -> SimpleCPUOffloadWorkerMetadata:
+    def aggregate(self, other: SimpleCPUOffloadWorkerMetadata
+                  ) -> SimpleCPUOffloadWorkerMetadata:
+        assert isinstance(other, SimpleCPUOffloadWorkerMetadata)
         merged = dict(self.completed_store_events)
         for k, v in other.completed_store_events.items():
             merged[k] = merged.get(k, 0) + v
-        return SimpleCPUOffloadWorkerMetadata(merged)
+        return SimpleCPUOffloadWorkerMetadata(completed_store_events=merged)
 
 
 @dataclass
 class KVConnectorOutput:
-    finished_recving: set[str] = field(default_factory=set)  # loads done: these may now compute
+    # [req_ids]
+    finished_recving: set[str] | None = None
+    # not in vLLM: the simple connector's metadata (vLLM: its base KVConnectorWorkerMetadata)
     kv_connector_worker_meta: SimpleCPUOffloadWorkerMetadata | None = None
+    # IDs of externally computed KV blocks that failed to load.
+    # Requests referencing these blocks should be rescheduled to recompute them
+    invalid_block_ids: set[int] = field(default_factory=set)
 
 
 # -----------------------------------------------------------------------------
@@ -597,205 +1139,329 @@ class KVConnectorOutput:
 
 @dataclass
 class LoadRequestState:
-    request: Request
-    transfer_meta: TransferMeta  # CPU sources -> GPU destinations, both sides pinned
-    load_event: int | None = None  # None = not sent to the worker yet (no copy can be running)
-    finished: bool = False  # finished with its load in flight: clean up when it completes
+    request: "Request"
+    # CPU sources -> GPU destinations, both sides pinned until the load completes
+    transfer_meta: TransferMeta
+    # None: not sent to a worker yet, so no copy can be running
+    load_event: int | None = None
+    # finished with its load in flight: cleaned up when the load completes
+    finished: bool = False
 
 
+# NOTE: This per-request state is only used in eager mode.
 @dataclass
 class StoreRequestState:
-    request: Request
-    block_ids: tuple[list[int], ...]  # GPU table per group, from each step's new_block_ids
-    num_stored_blocks: list[int]  # per-group cursor: blocks stored or skipped (cached, in flight)
-    store_events: set[int] = field(default_factory=set)  # in flight, carrying its blocks
-    finished: bool = False  # finished with store_events in flight: clean up after the last
+    request: "Request"
+    # Accumulated block IDs from scheduler_output via yield_req_data.
+    block_ids: tuple[list[int], ...]
+    # Per-group cursors tracking how many blocks have been stored/skipped.
+    num_stored_blocks: list[int]
+    store_events: set[int] = field(default_factory=set)
+    finished: bool = False
 
 
-class _StoreAdmission(enum.Enum):
-    """Why a confirmed GPU block is or is not copied to CPU (vLLM 0.30's names)."""
-    READY = enum.auto()
-    NULL_BLOCK = enum.auto()
-    NOT_HASHED = enum.auto()      # not in the GPU prefix cache: its KV has no key
-    IN_FLIGHT = enum.auto()       # a store of this very block is running
-    ALREADY_CACHED = enum.auto()  # its primary key already hits on CPU
+class _StoreAdmission(Enum):
+    """Why a confirmed GPU block is or is not copied to CPU."""
+    READY = auto()
+    NULL_BLOCK = auto()
+    # not in the GPU prefix cache: its KV has no key
+    NOT_HASHED = auto()
+    # a store of this very block is running
+    IN_FLIGHT = auto()
+    # its primary key already hits on CPU
+    ALREADY_CACHED = auto()
 
 
 class SimpleCPUOffloadScheduler:
-    """Scheduler side of the CPU offload connector, eager mode (vLLM's manager.py).
+    """Scheduler-side manager for CPU offloading, eager mode (vLLM's manager.py).
     Stores: a scheduled request's *confirmed* blocks (computed by a finished forward pass) not
     yet on CPU are copied GPU->CPU, pinned until the copy completes, then join the CPU prefix
-    cache: one step late, a finished request's last ones by the final flush (PR #53532).
+    cache: one step late, a finished request's last ones by the final flush (the fix).
     Loads: a new request's prefix past its GPU hit is looked up on CPU, pinned, copied CPU->GPU.
     Each ref taken on a pool is dropped exactly once (completion, finish or reset). Hooks (not
     in vLLM, at the end): vLLM's own calls, so a subclass changes one step only."""
 
     def __init__(self, num_cpu_blocks: int, block_size: int, hash_block_size: int | None = None,
                  group_block_sizes: list[int] | None = None, world_size: int = 1):
+        # not in vLLM: the sizes are arguments (vLLM derives them from its config objects)
         if hash_block_size is None:
             hash_block_size = block_size
+        # not in vLLM: one group by default
         if group_block_sizes is None:
             group_block_sizes = [block_size]
-        # not in vLLM (its config derives the sizes): sizes that do not nest key blocks wrongly
+        # not in vLLM: sizes that do not nest would key blocks wrongly
         nested = all(size % hash_block_size == 0 for size in group_block_sizes)
+        # not in vLLM
         if not nested or block_size != math.lcm(*group_block_sizes):
             raise ValueError(f"block sizes must nest: hash_block_size ({hash_block_size}) must "
                              f"divide every group block size ({group_block_sizes}), and "
                              f"block_size ({block_size}) must be their LCM")
-        self.block_size = block_size          # scheduler block size: loads start on its multiples
+        # the scheduler block size: loads start on its multiples
+        # not in vLLM: vLLM's argument is scheduler_block_size
+        self.block_size = block_size
         self.hash_block_size = hash_block_size
-        self.group_block_sizes = list(group_block_sizes)
-        self.num_cpu_blocks = num_cpu_blocks  # counts the CPU pool's null block
-        self.world_size = world_size  # reports a store needs (vLLM: _expected_worker_count)
-        self.cpu_block_pool = BlockPool(num_cpu_blocks, True, hash_block_size)
+        assert self.block_size % self.hash_block_size == 0
+        # counts the CPU pool's null block
+        # not in vLLM: vLLM derives it from the config
+        self.num_cpu_blocks = num_cpu_blocks
+        # not in vLLM: vLLM builds its coordinator from the CPU KV-cache config
+        self.cpu_coordinator = CPUKVCacheCoordinator(
+            num_cpu_blocks, group_block_sizes, hash_block_size, self.block_size)
+        self.group_block_sizes = self.cpu_coordinator.group_block_sizes
+        self.cpu_block_pool: BlockPool = self.cpu_coordinator.block_pool
+        # GPU block pool reference - bound after scheduler builds kv_cache_manager
         self._gpu_block_pool: BlockPool | None = None
-        # groups of one block size are looked up together (vLLM's SpecGroup); dict keeps order
-        self._group_ids_by_block_size: dict[int, list[int]] = {}
-        for g, size in enumerate(self.group_block_sizes):
-            self._group_ids_by_block_size.setdefault(size, []).append(g)
+
+        # Load metadata
         self._reqs_to_load: dict[str, LoadRequestState] = {}
-        self._load_event_to_reqs: dict[int, list[str]] = {}  # workers report events, not requests
-        # req -> (CPU hit blocks per group, hit tokens, local hit tokens), pinned until allocation
-        self._pending_cpu_hits: dict[str, tuple[tuple[list[KVCacheBlock], ...], int, int]] = {}
-        self._pending_local_hits: dict[str, int] = {}  # vLLM 0.34: local hits, for the LRU refresh
-        self._abandoned_reqs_to_load: dict[str, LoadRequestState] = {}
-        self._reqs_to_store: dict[str, StoreRequestState] = {}
+        # Inverse map: load_event_idx -> req_ids. Keyed by load_event_idx because
+        # the worker reports completions by event index, not request id.
+        self._load_event_to_reqs: dict[int, list[str]] = {}
+
+        # Pending (cpu_hit_blocks, hit_length, num_computed_tokens) tuples from
+        # find_longest_cache_hit, kept pinned via touch() while awaiting
+        # update_state_after_alloc().
+        self._pending_cpu_hits: dict[
+            str, tuple[tuple[list[KVCacheBlock], ...], int, int]
+        ] = {}
+        # Eager mode: local prefix length from get_num_new_matched_tokens(),
+        # whose CPU copy update_state_after_alloc() refreshes.
+        self._pending_local_hits: dict[str, int] = {}  # vLLM 0.34
+
+        # Store metadata
         self._store_event_to_blocks: dict[int, TransferMeta] = {}
-        self._store_event_to_reqs: dict[int, list[str]] = {}
         self._abandoned_store_event_to_blocks: dict[int, TransferMeta] = {}
-        self._in_flight_store_gpu_blocks: set[int] = set()  # never copy one block twice at once
-        self._pending_finished_stores: list[TransferMeta] = []  # PR #53532: finish flushes
-        self._store_event_pending_counts: dict[int, int] = {}  # reports so far (done at world_size)
-        # monotonic, never reset: the workers' high-water marks must never see an index twice
-        self._load_event_counter = 0
-        self._store_event_counter = 0
+        # Eager mode only
+        self._reqs_to_store: dict[str, StoreRequestState] = {}
+        self._store_event_to_reqs: dict[int, list[str]] = {}
+        self._in_flight_store_gpu_blocks: set[int] = set()
+        self._pending_finished_stores: list[TransferMeta] = []  # PR #53532
+        self._abandoned_reqs_to_load: dict[str, LoadRequestState] = {}
+
+        # Event counters (monotonic, never reset: the workers' high-water marks must never see
+        # an index twice)
+        self._load_event_counter: int = 0
+        self._store_event_counter: int = 0
+
+        # For TP/PP: track partial store completions across steps.
+        # Events must be reported by all world_size workers before considered complete.
+        # not in vLLM: vLLM reads its config
+        self._expected_worker_count = world_size
+        self._store_event_pending_counts: dict[int, int] = {}
+
+    @property
+    def world_size(self) -> int:
+        """not in vLLM: the worker reports a store needs (the engine checks its workers)."""
+        return self._expected_worker_count
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
-        """The GPU pool stores read and loads write (vLLM: once its KV-cache manager exists)."""
+        """Bind GPU block pool so that we can touch blocks during stores.
+        Called by Scheduler after kv_cache_manager is ready."""
         # not in vLLM: a pool keyed at another granularity would serve another prefix's KV
         assert gpu_block_pool.hash_block_size == self.hash_block_size, (
             f"GPU pool hash_block_size {gpu_block_pool.hash_block_size} != connector's "
             f"{self.hash_block_size}")
         self._gpu_block_pool = gpu_block_pool
 
-    def _find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_length: int
-                                ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        """vLLM's cpu_coordinator.find_longest_cache_hit; for full attention, one pass is the fixed
-        point its hybrid coordinator loops to."""
-        hits: list[list[KVCacheBlock]] = [[] for _ in self.group_block_sizes]
-        hit_length = max_length
-        for size, group_ids in self._group_ids_by_block_size.items():
-            blocks, hit_length = find_longest_cache_hit(block_hashes, hit_length, group_ids,
-                                                        self.cpu_block_pool, size,
-                                                        alignment_tokens=self.block_size)
-            for g, group_blocks in zip(group_ids, blocks):
-                hits[g] = group_blocks
-        # trim the groups looked up before the cap fell
-        for g, size in enumerate(self.group_block_sizes):
-            del hits[g][cdiv(hit_length, size):]
-        return tuple(hits), hit_length
-
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
-                                   ) -> tuple[int, bool]:
-        """CPU-cached tokens beyond the local hit, and True (loaded async); pins the hit blocks."""
-        if stale := self._pending_cpu_hits.pop(request.request_id, None):  # retry: drop old pin
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        """Return (num_new_tokens, is_async) from consecutive CPU cache hits."""
+        # Pins found CPU blocks so they survive LRU eviction until
+        # update_state_after_alloc() consumes them. Any pin from an earlier
+        # call on the same request (e.g. retry after a failed allocate_slots)
+        # is dropped first.
+        if stale := self._pending_cpu_hits.pop(request.request_id, None):
             self._free_pending_cpu_hit(stale)
         self._pending_local_hits.pop(request.request_id, None)  # vLLM 0.34
+
         if request.skip_reading_external_kv:  # vLLM 0.30
             return 0, False
-        if num_computed_tokens:  # vLLM 0.34
-            self._pending_local_hits[request.request_id] = num_computed_tokens
+
+        # Refreshed at admission: a request waiting for blocks repeats this lookup every step.
+        # vLLM 0.34 (`and not self._lazy_mode`: lazy mode left out)
+        if num_computed_tokens:
+            self._pending_local_hits[request.request_id] = num_computed_tokens  # vLLM 0.34
+
+        # Transfers are whole-block copies, so an external suffix cannot start in the middle
+        # of a destination block (vLLM also logs a warning once here).
         if num_computed_tokens % self.block_size != 0:  # vLLM 0.30
-            return 0, False  # loads copy whole blocks: they must start on a block boundary
+            return 0, False  # vLLM 0.30
+
         num_skipped_hashes = num_computed_tokens // self.hash_block_size
         remaining_hashes = request.block_hashes[num_skipped_hashes:]
+
         if not remaining_hashes:
             return 0, False
-        max_hit_len = request.num_tokens - 1 - num_computed_tokens  # the last token is recomputed
+        # Must recompute at least the last token, matching the logic in
+        # kv_cache_manager.get_computed_blocks().
+        max_hit_len = request.num_tokens - 1 - num_computed_tokens
         if max_hit_len <= 0:
             return 0, False
-        cpu_hit_blocks, hit_length = self._find_longest_cache_hit(remaining_hashes, max_hit_len)
+        cpu_hit_blocks, hit_length, _ = self.cpu_coordinator.find_longest_cache_hit(
+            remaining_hashes, max_hit_len
+        )
+
         if hit_length > 0:
-            # pinned: LRU eviction between the two scheduler calls must not take them
-            pin_blocks = [blk for grp in cpu_hit_blocks for blk in grp if not blk.is_null]
+            pin_blocks = [
+                blk for grp in cpu_hit_blocks for blk in grp if not blk.is_null
+            ]
             self.cpu_block_pool.touch(pin_blocks)
             self._pending_cpu_hits[request.request_id] = (
-                cpu_hit_blocks, hit_length, num_computed_tokens)
+                cpu_hit_blocks,
+                hit_length,
+                num_computed_tokens,
+            )
             return hit_length, True
         return 0, False
 
-    def update_state_after_alloc(self, request: Request, blocks: tuple[list[KVCacheBlock], ...],
+    # TODO(yifan): this API now only matches the suffix part of the prefix cache. A more
+    # general API should scan blocks in both GPU and CPU block pool in a single pass.
+    def update_state_after_alloc(self, request: "Request",
+                                 blocks: tuple[list[KVCacheBlock], ...],
                                  num_external_tokens: int) -> None:
-        """Registers eager stores, and loads the accepted part of the hit after the local hit."""
         req_id = request.request_id
-        num_groups = len(blocks)
+        # not in vLLM: the blocks come as one list per group (vLLM: KVCacheBlocks)
+        block_ids_by_group = tuple([b.block_id for b in group] for group in blocks)
+        num_groups = len(block_ids_by_group)
+
+        # Store tracking (eager mode only). Register the request;
+        # block IDs are accumulated from scheduler_output in
+        # _prepare_eager_store_specs via yield_req_data.
+        # not in vLLM: `not self._lazy_mode and` left out
         if req_id not in self._reqs_to_store:
             self._reqs_to_store[req_id] = StoreRequestState(
-                request, tuple([] for _ in range(num_groups)), [0] * num_groups)
+                request=request,
+                block_ids=tuple([] for _ in range(num_groups)),
+                num_stored_blocks=[0] * num_groups,
+            )
+
         if num_local_tokens := self._pending_local_hits.pop(req_id, None):  # vLLM 0.34
-            # eager stores skip a GPU hit's CPU copies: to the MRU end, or hot prefixes age out
-            prefix_hit, _ = self._find_longest_cache_hit(request.block_hashes, num_local_tokens)
-            prefix_blocks = [b for grp in prefix_hit for b in grp if not b.is_null]
-            self._refresh_cpu_lru(prefix_blocks)  # not in vLLM: a hook (vLLM's touch + free)
+            # Eager CPU is inclusive: a GPU prefix hit also uses the CPU copy,
+            # but eager stores skip it, so move it to the MRU end here.
+            prefix_hit, _, _ = self.cpu_coordinator.find_longest_cache_hit(
+                request.block_hashes, num_local_tokens
+            )
+            prefix_blocks = [b for grp in prefix_hit for b in grp if not b.is_null]  # vLLM 0.34
+            # not in vLLM: a hook (vLLM's touch, then free_blocks of the reversed blocks)
+            self._refresh_cpu_lru(prefix_blocks)
+
+        # Pop the CPU hit cached by get_num_new_matched_tokens(). The
+        # found blocks were pinned there to survive LRU eviction in the window
+        # between get_num_new_matched_tokens() and this matching call.
         pending = self._pending_cpu_hits.pop(req_id, None)
+
         if num_external_tokens == 0:
             if pending is not None:
-                self._free_pending_cpu_hit(pending)  # hit declined (vLLM warns): drop the pin
+                logger.warning(
+                    "SimpleCPUOffloadScheduler: update_state_after_alloc "
+                    "called for req_id=%s with no external tokens but "
+                    "get_num_new_matched_tokens() unexpectedly recorded "
+                    "a pending CPU hit; releasing the stale pin.",
+                    req_id,
+                )
+                self._free_pending_cpu_hit(pending)
             return
+
         if pending is None:
-            logger.warning("update_state_after_alloc: req_id=%s accepted %d external tokens "
-                           "but no CPU hit is pending; skipping the load", req_id,
-                           num_external_tokens)
+            logger.warning(
+                "SimpleCPUOffloadScheduler: update_state_after_alloc called "
+                "for req_id=%s with num_external_tokens=%d but no pending "
+                "CPU hit from get_num_new_matched_tokens(); skipping load.",
+                req_id,
+                num_external_tokens,
+            )
             return
+
+        # not in vLLM: hit_length kept, for the check below (vLLM: `_`)
         cpu_hit_blocks_full, hit_length, num_computed_tokens = pending
         # not in vLLM: accepting more than the hit would count unloaded blocks as computed
         assert num_external_tokens <= hit_length, (
             f"{req_id}: {num_external_tokens} external tokens > the {hit_length}-token hit")
+
         assert num_computed_tokens % self.block_size == 0, (
-            "external loads must start at a scheduler-block boundary")
-        # fine-grained hits end on hash boundaries: per-group block counts round up below
+            "SimpleCPU external loads must start at a scheduler-block boundary"
+        )
+        # Fine-grained hits are hash-block aligned, not group-block aligned, so
+        # the per-group block count below rounds up instead of dividing exactly.
+        # Hash alignment is still required: it is what makes the accepted
+        # external suffix start on a boundary every group can address.
         assert num_external_tokens % self.hash_block_size == 0, (
             f"num_external_tokens={num_external_tokens} is not aligned to "
-            f"hash_block_size={self.hash_block_size}")
+            f"hash_block_size={self.hash_block_size}"
+        )
+
+        # The scheduler may have accepted fewer blocks than
+        # get_num_new_matched_tokens() reported.
+        # Take only the leading N blocks per group matching num_external_tokens;
+        # the rest will be released along with the temp pin below.
+        cpu_hit_blocks: list[list[KVCacheBlock]] = []
+        for g in range(num_groups):
+            g_block_size = self.group_block_sizes[g]
+            n_take_g = cdiv(num_external_tokens, g_block_size)
+            cpu_hit_blocks.append(cpu_hit_blocks_full[g][:n_take_g])
+
         gpu_block_ids: list[int] = []
         cpu_block_ids: list[int] = []
         cpu_blocks_to_touch: list[KVCacheBlock] = []
-        for g, g_block_size in enumerate(self.group_block_sizes):
-            n_take_g = cdiv(num_external_tokens, g_block_size)
-            gpu_ext_start = num_computed_tokens // g_block_size  # right after the local hit
-            for i, cpu_blk in enumerate(cpu_hit_blocks_full[g][:n_take_g]):
-                if cpu_blk.is_null:  # a null slot (sliding-window padding): nothing to copy
+
+        for g in range(num_groups):
+            cpu_blocks_g = cpu_hit_blocks[g]
+            n_ext_g = len(cpu_blocks_g)
+            if n_ext_g == 0:
+                continue
+
+            g_block_size = self.group_block_sizes[g]
+            gpu_ext_start = num_computed_tokens // g_block_size
+            group_gpu_ids = block_ids_by_group[g]
+
+            for i, cpu_blk in enumerate(cpu_blocks_g):
+                # Skip null blocks (e.g. sliding window or mamba padding).
+                if cpu_blk.is_null:
                     continue
-                gpu_block_ids.append(blocks[g][gpu_ext_start + i].block_id)
+                gpu_block_ids.append(group_gpu_ids[gpu_ext_start + i])
                 cpu_block_ids.append(cpu_blk.block_id)
                 cpu_blocks_to_touch.append(cpu_blk)
+
+        # Touch CPU blocks to prevent eviction during async load.
         self.cpu_block_pool.touch(cpu_blocks_to_touch)
-        self._free_pending_cpu_hit(pending)  # only now: no source drops to 0 refs in between
+        # Release the temporary pin held since get_num_new_matched_tokens().
+        self._free_pending_cpu_hit(pending)
+
+        # Touch GPU blocks to prevent freeing during async load
         assert self._gpu_block_pool is not None
-        self._gpu_block_pool.touch([self._gpu_block_pool.blocks[b] for b in gpu_block_ids])
+        self._gpu_block_pool.touch(
+            [self._gpu_block_pool.blocks[bid] for bid in gpu_block_ids]
+        )
+
         assert self._reqs_to_load.get(req_id) is None
         self._reqs_to_load[req_id] = LoadRequestState(
-            request, TransferMeta(gpu_block_ids, cpu_block_ids))
+            request=request, transfer_meta=TransferMeta(gpu_block_ids, cpu_block_ids)
+        )
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> SimpleCPUOffloadMetadata:
-        """At most one store event (confirmed blocks + finish flushes) and one load event a step."""
+    def build_connector_meta(self, scheduler_output: SchedulerOutput
+                             ) -> SimpleCPUOffloadMetadata:
         # --- Stores ---
         store_event = -1
+        # not in vLLM: eager mode only, so vLLM's prepare_store_specs is called by its branch
         store_gpu, store_cpu, store_req_ids = self._prepare_eager_store_specs(scheduler_output)
-        for transfer in self._pending_finished_stores:  # PR #53532: merge the finish flushes
+        for transfer in self._pending_finished_stores:  # PR #53532
             store_gpu.extend(transfer.gpu_block_ids)  # PR #53532
             store_cpu.extend(transfer.cpu_block_ids)  # PR #53532
         self._pending_finished_stores.clear()  # PR #53532
+
         if store_gpu:
             store_event = self._store_event_counter
             self._store_event_counter += 1
+            # not in vLLM: no KV-cache event metadata (vLLM's third field)
             self._store_event_to_blocks[store_event] = TransferMeta(store_gpu, store_cpu)
+            # For eager mode only, track req->blocks mapping
             if store_req_ids:
                 self._store_event_to_reqs[store_event] = store_req_ids
                 for req_id in store_req_ids:
                     store_state = self._reqs_to_store.get(req_id)
                     if store_state is not None:
                         store_state.store_events.add(store_event)
+
         # --- Loads ---
         load_event = -1
         load_gpu: list[int] = []
@@ -804,6 +1470,7 @@ class SimpleCPUOffloadScheduler:
         for req_id, load_state in self._reqs_to_load.items():
             if load_state.load_event is not None:
                 continue
+            assert load_state.transfer_meta is not None
             load_gpu.extend(load_state.transfer_meta.gpu_block_ids)
             load_cpu.extend(load_state.transfer_meta.cpu_block_ids)
             load_req_ids.append(req_id)
@@ -813,96 +1480,179 @@ class SimpleCPUOffloadScheduler:
             for req_id in load_req_ids:
                 self._reqs_to_load[req_id].load_event = load_event
             self._load_event_to_reqs[load_event] = load_req_ids
-        return SimpleCPUOffloadMetadata(
-            load_event=load_event, load_gpu_blocks=load_gpu, load_cpu_blocks=load_cpu,
-            load_event_to_reqs={e: list(r) for e, r in self._load_event_to_reqs.items()},
-            store_event=store_event, store_gpu_blocks=store_gpu, store_cpu_blocks=store_cpu,
-            need_flush=bool(scheduler_output.preempted_req_ids))
 
+        result = SimpleCPUOffloadMetadata(
+            load_event=load_event,
+            load_gpu_blocks=load_gpu,
+            load_cpu_blocks=load_cpu,
+            load_event_to_reqs={
+                event_idx: list(req_ids)
+                for event_idx, req_ids in self._load_event_to_reqs.items()
+            },
+            store_event=store_event,
+            store_gpu_blocks=store_gpu,
+            store_cpu_blocks=store_cpu,
+            need_flush=bool(scheduler_output.preempted_req_ids),
+        )
+        return result
+
+    # PR #53532 also dropped the stamp in _prepare_lazy_store_specs (lazy mode, left out here):
+    # its `cpu_blk._block_hash = bhash` loop after `cpu_pool.get_new_blocks(len(gpu_ids))` went.
     def _prepare_eager_store_specs(self, scheduler_output: SchedulerOutput
                                    ) -> tuple[list[int], list[int], list[str]]:
-        """This step's stores (GPU ids, CPU ids, req ids); GPU sources pinned until copied."""
+        """Identify newly computed blocks to offload from scheduler requests.
+
+        Only considers blocks whose KV data has been **confirmed computed** by
+        the GPU. Blocks from the current step are stored on a later step, or by
+        the finish-time flush if the request completes first."""
         merged_gpu_block_ids: list[int] = []
         merged_cpu_block_ids: list[int] = []
         req_ids: list[str] = []
+
         gpu_block_pool = self._gpu_block_pool
         if gpu_block_pool is None:
+            # not in vLLM: no event metadata (vLLM's fourth value)
             return [], [], []
+        # not in vLLM: vLLM reads its CPU config
         num_groups = len(self.group_block_sizes)
-        # Preemption frees the request's blocks. It resumes with a full new block table.
-        for req_id in scheduler_output.preempted_req_ids:  # vLLM 0.32
-            state = self._reqs_to_store.get(req_id)
-            if state is not None:
-                state.block_ids = tuple([] for _ in range(num_groups))
-                state.num_stored_blocks = [0] * num_groups
+        # Dedup against blocks already scheduled.
+        in_flight = self._in_flight_store_gpu_blocks
+
+        # Preemption frees the request's blocks. It resumes with a full new
+        # block table in its NewRequestData.
+        preempted_req_ids = scheduler_output.preempted_req_ids or ()  # vLLM 0.32
+        for req_id in preempted_req_ids:  # vLLM 0.32
+            state = self._reqs_to_store.get(req_id)  # vLLM 0.32
+            if state is not None:  # vLLM 0.32
+                state.block_ids = tuple([] for _ in range(num_groups))  # vLLM 0.32
+                state.num_stored_blocks = [0] * num_groups  # vLLM 0.32
+
         for req_id, block_id_groups, is_full_table in yield_req_data(scheduler_output):
             state = self._reqs_to_store.get(req_id)
             if state is None or state.finished:
                 continue
-            if is_full_table:  # a resumed (or re-sent) request: its new table replaces the old
+
+            if is_full_table:
                 state.block_ids = tuple([] for _ in range(num_groups))
+
             if block_id_groups:
                 for g in range(min(num_groups, len(block_id_groups))):
                     if block_id_groups[g] is not None:
+                        # Accumulate new block IDs.
                         state.block_ids[g].extend(block_id_groups[g])
-            if not scheduler_output.num_scheduled_tokens.get(req_id, 0):
+
+            num_new_tokens = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            if num_new_tokens == 0:
                 continue
-            gpu_block_ids, advanced_per_group = (  # PR #53532: the selection the flush shares
-                self._select_eager_blocks_to_store(state, state.block_ids))
-            n_to_alloc = len(gpu_block_ids)  # Batch allocate the CPU destinations
+
+            block_ids_by_group = state.block_ids
+            if not block_ids_by_group:
+                continue
+
+            # PR #53532: the selection the finish flush shares (vLLM 0.34 adds event metadata)
+            gpu_block_ids, advanced_per_group = (
+                self._select_eager_blocks_to_store(state, block_ids_by_group)
+            )
+
+            # Batch allocate the CPU destinations.
+            n_to_alloc = len(gpu_block_ids)
             if n_to_alloc > 0:
-                # not in vLLM: a hook; vLLM 0.29 stamped the blocks here, PR #53532 stopped it
+                # not in vLLM: a hook (vLLM's cpu_block_pool.get_new_blocks(n_to_alloc)); vLLM
+                # 0.29 stamped each block with its GPU block's hash here, the fix stopped it
                 cpu_blocks_alloc = self._allocate_cpu_blocks(gpu_block_ids, state.request)
                 cpu_block_ids = [blk.block_id for blk in cpu_blocks_alloc]
             else:
                 cpu_block_ids = []
+
             if cpu_block_ids:
                 req_ids.append(req_id)
                 merged_gpu_block_ids.extend(gpu_block_ids)
                 merged_cpu_block_ids.extend(cpu_block_ids)
-                self._in_flight_store_gpu_blocks.update(gpu_block_ids)
-                gpu_block_pool.touch([gpu_block_pool.blocks[b] for b in gpu_block_ids])
-            for g in range(num_groups):  # past the stored blocks and the skipped ones
-                state.num_stored_blocks[g] += advanced_per_group[g]
-        return merged_gpu_block_ids, merged_cpu_block_ids, list(dict.fromkeys(req_ids))
+                in_flight.update(gpu_block_ids)
 
+                # Touch GPU blocks to prevent freeing during async copy
+                gpu_block_pool.touch(
+                    [gpu_block_pool.blocks[bid] for bid in gpu_block_ids]
+                )
+
+            # Advance per-group cursors (includes cached hits + newly stored)
+            for g in range(num_groups):
+                state.num_stored_blocks[g] += advanced_per_group[g]
+
+        # Completion tracking is set-based, so keep one request ID.
+        req_ids = list(dict.fromkeys(req_ids))
+        # not in vLLM: no event metadata (vLLM's fourth value)
+        return merged_gpu_block_ids, merged_cpu_block_ids, req_ids
+
+    def _cached_gpu_block(self, resolved_hashes: Sequence[bytes], block_idx: int,  # vLLM 0.30
+                          group_id: int) -> KVCacheBlock | None:
+        """Return the GPU block still cached under this group's block hash."""
+        if block_idx >= len(resolved_hashes):
+            return None
+        assert self._gpu_block_pool is not None
+        blocks = self._gpu_block_pool.get_cached_block(
+            resolved_hashes[block_idx], [group_id]
+        )
+        return blocks[0] if blocks else None
+
+    # the fix moved this selection out of the per-step scan, so that the finish flush shares
+    # it; the lines tagged vLLM 0.3x changed after it
     def _select_eager_blocks_to_store(self, state: StoreRequestState,  # PR #53532
                                       block_ids_by_group: tuple[list[int], ...]
                                       ) -> tuple[list[int], list[int]]:
-        """Confirmed blocks past the cursors worth storing (up to the CPU's free blocks), and how
-        far each cursor advances. Pure; the finish flush shares it, so both skip the same blocks."""
+        """Return confirmed eager blocks and cursor advances."""
         assert self._gpu_block_pool is not None
-        gpu_blocks = self._gpu_block_pool.blocks  # bound once: the store path's per-block loop
         gpu_block_ids: list[int] = []
+        # not in vLLM: vLLM's config
         advanced_per_group = [0] * len(self.group_block_sizes)
         request = state.request
         confirmed_tokens = request.num_computed_tokens - request.num_output_placeholders
-        num_free = self._num_free_for_store(state)  # not in vLLM: a hook (vLLM asks the pool)
+        # not in vLLM: a hook (vLLM's cpu_block_pool.get_num_free_blocks())
+        num_free = self._num_free_for_store(state)
+
         for g, group_gpu_ids in enumerate(block_ids_by_group):
             if len(gpu_block_ids) >= num_free:
                 break
             group_size = self.group_block_sizes[g]
-            cacheable_tokens = confirmed_tokens  # the GPU manager's cacheable prefix (vLLM 0.32)
-            if len(self.group_block_sizes) > 1:  # a hybrid coordinator's: block-aligned
-                cacheable_tokens -= confirmed_tokens % self.block_size
-            ready = min(len(group_gpu_ids), cacheable_tokens // group_size)
-            scale = group_size // self.hash_block_size
+            # Mimic the GPU KV cache manager's cacheable prefix.
+            cacheable_tokens = self.cpu_coordinator.get_num_cacheable_tokens(  # vLLM 0.32
+                confirmed_tokens, g
+            )
+            cacheable_tokens = min(  # vLLM 0.34
+                cacheable_tokens, len(request.block_hashes) * self.hash_block_size
+            )
+            ready = min(len(group_gpu_ids), cacheable_tokens // group_size)  # vLLM 0.32
+            resolved_hashes = resolve_block_hashes(  # vLLM 0.30
+                request.block_hashes, self.hash_block_size, group_size
+            )
             start = state.num_stored_blocks[g]
-            for i in range(start, ready):
-                gpu_block = gpu_blocks[group_gpu_ids[i]]
-                if gpu_block.is_null and (i + 1) * scale <= len(request.block_hashes):
-                    # vLLM 0.30: a null slot may still have its KV cached elsewhere in the pool
-                    block_hash = request.block_hashes[(i + 1) * scale - 1]
-                    recovered = self._gpu_block_pool.get_cached_block(block_hash, [g])
-                    if recovered:
-                        gpu_block = recovered[0]
-                if self._classify_store_candidate(gpu_block) is not _StoreAdmission.READY:
+            for i, gpu_block_id in enumerate(group_gpu_ids[start:ready], start=start):
+                gpu_block = self._gpu_block_pool.blocks[gpu_block_id]
+                if gpu_block.is_null:  # vLLM 0.30
+                    # Sliding-window groups null pages that left the window
+                    # before the connector sees the block table, but the
+                    # retained prefix-cache tail stays hashed in the GPU free
+                    # queue; store it from there.
+                    recovered = self._cached_gpu_block(resolved_hashes, i, g)  # vLLM 0.30
+                    if recovered is None:  # vLLM 0.30
+                        advanced_per_group[g] += 1  # vLLM 0.30
+                        continue  # vLLM 0.30
+                    gpu_block = recovered  # vLLM 0.30
+                    gpu_block_id = gpu_block.block_id  # vLLM 0.30
+                if (  # vLLM 0.30
+                    self._classify_store_candidate(gpu_block)
+                    is not _StoreAdmission.READY
+                ):
                     advanced_per_group[g] += 1
                     continue
-                if len(gpu_block_ids) >= num_free:  # CPU full: a later step retries from here
+                if len(gpu_block_ids) >= num_free:
                     break
-                gpu_block_ids.append(gpu_block.block_id)
+                primary_block_hash = gpu_block.block_hash
+                assert primary_block_hash is not None
+                gpu_block_ids.append(gpu_block_id)
                 advanced_per_group[g] += 1
+
+        # not in vLLM: no event metadata
         return gpu_block_ids, advanced_per_group
 
     def _classify_store_candidate(self, gpu_block: KVCacheBlock) -> _StoreAdmission:  # vLLM 0.30
@@ -912,123 +1662,176 @@ class SimpleCPUOffloadScheduler:
             return _StoreAdmission.NOT_HASHED
         if gpu_block.block_id in self._in_flight_store_gpu_blocks:
             return _StoreAdmission.IN_FLIGHT
-        if self.cpu_block_pool.cached_block_hash_to_block.get_one_block(gpu_block.block_hash):
+        if (
+            self.cpu_block_pool.cached_block_hash_to_block.get_one_block(
+                gpu_block.block_hash
+            )
+            is not None
+        ):
             return _StoreAdmission.ALREADY_CACHED
         return _StoreAdmission.READY
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Loads complete per request; stores per event, once all world_size workers reported."""
+        """Handle async transfer completions from worker.
+
+        Load completions arrive via finished_recving (real req_ids).
+        Store completions arrive via kv_connector_worker_meta as
+        per-event worker counts. We accumulate across steps and process
+        a store event only when all workers have reported completion.
+        """
         # --- Load completions ---
         for req_id in list(connector_output.finished_recving or []):
+            # not in vLLM: no load counter (metrics)
             self._cleanup_load_request(req_id)
+
         # --- Store completions ---
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, SimpleCPUOffloadWorkerMetadata):
             return
-        # NOTE: as in vLLM, an unknown event's counts (a repeat, pre-reset) wait, then are dropped
-        for event, count in meta.completed_store_events.items():
-            total = self._store_event_pending_counts.get(event, 0) + count
-            if total >= self.world_size:
-                self._store_event_pending_counts.pop(event, None)
-                self._process_store_event(event)
+        # NOTE: an unknown event's counts (a repeat, from before a reset) wait, then are dropped
+        for event_idx, count in meta.completed_store_events.items():
+            total = self._store_event_pending_counts.get(event_idx, 0) + count
+            if total >= self._expected_worker_count:
+                self._store_event_pending_counts.pop(event_idx, None)
+                self._process_store_event(event_idx)
             else:
-                self._store_event_pending_counts[event] = total
+                self._store_event_pending_counts[event_idx] = total
 
-    def _process_store_event(self, event: int) -> None:
-        transfer = self._store_event_to_blocks.pop(event, None)
+    def _process_store_event(self, event_idx: int) -> None:
+        """Process a fully-completed store event."""
+        transfer = self._store_event_to_blocks.pop(event_idx, None)
         if transfer is None:
-            transfer = self._abandoned_store_event_to_blocks.pop(event, None)
+            transfer = self._abandoned_store_event_to_blocks.pop(event_idx, None)
             if transfer is None:
-                return  # stale (from before a reset) or a duplicate report
-            self._release_transfer_refs(transfer)  # sent before a reset(): cache nothing
+                # guard stale events from before a reset() call
+                return
+            self._release_transfer_refs(transfer)
             return
+
+        # not in vLLM: `if not self._lazy_mode:` (lazy mode left out)
         self._in_flight_store_gpu_blocks.difference_update(transfer.gpu_block_ids)
+
+        # not in vLLM: no event metadata (vLLM's third argument)
         self._process_store_completion(transfer.gpu_block_ids, transfer.cpu_block_ids)
-        for req_id in self._store_event_to_reqs.pop(event, []):
+
+        # Eager only: update per-req state
+        for req_id in self._store_event_to_reqs.pop(event_idx, []):
             state = self._reqs_to_store.get(req_id)
             if state is None:
                 continue
-            state.store_events.discard(event)
+            state.store_events.discard(event_idx)
             if state.finished and not state.store_events:
                 self._cleanup_store_request(req_id)
 
-    def _process_store_completion(self, gpu_block_ids: list[int], cpu_block_ids: list[int]) -> None:
-        """Register the CPU copies under the GPU source's keys (PR #53532), then unpin both."""
+    def _process_store_completion(self, gpu_block_ids: list[int], cpu_block_ids: list[int]
+                                  ) -> None:
+        """Register copied blocks in the CPU prefix cache and release refs."""
         assert len(cpu_block_ids) == len(gpu_block_ids)
-        cpu_blocks = [self.cpu_block_pool.blocks[b] for b in cpu_block_ids]
+
+        cpu_blocks = [self.cpu_block_pool.blocks[bid] for bid in cpu_block_ids]
+
+        # PR #53532 moved this assert up from after the loop: the loop reads the GPU pool now
         assert self._gpu_block_pool is not None
-        gpu_blocks = self._gpu_block_pool.blocks  # bound once: the store path's per-block loop
-        for gpu_block_id, cpu_block in zip(gpu_block_ids, cpu_blocks):
-            gpu_block = gpu_blocks[gpu_block_id]  # PR #53532
+        for gpu_block_id, cpu_block in zip(gpu_block_ids, cpu_blocks):  # PR #53532
+            gpu_block = self._gpu_block_pool.blocks[gpu_block_id]  # PR #53532
             primary_hash = gpu_block.block_hash  # PR #53532
             assert primary_hash is not None  # PR #53532
-            # reset_hash() first, or guard 1 returns on a block stamped with the key (0.29 stamped
-            # at allocation). The merged fix has neither; kept, a no-op, so no stamp can return.
-            cpu_block.reset_hash()  # not in vLLM: PR #53532's first version
-            self.cpu_block_pool._insert_block_hash(  # PR #53532: through the pool's guards
-                primary_hash, cpu_block, num_tokens=gpu_block.block_hash_num_tokens)
+            # not in vLLM: the fix's first version reset the hash first, since guard 1 of
+            # _insert_block_hash() returns on a block stamped with the key (0.29 stamped at
+            # allocation); the merged fix has neither. A no-op here, kept so no stamp can return.
+            cpu_block.reset_hash()
+            self.cpu_block_pool._insert_block_hash(  # PR #53532
+                primary_hash,
+                cpu_block,
+                num_tokens=gpu_block.block_hash_num_tokens,
+            )
             # the GPU block's fine-grained secondary keys, which 0.29 never copied
             secondary_hashes = self._gpu_block_pool.cached_block_hashes_by_block.get(  # PR #53532
-                gpu_block_id, ())
+                gpu_block_id, ()
+            )
             for block_hash in secondary_hashes:  # PR #53532
                 self.cpu_block_pool._insert_block_hash(  # PR #53532
-                    block_hash, cpu_block, num_tokens=None)
-        # Free CPU and GPU blocks' ref counts to turn them into prefix cache
-        self._free_cpu_blocks(cpu_blocks)  # not in vLLM: a hook (vLLM's free_blocks)
-        self._gpu_block_pool.free_blocks(self._gpu_block_pool.blocks[b] for b in gpu_block_ids)
+                    block_hash, cpu_block, num_tokens=None
+                )
+
+        # Free CPU and GPU blocks' ref counts to turn them into prefix cache.
+        # not in vLLM: a hook (vLLM's cpu_block_pool.free_blocks(cpu_blocks))
+        self._free_cpu_blocks(cpu_blocks)
+        # not in vLLM: `evict_first=self._lazy_mode` (lazy mode left out)
+        self._gpu_block_pool.free_blocks(
+            (self._gpu_block_pool.blocks[bid] for bid in gpu_block_ids)
+        )
 
     def _release_transfer_refs(self, transfer: TransferMeta) -> None:
-        """Drop a transfer's pins on both pools (CPU first, as vLLM); caches nothing."""
-        cpu_blocks = [self.cpu_block_pool.blocks[b] for b in transfer.cpu_block_ids]
+        """Release transfer refs without making copied data cacheable."""
+        cpu_blocks = [self.cpu_block_pool.blocks[bid] for bid in transfer.cpu_block_ids]
         # PR #53532 dropped 0.29's reset_hash() of each block here: nothing is stamped
-        self._free_cpu_blocks(cpu_blocks)  # not in vLLM: a hook (vLLM's free_blocks)
+        # not in vLLM: a hook (vLLM's cpu_block_pool.free_blocks(cpu_blocks))
+        self._free_cpu_blocks(cpu_blocks)
         assert self._gpu_block_pool is not None
         self._gpu_block_pool.free_blocks(
-            self._gpu_block_pool.blocks[b] for b in transfer.gpu_block_ids)
+            self._gpu_block_pool.blocks[bid] for bid in transfer.gpu_block_ids
+        )
 
     def has_pending_stores(self) -> bool:
-        """True while a store is queued (finish flush) or in flight, also after a reset()."""
-        return bool(self._pending_finished_stores  # PR #53532
-                    or self._store_event_to_blocks
-                    or self._abandoned_store_event_to_blocks)
+        """Return True if a store transfer is queued or in flight."""
+        return bool(
+            self._pending_finished_stores  # PR #53532
+            or self._store_event_to_blocks
+            or self._abandoned_store_event_to_blocks
+        )
 
     def has_pending_loads(self) -> bool:
-        """not in vLLM: True while an accepted load (an aborted one's too) is not reported done."""
+        """not in vLLM: True while an accepted load (an aborted one's too) is not reported."""
         return bool(self._reqs_to_load or self._abandoned_reqs_to_load)
 
-    def has_pending_push_work(self) -> bool:  # PR #53532
-        """has_pending_transfers, renamed by the fix: engines step while True, to send flushes."""
+    # PR #53532 renamed the connector's has_pending_transfers() (simple_cpu_offload_connector.py)
+    # to has_pending_push_work(); it returns the manager's has_pending_stores()
+    def has_pending_push_work(self) -> bool:
+        """not in vLLM's manager: the connector's method, so that an engine asks the manager."""
         return self.has_pending_stores()
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
-        """(False, None): free the GPU blocks at once; in-flight copies hold their own refs."""
+    def request_finished(self, request: "Request", block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """Always returns (False, None). GPU blocks are protected by ref_cnt,
+        so the scheduler can free blocks immediately."""
         req_id = request.request_id
-        pending = self._pending_cpu_hits.pop(req_id, None)  # aborted before allocation: unpin
+
+        # Release any temp CPU hit pin from get_num_new_matched_tokens()
+        # if request is canceled or preempted before update_state_after_alloc()
+        pending = self._pending_cpu_hits.pop(req_id, None)
         if pending is not None:
             self._free_pending_cpu_hit(pending)
         self._pending_local_hits.pop(req_id, None)  # vLLM 0.34
-        load_state = self._reqs_to_load.get(req_id)  # in flight: cleaned up when it completes
+
+        # Handle load: defer cleanup if load is in-flight
+        load_state = self._reqs_to_load.get(req_id)
         if load_state is not None:
             if load_state.load_event is not None:
+                # Defer: load in-flight
                 load_state.finished = True
             else:
                 self._cleanup_load_request(req_id)
+
+        # Handle store (eager mode only): defer cleanup if stores in-flight
         store_state = self._reqs_to_store.get(req_id)
         if store_state is not None:
-            if store_state.store_events:  # in-flight stores cache on their own; clean up after
+            if store_state.store_events:
+                # Defer: stores in-flight
                 store_state.finished = True
             else:
                 self._cleanup_store_request(req_id)
+
         return False, None
 
-    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
-                                    ) -> tuple[bool, None]:
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
         self._queue_finished_eager_store(request, block_ids)  # PR #53532
         return self.request_finished(request, block_ids=[])
 
-    def _queue_finished_eager_store(self, request: Request,  # PR #53532
+    def _queue_finished_eager_store(self, request: "Request",  # PR #53532
                                     block_ids: tuple[list[int], ...]) -> None:
-        """The final flush: the blocks confirmed in the last step(s), which no later scan sees."""
+        """Queue confirmed eager blocks omitted after a request enters decode."""
         state = self._reqs_to_store.get(request.request_id)
         gpu_pool = self._gpu_block_pool
         if state is None or gpu_pool is None:
@@ -1036,78 +1839,119 @@ class SimpleCPUOffloadScheduler:
         gpu_ids, _ = self._select_eager_blocks_to_store(state, block_ids)
         if not gpu_ids:
             return
-        cpu_blocks = self._allocate_cpu_blocks(gpu_ids, request)  # not in vLLM: the hook
+        # not in vLLM: a hook (vLLM's cpu_block_pool.get_new_blocks(len(gpu_ids)))
+        cpu_blocks = self._allocate_cpu_blocks(gpu_ids, request)
         self._pending_finished_stores.append(
-            TransferMeta(gpu_ids, [b.block_id for b in cpu_blocks]))
+            TransferMeta(gpu_ids, [b.block_id for b in cpu_blocks])
+        )
         self._in_flight_store_gpu_blocks.update(gpu_ids)
-        gpu_pool.touch([gpu_pool.blocks[b] for b in gpu_ids])
+        gpu_pool.touch([gpu_pool.blocks[bid] for bid in gpu_ids])
 
-    def _free_pending_cpu_hit(self, pending: tuple) -> None:
+    def _free_pending_cpu_hit(self, pending: tuple[tuple[list[KVCacheBlock], ...], int, int]
+                              ) -> None:
+        """Release the temporary CPU block pin taken in get_num_new_matched_tokens()."""
         cpu_hit_blocks, _hit_length, _num_computed_tokens = pending
-        blocks_to_free = [b for grp in cpu_hit_blocks for b in grp if not b.is_null]
+        blocks_to_free = [
+            blk for grp in cpu_hit_blocks for blk in grp if not blk.is_null
+        ]
         if blocks_to_free:
-            self._free_cpu_blocks(blocks_to_free)  # not in vLLM: a hook (vLLM's free_blocks)
+            # not in vLLM: a hook (vLLM's cpu_block_pool.free_blocks(blocks_to_free))
+            self._free_cpu_blocks(blocks_to_free)
 
     def _cleanup_load_request(self, req_id: str) -> None:
+        """Release all load resources for a request.
+
+        Shared between request_finished() and update_connector_output() paths.
+        Removes the request from _reqs_to_load, cleans up event mappings,
+        and frees CPU/GPU touch refs."""
         state = self._reqs_to_load.pop(req_id, None)
         if state is None:
             state = self._abandoned_reqs_to_load.pop(req_id, None)
         if state is None:
-            return  # a duplicate or stale report
-        if state.load_event is not None:  # drop this request, not the whole event
+            # not in vLLM: no count to return (vLLM's metrics)
+            return
+        # Remove from load event mapping (only this req, not whole event)
+        if state.load_event is not None:
             reqs = self._load_event_to_reqs.get(state.load_event)
             if reqs is not None:
-                if req_id in reqs:
+                with contextlib.suppress(ValueError):
                     reqs.remove(req_id)
                 if not reqs:
-                    del self._load_event_to_reqs[state.load_event]
-        cpu_pool = self.cpu_block_pool  # CPU refs first, then the GPU ones
-        self._free_cpu_blocks([cpu_pool.blocks[b] for b in state.transfer_meta.cpu_block_ids])
-        assert self._gpu_block_pool is not None
-        self._gpu_block_pool.free_blocks(
-            self._gpu_block_pool.blocks[b] for b in state.transfer_meta.gpu_block_ids)
+                    self._load_event_to_reqs.pop(state.load_event, None)
+
+        if state.transfer_meta is not None:
+            # Free CPU touch refs
+            # not in vLLM: a hook (vLLM's cpu_block_pool.free_blocks of the same blocks)
+            self._free_cpu_blocks(
+                [self.cpu_block_pool.blocks[bid] for bid in state.transfer_meta.cpu_block_ids]
+            )
+            # Free GPU touch refs
+            assert self._gpu_block_pool is not None
+            self._gpu_block_pool.free_blocks(
+                self._gpu_block_pool.blocks[bid]
+                for bid in state.transfer_meta.gpu_block_ids
+            )
 
     def _cleanup_store_request(self, req_id: str) -> None:
-        """Metadata only: the blocks belong to the store events, which release them."""
+        """Release store metadata for a request.
+
+        Metadata-only cleanup but no block freeing. Job completion handles
+        block caching and GPU ref freeing via _process_store_completion()."""
         state = self._reqs_to_store.pop(req_id, None)
         if state is None:
             return
-        for event in state.store_events:
-            reqs = self._store_event_to_reqs.get(event)
-            if reqs is not None:
-                if req_id in reqs:
+        for event_idx in list(state.store_events):
+            if (reqs := self._store_event_to_reqs.get(event_idx)) is not None:
+                with contextlib.suppress(ValueError):
                     reqs.remove(req_id)
                 if not reqs:
-                    del self._store_event_to_reqs[event]
+                    self._store_event_to_reqs.pop(event_idx, None)
         state.store_events.clear()
 
     def reset(self) -> bool:
-        """Drop the CPU prefix cache. Unsent transfers are released now, sent ones *abandoned*
-        (their completions release the refs, cache nothing). True once the cache was reset."""
+        """Abandon pending transfers and reset the CPU cache when safe.
+
+        Worker-side DMA may still be using blocks after reset is requested.
+        Keep those block refs pinned until the existing completion path reports
+        the transfer finished, then release refs without caching abandoned
+        store results."""
         for pending in self._pending_cpu_hits.values():  # vLLM 0.32
-            self._free_pending_cpu_hit(pending)
+            self._free_pending_cpu_hit(pending)  # vLLM 0.32
         self._pending_cpu_hits.clear()  # vLLM 0.32
         self._pending_local_hits.clear()  # vLLM 0.34
+
         self._abandoned_store_event_to_blocks.update(self._store_event_to_blocks)
-        for transfer in self._pending_finished_stores:  # PR #53532: never sent, release now
+        for transfer in self._pending_finished_stores:  # PR #53532
             self._release_transfer_refs(transfer)  # PR #53532
         self._pending_finished_stores.clear()  # PR #53532
+
         self._store_event_to_blocks.clear()
         self._in_flight_store_gpu_blocks.clear()
-        # loads not sent to a worker cannot have a copy running; sent ones stay pinned
+
+        # Loads that have not been sent to the worker cannot have running DMA.
+        # In-flight loads stay pinned and are cleaned up on completion.
         for req_id in list(self._reqs_to_load):
-            if self._reqs_to_load[req_id].load_event is None:
+            state = self._reqs_to_load.pop(req_id)
+            if state.load_event is None:
+                self._reqs_to_load[req_id] = state
                 self._cleanup_load_request(req_id)
             else:
-                self._abandoned_reqs_to_load[req_id] = self._reqs_to_load.pop(req_id)
+                self._abandoned_reqs_to_load[req_id] = state
+
         self._reqs_to_store.clear()
         self._store_event_to_reqs.clear()
-        # only the counts of abandoned events still matter: their completions release pins
         self._store_event_pending_counts = {
-            event: count for event, count in self._store_event_pending_counts.items()
-            if event in self._abandoned_store_event_to_blocks}
+            event_idx: count
+            for event_idx, count in self._store_event_pending_counts.items()
+            if event_idx in self._abandoned_store_event_to_blocks
+        }
+        # NOTE: _load_event_counter / _store_event_counter are not
+        # reset as they are monotonic and must stay ahead of the workers
+        # high-water marks to avoid event index collisions
+
         if self._abandoned_store_event_to_blocks or self._abandoned_reqs_to_load:
             return False
+
         return self.cpu_block_pool.reset_prefix_cache()
 
     # --- hooks (not in vLLM): each body is vLLM's own call -------------------------
@@ -1131,10 +1975,10 @@ class SimpleCPUOffloadScheduler:
 
 
 # -----------------------------------------------------------------------------
-# 5. The pre-fix variant (vLLM 0.29, before PR #53532), kept runnable so each bug can be shown
+# 5. The pre-fix variant (vLLM 0.29, before the fix), kept runnable so each bug can be shown
 
 class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
-    """The manager as vLLM 0.29 had it (the last release before PR #53532). Each flag turns one
+    """The manager as vLLM 0.29 had it (the last release before the fix). Each flag turns one
     bug back on; with both on, a differential test drives it in lockstep with vLLM 0.29's.
     registration_bug: stamp at allocation, insert the stamped primary key straight into the map
         at completion. Whole-block lookups hit; fine-grained secondary keys are never copied.
@@ -1187,7 +2031,8 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
 
     def _release_transfer_refs(self, transfer: TransferMeta) -> None:
         if self.stamps:
-            for cpu_id in transfer.cpu_block_ids:  # vLLM 0.29: uncached blocks drop their stamps
+            # vLLM 0.29: uncached blocks drop their stamps
+            for cpu_id in transfer.cpu_block_ids:
                 self.cpu_block_pool.blocks[cpu_id].reset_hash()
         super()._release_transfer_refs(transfer)
 
@@ -1196,7 +2041,7 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
                                       ) -> tuple[list[int], list[int]]:
         if not self.flush_bug:
             return super()._select_eager_blocks_to_store(state, block_ids_by_group)
-        # vLLM 0.29's per-step scan (PR #53532 replaced it). With the CPU pool full it walks past
+        # vLLM 0.29's per-step scan (the fix replaced it). With the CPU pool full it walks past
         # blocks it skips anyway, stopping at the first that needs one: only the cursor differs.
         req = state.request
         confirmed_tokens = req.num_computed_tokens - req.num_output_placeholders
@@ -1212,7 +2057,8 @@ class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
                 candidate = self._classify_store_candidate(gpu_blocks[gpu_id])
                 if candidate is _StoreAdmission.READY:
                     if len(out) >= num_free:
-                        return out, advanced  # out of space: 0.29 leaves every group here
+                        # out of space: 0.29 leaves every group here
+                        return out, advanced
                     out.append(gpu_id)
                 advanced[g] += 1
         return out, advanced
@@ -1450,7 +2296,8 @@ class SimpleCPUOffloadWorker:
         # not in vLLM: before anything else is set, so that a failed allocation (a pinned one
         # can fail) leaves the worker unregistered; vLLM allocates last
         self._init_cpu_mode(unique_gpu_caches, device, dev)
-        self.device = device  # not in vLLM: see above
+        # vLLM's first line, here last: nothing can fail any more
+        self.device = next(iter(kv_caches.values())).device
         self.gpu_kv_caches = unique_gpu_caches
 
     def _init_cpu_mode(self, unique_gpu_caches: dict[str, torch.Tensor], device: torch.device,
@@ -1787,6 +2634,55 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
 
 # -----------------------------------------------------------------------------
 # 8. Beyond vLLM: a proposed fix for a crash vLLM 0.34 still has (opt-in)
+
+class LoadFailureSafeCPUOffloadScheduler(SimpleCPUOffloadScheduler):  # not in vLLM: proposal
+    """Stores that a failed load spoiled register nothing (not in vLLM: a proposed fix).
+    A sibling connector (vLLM's MultiConnector) loads a request's prefix synchronously and
+    reports a block as failed (invalid_block_ids). The eager store of that step already copies
+    it: external tokens count as computed at build_connector_meta. vLLM 0.34's engine then
+      policy "fail":      evicts the block and those after it (BlockPool.evict_blocks), so the
+                          pinned source has no hash and the completion fails the base's
+                          `assert primary_hash is not None` (the engine crashes);
+      policy "recompute": keeps them, and the completion registers a copy of KV never loaded
+                          under a valid hash, which a later CPU hit loads.
+    Here a completed store whose GPU source lost its hash, or whose block a failed load
+    covered, frees its CPU block unregistered; every other block registers as in the base."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        # GPU blocks whose store was in flight when a load into them was reported failed
+        self._failed_load_gpu_blocks: set[int] = set()
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        # the failed load's report arrives with the completion of the store that copied the
+        # block, or before it
+        spoiled = connector_output.invalid_block_ids & self._in_flight_store_gpu_blocks
+        self._failed_load_gpu_blocks.update(spoiled)
+        super().update_connector_output(connector_output)
+
+    def _process_store_completion(self, gpu_block_ids: list[int], cpu_block_ids: list[int]
+                                  ) -> None:
+        assert self._gpu_block_pool is not None
+        gpu_blocks = self._gpu_block_pool.blocks
+        kept = TransferMeta([], [])
+        dropped = TransferMeta([], [])
+        for gpu_block_id, cpu_block_id in zip(gpu_block_ids, cpu_block_ids):
+            failed_load = gpu_block_id in self._failed_load_gpu_blocks
+            self._failed_load_gpu_blocks.discard(gpu_block_id)
+            # hash lost: evicted while pinned (vLLM's _handle_invalid_blocks, policy "fail")
+            spoiled = failed_load or gpu_blocks[gpu_block_id].block_hash is None
+            target = dropped if spoiled else kept
+            target.gpu_block_ids.append(gpu_block_id)
+            target.cpu_block_ids.append(cpu_block_id)
+        if dropped.gpu_block_ids:
+            # unpinned, unregistered: the CPU block goes to the front of the free queue
+            self._release_transfer_refs(dropped)
+        super()._process_store_completion(kept.gpu_block_ids, kept.cpu_block_ids)
+
+    def reset(self) -> bool:
+        # every sent store is abandoned (released, never registered): no mark is needed
+        self._failed_load_gpu_blocks.clear()
+        return super().reset()
 
 
 # -----------------------------------------------------------------------------
@@ -2534,13 +3430,7 @@ def gpu_check(fuzz_examples: int = 200, limit_s: float = GPU_CHECK_LIMIT_S) -> i
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bench", action="store_true", help="the worker against a plain copy")
-    parser.add_argument("--gpu-check", action="store_true", help="the CUDA tests, fuzz, bench")
-    parser.add_argument("--prompt-tokens", type=int, default=8192, help="the demo's prompt")
-    args = parser.parse_args(argv)
-    if args.prompt_tokens < 48:  # the small pool (7/8 of the prompt's blocks) needs 2 blocks
-        parser.error(f"--prompt-tokens {args.prompt_tokens}: at least 48 (three blocks of 16)")
+    args = _parse_args(argv)  # defined before `import torch`, at the top
     if args.gpu_check:
         raise SystemExit(gpu_check())
     if args.bench:
