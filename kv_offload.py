@@ -68,10 +68,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=8192, metavar="N",
                         help="tokens of the chunked prompt and of the small-pool row, whose CPU "
                         "pool holds 7/8 of the prompt's blocks of 16; the one-step row keeps "
-                        "1,000 tokens (default: %(default)s; at least 48)")
+                        "1,000 tokens (default: %(default)s; from 48 to 1,048,576)")
     args = parser.parse_args(argv)
-    if args.prompt_tokens < 48:  # the small pool (7/8 of the prompt's blocks) needs 2 blocks
-        parser.error(f"--prompt-tokens {args.prompt_tokens}: at least 48 (three blocks of 16)")
+    # the small pool (7/8 of the prompt's blocks) needs 2 blocks; the toy model's KV takes 4 KiB
+    # a token on each side, so 2**20 tokens take 4 GiB of GPU cache and 4 of CPU mirror
+    if not 48 <= args.prompt_tokens <= 2**20:
+        parser.error(f"--prompt-tokens {args.prompt_tokens}: from 48 (three blocks of 16) to "
+                     f"1,048,576")
     return args
 
 
@@ -225,6 +228,11 @@ class Request:
         # not in vLLM (its input processor refuses it): the engine would find nothing to compute
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt_token_ids is empty")
+        # not in vLLM: a size <= 0 hashes nothing or loops forever; max_tokens <= 0 would still
+        # produce one token (vLLM's SamplingParams refuses both)
+        if hash_block_size <= 0 or max_tokens <= 0:
+            raise ValueError(f"request {request_id!r}: hash_block_size ({hash_block_size}) and "
+                             f"max_tokens ({max_tokens}) must be positive")
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -998,15 +1006,34 @@ def find_longest_cache_hit(block_hashes: BlockHashList, max_length: int,
     return computed_blocks, hit_length
 
 
+def check_block_sizes(num_blocks: int, block_size: int,  # not in vLLM: a person's sizes
+                      hash_block_size: int, group_block_sizes: list[int] | None) -> None:
+    """Sizes that do not nest would key blocks wrongly, and a pool of the null block alone
+    would never offload: a ValueError naming them (vLLM derives the sizes from its config, and
+    its coordinator asserts they nest)."""
+    if num_blocks < 2:
+        raise ValueError(f"num_cpu_blocks ({num_blocks}): at least 2, block 0 is the null block")
+    group_block_sizes = group_block_sizes or [block_size]
+    if min(block_size, hash_block_size, *group_block_sizes) <= 0:
+        raise ValueError(f"block sizes must be positive: block_size {block_size}, "
+                         f"hash_block_size {hash_block_size}, groups {group_block_sizes}")
+    nested = all(size % hash_block_size == 0 for size in group_block_sizes)
+    if not nested or block_size != math.lcm(*group_block_sizes):
+        raise ValueError(f"block sizes must nest: hash_block_size ({hash_block_size}) must "
+                         f"divide every group block size ({group_block_sizes}), and "
+                         f"block_size ({block_size}) must be their LCM")
+
+
 class CPUKVCacheCoordinator:  # not in vLLM: a stand-in for vLLM's KV-cache coordinator
     """What the CPU tier asks of vLLM's KV-cache coordinator (kv_cache_coordinator.py), for
     full-attention groups: its pool, its groups' block sizes, the prefix a group may cache, and
     the cache hit that holds in every group."""
 
-    def __init__(self, num_blocks: int, group_block_sizes: list[int], hash_block_size: int,
-                 scheduler_block_size: int):
+    def __init__(self, num_blocks: int, group_block_sizes: list[int] | None,
+                 hash_block_size: int, scheduler_block_size: int):
         self.block_pool = BlockPool(num_blocks, True, hash_block_size)
-        self.group_block_sizes = list(group_block_sizes)
+        # one group by default
+        self.group_block_sizes = list(group_block_sizes or [scheduler_block_size])
         self.scheduler_block_size = scheduler_block_size
         # groups of one block size are looked up together (vLLM's SpecGroup); dict keeps order
         self._group_ids_by_block_size: dict[int, list[int]] = {}
@@ -1186,16 +1213,8 @@ class SimpleCPUOffloadScheduler:
         # not in vLLM: the sizes are arguments (vLLM derives them from its config objects)
         if hash_block_size is None:
             hash_block_size = block_size
-        # not in vLLM: one group by default
-        if group_block_sizes is None:
-            group_block_sizes = [block_size]
-        # not in vLLM: sizes that do not nest would key blocks wrongly
-        nested = all(size % hash_block_size == 0 for size in group_block_sizes)
-        # not in vLLM
-        if not nested or block_size != math.lcm(*group_block_sizes):
-            raise ValueError(f"block sizes must nest: hash_block_size ({hash_block_size}) must "
-                             f"divide every group block size ({group_block_sizes}), and "
-                             f"block_size ({block_size}) must be their LCM")
+        # not in vLLM: a person's sizes, checked before vLLM's assert below
+        check_block_sizes(num_cpu_blocks, block_size, hash_block_size, group_block_sizes)
         # the scheduler block size: loads start on its multiples
         # not in vLLM: vLLM's argument is scheduler_block_size
         self.block_size = block_size
@@ -2781,6 +2800,13 @@ class MiniEngine:
                                  f"are {connector.group_block_sizes}")
             if connector._gpu_block_pool is not None:  # it names another engine's blocks
                 raise ValueError("connector: it serves another engine")
+            # a smaller mirror fails far away (or copies past its end); CPU ids are the connector's
+            if any(w.num_cpu_blocks < connector.num_cpu_blocks for w in workers):
+                raise ValueError(f"worker: fewer CPU blocks than the connector's "
+                                 f"{connector.num_cpu_blocks}")
+        # all or nothing: refused before anything is bound or registered
+        if len({id(w) for w in workers}) != len(workers) or any(w.gpu_kv_caches for w in workers):
+            raise ValueError("worker: listed twice, or registered with another engine")
         self.hash_block_size = connector.hash_block_size if connector else block_size
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -2795,10 +2821,11 @@ class MiniEngine:
         self.rank_kv_caches = [{name: torch.zeros(shape, dtype=model.dtype, device=model.device)
                                 for name in layer_names} for _ in range(max(len(workers), 1))]
         self.kv_caches = self.rank_kv_caches[0]  # what sampling and capture_kv read
-        if connector:
-            connector.bind_gpu_block_pool(self.gpu_block_pool)
+        # the workers first: a failed registration leaves the connector unbound
         for w, kv_caches in zip(workers, self.rank_kv_caches):
             w.register_kv_caches(kv_caches, num_gpu_blocks, block_dim=1)
+        if connector:
+            connector.bind_gpu_block_pool(self.gpu_block_pool)
         self.waiting: list[Request] = []  # FIFO; preempted ones go back to the front
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # added, not finished (vLLM's scheduler.requests)
@@ -2815,6 +2842,10 @@ class MiniEngine:
         req_id = request.request_id
         if req_id in self.stats:  # not in vLLM's engine core: a reused id would mix two requests
             raise ValueError(f"request id {req_id!r} is already in use")
+        # hashed at another granularity, its keys would name another prefix's blocks
+        if request.hash_block_size != self.hash_block_size:
+            raise ValueError(f"request {req_id!r}: hash_block_size {request.hash_block_size}, "
+                             f"the engine's is {self.hash_block_size}")
         max_num_tokens = request.num_prompt_tokens + request.max_tokens - 1  # vLLM refuses it too
         if cdiv(max_num_tokens, self.block_size) > self.gpu_block_pool.num_gpu_blocks - 1:
             raise ValueError(f"request {req_id!r} needs more GPU blocks than the pool has")
@@ -3068,16 +3099,26 @@ class MiniEngine:
 # -----------------------------------------------------------------------------
 # 10. `python kv_offload.py`: the demo, --bench and --gpu-check
 
+# the toy model's KV takes 4 KiB a token on each side (GPU cache, CPU mirror): 4 GiB each here
+MAX_STORY_TOKENS = 2**20
+
+
 def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: int = 8192,
               block_size: int = 16, max_num_batched_tokens: int = 1024, device: str = "cpu",
               num_cpu_blocks: int | None = None, max_tokens: int = 1, **scheduler_kwargs) -> dict:
-    """Request A, the GPU prefix cache dropped, request B with A's prompt: B's numbers, checks."""
+    """Request A, the GPU prefix cache dropped, request B with A's prompt: B's numbers, checks.
+    One worker per rank of the connector (`world_size` in scheduler_kwargs)."""
+    # a budget of 0 never computes a token; a huge prompt would take minutes to fail to allocate
+    if max_num_batched_tokens <= 0 or not 0 < prompt_tokens <= MAX_STORY_TOKENS:
+        raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be positive "
+                         f"and prompt_tokens ({prompt_tokens}) in 1..{MAX_STORY_TOKENS:,}")
     num_blocks = prompt_tokens // block_size + 64
-    num_cpu_blocks = num_cpu_blocks or num_blocks
+    if num_cpu_blocks is None:
+        num_cpu_blocks = num_blocks
     connector = scheduler_cls(num_cpu_blocks, block_size, **scheduler_kwargs)
-    worker = SimpleCPUOffloadWorker(num_cpu_blocks)
+    workers = [SimpleCPUOffloadWorker(num_cpu_blocks) for _ in range(connector.world_size)]
     model = ToyModel(num_layers=4, num_kv_heads=4, head_dim=64, device=device, rounds=8)
-    engine = MiniEngine(num_blocks, block_size, max_num_batched_tokens, model, connector, worker,
+    engine = MiniEngine(num_blocks, block_size, max_num_batched_tokens, model, connector, workers,
                         capture_kv=True)
     prompt = torch.randint(0, 32000, (prompt_tokens,), generator=torch.Generator().manual_seed(0))
     prompt = prompt.tolist()
@@ -3092,7 +3133,7 @@ def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: in
     b = engine.run()["B"]
     gpu_all_free = engine.gpu_block_pool.get_num_free_blocks() == num_blocks - 1
     cpu_all_free = connector.cpu_block_pool.get_num_free_blocks() == num_cpu_blocks - 1
-    bytes_per_block = sum(t[0].nbytes for t in worker.cpu_kv_caches.values())
+    bytes_per_block = sum(t[0].nbytes for t in workers[0].cpu_kv_caches.values())
     return dict(cpu_blocks_registered=stored_per_step[-1],
                 stored_bytes=engine.num_stored_blocks * bytes_per_block,
                 cpu_hit_tokens=b.cpu_hit_tokens, recomputed_tokens=b.computed_tokens,
@@ -3140,6 +3181,9 @@ def offload_prompt(scheduler: SimpleCPUOffloadScheduler, prompt: list[int], bloc
     order, no model or worker (`partial_at`: a GPU secondary key too); the step's metadata."""
     if scheduler._gpu_block_pool is not None or scheduler.world_size != 1:
         raise ValueError("scheduler: it serves another engine or more than one worker")
+    # blocks of another size would be registered under the wrong keys
+    if block_size != scheduler.block_size:
+        raise ValueError(f"block_size {block_size}: the scheduler's is {scheduler.block_size}")
     request = Request("A", prompt, scheduler.hash_block_size)
     num_full_blocks = len(prompt) // block_size
     gpu = BlockPool(num_full_blocks + 2, True, scheduler.hash_block_size)
@@ -3168,6 +3212,9 @@ HEADLINE_CLASSES = {"vLLM 0.29": PreFixCPUOffloadScheduler, "the fix": SimpleCPU
 
 def headline(prompt_tokens: int = 8192) -> dict[str, dict[str, tuple[float, int]]]:
     """The demo's table, printed and returned: {config: {version: (MiB stored, tokens loaded)}}."""
+    # the small-pool row's pool holds 7/8 of the prompt's blocks: at least 2 (the null block)
+    if not 48 <= prompt_tokens <= MAX_STORY_TOKENS:
+        raise ValueError(f"prompt_tokens ({prompt_tokens}): from 48 to {MAX_STORY_TOKENS:,}")
     print("B repeats A's prompt after A ran and the GPU prefix cache was dropped (block 16,\n"
           "1,024 tokens a step). Per version: MiB stored to CPU / tokens B loaded from CPU, as\n"
           "vLLM's kv_offload_store_bytes_total / external_prefix_cache_hits_total ...", flush=True)

@@ -4070,7 +4070,10 @@ def test_help_answers_before_torch_loads():
     assert shown.returncode == 0 and "--prompt-tokens N" in shown.stdout, shown
     bad = subprocess.run([sys.executable, "-c", script, "--prompt-tokens", "47"],
                          capture_output=True, text=True)
-    assert bad.returncode == 2 and "--prompt-tokens 47: at least 48" in bad.stderr, bad
+    assert bad.returncode == 2 and "--prompt-tokens 47: from 48" in bad.stderr, bad
+    huge = subprocess.run([sys.executable, "-c", script, "--prompt-tokens", "99999999999"],
+                          capture_output=True, text=True)
+    assert huge.returncode == 2 and f"to {ko.MAX_STORY_TOKENS:,}" in huge.stderr, huge
     text = " ".join(shown.stdout.split())
     fuzz = inspect.signature(ko.gpu_check).parameters["fuzz_examples"].default
     assert (f"{fuzz} random schedules on CUDA (fuzz seed {ko.GPU_CHECK_SEED}" in text
@@ -5563,7 +5566,9 @@ def _engine(num_gpu_blocks=14, block_size=FUZZ_BS, budget=8, *, conn="live", wor
         connector = {"live": w.conn, "spare": w.spare_conn,
                      "fresh": ko.SimpleCPUOffloadScheduler(8, FUZZ_BS)}[conn]
         workers = {"live": unwrap_proxy(w.worker), "spare": w.spare_worker, "none": None,
-                   "two spares": [w.spare_worker, ko.SimpleCPUOffloadWorker(8)]}[worker]
+                   "two spares": [w.spare_worker, ko.SimpleCPUOffloadWorker(8)],
+                   "spare twice": [w.spare_worker, w.spare_worker],
+                   "small": ko.SimpleCPUOffloadWorker(4)}[worker]
         return ko.MiniEngine(num_gpu_blocks, block_size, budget, w.model, connector, workers)
     return call
 
@@ -5643,6 +5648,40 @@ BAD_CALLS = [
      _V, r"scheduler: it serves another engine or more than one worker"),
     ("engine", "Request(empty prompt)", lambda w: ko.Request("e", [], FUZZ_BS),
      _V, r"request 'e': prompt_token_ids is empty"),
+    # issue 30's attack on the entry points: wrong KV, hangs, half-applied, silently misleading
+    ("engine", "Request(hash_block_size -4): hung hashing",
+     lambda w: ko.Request("e", [1, 2, 3], -4), _V, r"hash_block_size \(-4\) .* must be positive"),
+    ("engine", "Request(max_tokens 0): produced one token",
+     lambda w: ko.Request("e", [1, 2, 3], FUZZ_BS, max_tokens=0), _V,
+     r"max_tokens \(0\) must be positive"),
+    ("engine", "add_request(hashed at 8 where the engine hashes at 4): another prefix's KV",
+     lambda w: w.engine.add_request(ko.Request("e", list(range(1, 14)), 2 * FUZZ_BS)), _V,
+     r"request 'e': hash_block_size 8, the engine's is 4"),
+    ("engine", "MiniEngine(a worker of fewer CPU blocks than its connector)",
+     _engine(conn="fresh", worker="small"), _V, r"worker: fewer CPU blocks than the connector's 8"),
+    ("engine", "MiniEngine(one worker listed twice): half-applied",
+     _engine(conn="spare", worker="spare twice"), _V, r"worker: listed twice"),
+    ("engine", "MiniEngine(a worker another engine registered)",
+     _engine(conn="fresh", worker="live"), _V, r"registered with another engine"),
+    ("engine", "offload_prompt(block_size 8, the scheduler's 4): mis-keyed blocks",
+     lambda w: ko.offload_prompt(ko.SimpleCPUOffloadScheduler(8, FUZZ_BS), list(range(16)), 8),
+     _V, r"block_size 8: the scheduler's is 4"),
+    ("manager", "SimpleCPUOffloadScheduler(hash_block_size -4): hung in Request",
+     lambda w: ko.SimpleCPUOffloadScheduler(8, FUZZ_BS, hash_block_size=-4), _V,
+     r"block sizes must be positive"),
+    ("manager", "SimpleCPUOffloadScheduler(num_cpu_blocks 1): never offloads",
+     lambda w: ko.SimpleCPUOffloadScheduler(1, FUZZ_BS), _V,
+     r"num_cpu_blocks \(1\): at least 2"),
+    ("story", "run_story(num_cpu_blocks 0): became the default pool",
+     lambda w: ko.run_story(prompt_tokens=64, num_cpu_blocks=0), _V,
+     r"num_cpu_blocks \(0\): at least 2"),
+    ("story", "run_story(max_num_batched_tokens 0): hung",
+     lambda w: ko.run_story(prompt_tokens=64, max_num_batched_tokens=0), _V,
+     r"max_num_batched_tokens \(0\) must be positive"),
+    ("story", "run_story(prompt_tokens 99999999999): hung allocating",
+     lambda w: ko.run_story(prompt_tokens=99999999999), _V, r"in 1\.\.1,048,576"),
+    ("story", "headline(31): a '0 blocks' row with hits",
+     lambda w: ko.headline(31), _V, r"prompt_tokens \(31\): from 48"),
 ]
 
 # (the bad engine-facing call, the assert's message). The state after a failed assert is not
@@ -5700,9 +5739,18 @@ def test_bad_engine_call_fails_an_assert(call, match):
         call(bad_call_world())
 
 
+def test_run_story_with_two_workers():
+    """run_story(world_size=2) gives each rank a worker (it used to fail in MiniEngine): the same
+    CPU hits as one worker, exact KV, every pool free."""
+    one = ko.run_story(prompt_tokens=256, max_num_batched_tokens=64)
+    two = ko.run_story(prompt_tokens=256, max_num_batched_tokens=64, world_size=2)
+    assert two["kv_exact"] and two["all_free"]
+    assert two["cpu_hit_tokens"] == one["cpu_hit_tokens"] == 240  # 15 of 16 blocks, by hand
+
+
 def test_bad_call_catalogue_covers_every_layer():
     layers = Counter(layer for layer, *_ in BAD_CALLS)
-    assert set(layers) == {"pool", "manager", "worker", "engine"}, layers
+    assert set(layers) == {"pool", "manager", "worker", "engine", "story"}, layers
 
 
 # ---- 2.7 Module bugs found here, now fixed (see the RB-n legend in Part 2) -----------------------
