@@ -132,7 +132,8 @@ def hash_block_tokens(parent_block_hash: BlockHash | None, curr_block_token_ids:
         parent_block_hash = NONE_HASH
     # not in vLLM: the hash function, inlined (vLLM: hash_function((parent, tokens, extras)))
     h = hashlib.sha256(parent_block_hash)
-    h.update(struct.pack(f"<{len(curr_block_token_ids)}q", *curr_block_token_ids))  # not in vLLM
+    # not in vLLM
+    h.update(struct.pack(f"<{len(curr_block_token_ids)}q", *curr_block_token_ids))
     if extra_keys is not None:  # not in vLLM
         h.update(repr(extra_keys).encode())  # not in vLLM
     return BlockHash(h.digest())  # not in vLLM
@@ -226,7 +227,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], hash_block_size: int,
                  max_tokens: int = 1):
-        # not in vLLM (its input processor refuses it): the engine would find nothing to compute
+        # not in vLLM (its input processor refuses it): the engine would find nothing to
+        # compute
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt_token_ids is empty")
         # not in vLLM: a size <= 0 hashes nothing or loops forever; max_tokens <= 0 would still
@@ -848,7 +850,8 @@ class BlockPool:
             if block.is_null:  # never pooled; its ref_cnt is not maintained
                 continue
             block.ref_cnt -= 1
-            # not in vLLM: a block freed twice would be handed out twice (two requests, one KV)
+            # not in vLLM: a block freed twice would be handed out twice (two requests, one
+            # KV)
             assert block.ref_cnt >= 0, f"free_blocks: block {block.block_id} is freed twice"
             if block.ref_cnt == 0:
                 if block.block_hash is None or not self.enable_caching or evict_first:
@@ -1079,10 +1082,12 @@ class TransferMeta:
 # module's (vLLM: scheduled_new_reqs and scheduled_cached_reqs, each with its block ids)
 @dataclass
 class SchedulerOutput:
-    # req_id -> tokens computed this step. Its order decides who is stored when the CPU is short
+    # req_id -> tokens computed this step. Its order decides who is stored when the CPU is
+    # short
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # not in vLLM
     # req_id -> GPU block ids allocated this step, per KV-cache group (whole table if resumed)
-    new_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)  # not in vLLM
+    # not in vLLM
+    new_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
     # new_block_ids holds a whole new table (vLLM lists these in scheduled_new_reqs)
     resumed_req_ids: set[str] = field(default_factory=set)  # not in vLLM
     # its blocks may be reused at once
@@ -1708,7 +1713,8 @@ class SimpleCPUOffloadScheduler:
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, SimpleCPUOffloadWorkerMetadata):
             return
-        # NOTE: an unknown event's counts (a repeat, from before a reset) wait, then are dropped
+        # NOTE: an unknown event's counts (a repeat, from before a reset) wait, then are
+        # dropped
         for event_idx, count in meta.completed_store_events.items():
             total = self._store_event_pending_counts.get(event_idx, 0) + count
             if total >= self._expected_worker_count:
@@ -2258,7 +2264,8 @@ class SimpleCPUOffloadWorker:
         self.load_stream: torch.cuda.Stream | None = None
         self.store_stream: torch.cuda.Stream | None = None
 
-        self._backend: TorchCopyBackend | None = None  # not in vLLM: DmaCopyBackend's stand-in
+        # not in vLLM: DmaCopyBackend's stand-in
+        self._backend: TorchCopyBackend | None = None
 
         # Ordered (event_idx, Event). Events pre-allocated on main thread.
         self._load_events: list[tuple[int, torch.Event]] = []
@@ -2810,7 +2817,8 @@ class ToyModel:
     id, position) only, through `rounds` integer mixing rounds per layer, so they are bit-identical
     whatever the batch, chunking or device: recompute and CPU load must agree (expected_kv())."""
 
-    _MOD = 2_147_483_629  # a prime < 2**31; with the LCG multiplier, every product fits in int64
+    # a prime < 2**31; with the LCG multiplier, every product fits in int64
+    _MOD = 2_147_483_629
     _MUL = 1_103_515_245
     VOCAB_SIZE = 32000
 
@@ -2873,7 +2881,8 @@ class RequestStats:
     cpu_hit_tokens: int = 0    # prefix loaded from the CPU cache
     ttft_s: float = 0.0        # add_request() -> first output token
     output_token_ids: list[int] = field(default_factory=list)
-    kv: torch.Tensor | None = None  # with capture_kv: the prompt's KV read back before freeing
+    # with capture_kv: the prompt's KV read back before freeing
+    kv: torch.Tensor | None = None
 
 
 class MiniEngine:
@@ -2889,7 +2898,8 @@ class MiniEngine:
         workers = worker if isinstance(worker, list) else [worker]
         workers = [w for w in workers if w is not None]
         if connector is not None:
-            # a store completes on world_size reports: never with fewer workers, too early with more
+            # a store completes on world_size reports: never with fewer workers, too early with
+            # more
             if len(workers) != connector.world_size:
                 raise ValueError(f"worker: {len(workers)} given, the connector's world_size is "
                                  f"{connector.world_size} (one worker per rank)")
@@ -2898,7 +2908,8 @@ class MiniEngine:
                                  f"are {connector.group_block_sizes}")
             if connector._gpu_block_pool is not None:  # it names another engine's blocks
                 raise ValueError("connector: it serves another engine")
-            # a smaller mirror fails far away (or copies past its end); CPU ids are the connector's
+            # a smaller mirror fails far away (or copies past its end); CPU ids are the
+            # connector's
             if any(w.num_cpu_blocks < connector.num_cpu_blocks for w in workers):
                 raise ValueError(f"worker: fewer CPU blocks than the connector's "
                                  f"{connector.num_cpu_blocks}")
@@ -2913,7 +2924,8 @@ class MiniEngine:
         self.workers = workers
         self.capture_kv = capture_kv
         self.gpu_block_pool = BlockPool(num_gpu_blocks, True, self.hash_block_size)
-        # per rank, a FlashAttention-layout cache per layer; all ranks compute the same KV (no TP)
+        # per rank, a FlashAttention-layout cache per layer; all ranks compute the same KV
+        # (no TP)
         shape = (2, num_gpu_blocks, block_size, model.num_kv_heads, model.head_dim)
         layer_names = [f"layers.{i}" for i in range(model.num_layers)]
         self.rank_kv_caches = [{name: torch.zeros(shape, dtype=model.dtype, device=model.device)
@@ -2926,25 +2938,32 @@ class MiniEngine:
             connector.bind_gpu_block_pool(self.gpu_block_pool)
         self.waiting: list[Request] = []  # FIFO; preempted ones go back to the front
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}  # added, not finished (vLLM's scheduler.requests)
+        # added, not finished (vLLM's scheduler.requests)
+        self.requests: dict[str, Request] = {}
         self.num_steps = 0
-        self.num_stored_blocks = 0  # in store events (vLLM counts kv_offload_store_bytes_total)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}  # request id -> GPU block table
+        # in store events (vLLM counts kv_offload_store_bytes_total)
+        self.num_stored_blocks = 0
+        # request id -> GPU block table
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # request id -> its table's cached blocks
         self.stats: dict[str, RequestStats] = {}
         self._t_arrival: dict[str, float] = {}
-        self._recving_counts: Counter[str] = Counter()  # ranks that reported a load, per request
-        self._connector_reset_pending = False  # a refused reset: retried each step, no CPU lookup
+        # ranks that reported a load, per request
+        self._recving_counts: Counter[str] = Counter()
+        # a refused reset: retried each step, no CPU lookup
+        self._connector_reset_pending = False
 
     def add_request(self, request: Request) -> None:
         req_id = request.request_id
-        if req_id in self.stats:  # not in vLLM's engine core: a reused id would mix two requests
+        # not in vLLM's engine core: a reused id would mix two requests
+        if req_id in self.stats:
             raise ValueError(f"request id {req_id!r} is already in use")
         # hashed at another granularity, its keys would name another prefix's blocks
         if request.hash_block_size != self.hash_block_size:
             raise ValueError(f"request {req_id!r}: hash_block_size {request.hash_block_size}, "
                              f"the engine's is {self.hash_block_size}")
-        max_num_tokens = request.num_prompt_tokens + request.max_tokens - 1  # vLLM refuses it too
+        # vLLM refuses it too
+        max_num_tokens = request.num_prompt_tokens + request.max_tokens - 1
         if cdiv(max_num_tokens, self.block_size) > self.gpu_block_pool.num_gpu_blocks - 1:
             raise ValueError(f"request {req_id!r} needs more GPU blocks than the pool has")
         self.waiting.append(request)
@@ -2989,7 +3008,8 @@ class MiniEngine:
         token_budget = self.max_num_batched_tokens
         running_tokens: dict[str, int] = {}
         for req in list(self.running):
-            if token_budget == 0 or req.status != RequestStatus.RUNNING:  # preempted in this loop
+            # preempted in this loop
+            if token_budget == 0 or req.status != RequestStatus.RUNNING:
                 continue
             num_new_tokens = min(req.num_tokens - req.num_computed_tokens, token_budget)
             num_tokens = req.num_computed_tokens + num_new_tokens
@@ -3025,7 +3045,8 @@ class MiniEngine:
                 req.status = RequestStatus.RUNNING
                 scheduler_output.num_scheduled_tokens[req_id] = num_new_tokens
                 token_budget -= num_new_tokens
-        # as vLLM 0.34 lists them: new and resumed requests before running ones (scheduled first)
+        # as vLLM 0.34 lists them: new and resumed requests before running ones (scheduled
+        # first)
         scheduler_output.num_scheduled_tokens.update(running_tokens)
         return scheduler_output
 
@@ -3037,7 +3058,8 @@ class MiniEngine:
             return None  # its load is in flight (vLLM skips past it too)
         if req_id in self.req_to_blocks:  # its load landed: the whole prompt has its blocks
             return min(req.num_tokens - req.num_computed_tokens, token_budget)
-        (hit_blocks,), num_local_tokens = find_longest_cache_hit(  # the last token: recomputed
+        # the last token: recomputed
+        (hit_blocks,), num_local_tokens = find_longest_cache_hit(
             req.block_hashes, req.num_tokens - 1, [0], self.gpu_block_pool, self.block_size)
         num_external_tokens = 0
         if self.connector is not None and not self._connector_reset_pending:
@@ -3045,7 +3067,8 @@ class MiniEngine:
                 req, num_local_tokens)
         if num_external_tokens:
             num_new_tokens = 0  # nothing to compute until the load lands
-            # not in vLLM: blocks for the whole prompt now (landed loads could wait for each other)
+            # not in vLLM: blocks for the whole prompt now (landed loads could wait for each
+            # other)
             num_tokens = req.num_tokens
         else:
             num_new_tokens = min(req.num_tokens - num_local_tokens, token_budget)
@@ -3105,7 +3128,8 @@ class MiniEngine:
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.waiting.insert(0, victim)
-        scheduler_output.preempted_req_ids.add(victim.request_id)  # its blocks: reused at once
+        # its blocks: reused at once
+        scheduler_output.preempted_req_ids.add(victim.request_id)
         return victim
 
     def step(self) -> None:
@@ -3118,12 +3142,14 @@ class MiniEngine:
             self.num_stored_blocks += len(meta.store_gpu_blocks)
         for w in self.workers:  # each worker = one TP rank with its own CPU mirror
             w.bind_connector_metadata(meta)
-            w.handle_preemptions(meta)  # before the forward reuses a preempted request's blocks
+            # before the forward reuses a preempted request's blocks
+            w.handle_preemptions(meta)
             w.start_load_kv()           # loads target requests that do not compute this step
         self._forward(scheduler_output)
         worker_meta = None
         for w in self.workers:
-            w.wait_for_save()  # stores read blocks confirmed by earlier steps (and finish flushes)
+            # stores read blocks confirmed by earlier steps (and finish flushes)
+            w.wait_for_save()
             # sorted: a set's order follows PYTHONHASHSEED, and the order of completions
             # decides the order of CPU frees, so eviction (not in vLLM: deterministic)
             self._recving_counts.update(sorted(w.get_finished(set())[1] or ()))
@@ -3141,10 +3167,12 @@ class MiniEngine:
         self._update_from_output(scheduler_output)
         if self.connector:
             self.connector.update_connector_output(KVConnectorOutput(finished_recving, worker_meta))
-        if self._connector_reset_pending:  # the reports above may have drained what refused it
+        # the reports above may have drained what refused it
+        if self._connector_reset_pending:
             self._connector_reset_pending = not self.connector.reset()
         for req_id in finished_recving:
-            req = self.requests.get(req_id)  # None: aborted (the connector released it already)
+            # None: aborted (the connector released it already)
+            req = self.requests.get(req_id)
             if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 # its loaded blocks become GPU hits; it waits for the rest (resumed if it was)
                 self._cache_blocks(req, req.num_computed_tokens)
@@ -3180,7 +3208,8 @@ class MiniEngine:
             stats.computed_tokens += num_new_tokens
             if req.num_computed_tokens < req.num_tokens:
                 continue  # chunked prefill: more to come
-            # the whole sequence is computed: sample (from the paged KV, loaded parts included)
+            # the whole sequence is computed: sample (from the paged KV, loaded parts
+            # included)
             token = self.model.next_token(self.kv_caches, self._slots(req_id, 0, req.num_tokens))
             if not stats.output_token_ids:
                 stats.ttft_s = time.perf_counter() - self._t_arrival[req_id]
@@ -3209,7 +3238,8 @@ def run_story(scheduler_cls: type = SimpleCPUOffloadScheduler, prompt_tokens: in
               num_cpu_blocks: int | None = None, max_tokens: int = 1, **scheduler_kwargs) -> dict:
     """Request A, the GPU prefix cache dropped, request B with A's prompt: B's numbers, checks.
     One worker per rank of the connector (`world_size` in scheduler_kwargs)."""
-    # a budget of 0 never computes a token; a huge prompt would take minutes to fail to allocate
+    # a budget of 0 never computes a token; a huge prompt would take minutes to fail to
+    # allocate
     if max_num_batched_tokens <= 0 or not 0 < prompt_tokens <= MAX_STORY_TOKENS:
         raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be positive "
                          f"and prompt_tokens ({prompt_tokens}) in 1..{MAX_STORY_TOKENS:,}")
@@ -3253,7 +3283,8 @@ def run_rotation(num_prompts: int = 3, prompt_blocks: int = 64, num_cpu_blocks: 
     prompts = [torch.randint(0, 32000, (prompt_blocks * block_size,), generator=gen).tolist()
                for _ in range(num_prompts)]
     num_blocks = prompt_blocks + 64
-    model = ToyModel(num_layers=1, num_kv_heads=1, head_dim=8)  # small: the manager is measured
+    # small: the manager is measured
+    model = ToyModel(num_layers=1, num_kv_heads=1, head_dim=8)
     connector = scheduler_cls(num_cpu_blocks, block_size)
     engine = MiniEngine(num_blocks, block_size, max_num_batched_tokens, model, connector,
                         SimpleCPUOffloadWorker(num_cpu_blocks), capture_kv=True)
@@ -3266,7 +3297,8 @@ def run_rotation(num_prompts: int = 3, prompt_blocks: int = 64, num_cpu_blocks: 
             stats = engine.run()[f"round{r}-prompt{k}"]
             loaded_per_round[r] += stats.cpu_hit_tokens
             kv_exact = kv_exact and torch.equal(stats.kv, model.expected_kv(prompt).cpu())
-    # each prompt can load all its blocks but the last token's; the pool holds num_cpu_blocks - 1
+    # each prompt can load all its blocks but the last token's; the pool holds
+    # num_cpu_blocks - 1
     max_hit_blocks = (prompt_blocks * block_size - 1) // block_size
     ideal_blocks = min(num_cpu_blocks - 1, num_prompts * max_hit_blocks)
     gpu_all_free = engine.gpu_block_pool.get_num_free_blocks() == num_blocks - 1
@@ -3329,7 +3361,8 @@ def run_workload(prompts: list[list[int]], num_cpu_blocks: int, scheduler_cls: t
     prefix cache dropped before each batch: tokens each request loaded from CPU, and checks."""
     max_blocks = max(len(p) for p in prompts) // block_size + 2
     num_gpu_blocks = concurrency * max_blocks + 1
-    model = ToyModel(num_layers=1, num_kv_heads=1, head_dim=4)  # small: the manager is measured
+    # small: the manager is measured
+    model = ToyModel(num_layers=1, num_kv_heads=1, head_dim=4)
     connector = scheduler_cls(num_cpu_blocks, block_size)
     engine = MiniEngine(num_gpu_blocks, block_size, num_gpu_blocks * block_size, model, connector,
                         SimpleCPUOffloadWorker(num_cpu_blocks), capture_kv=True)
@@ -3487,7 +3520,8 @@ def offload_prompt(scheduler: SimpleCPUOffloadScheduler, prompt: list[int], bloc
         gpu.cache_partial_block(request, blocks[partial_at // block_size], partial_at, 0)
     scheduler.get_num_new_matched_tokens(request, 0)
     scheduler.update_state_after_alloc(request, (blocks,), 0)
-    request.num_computed_tokens = len(prompt)  # the prefill ran: every full block is confirmed
+    # the prefill ran: every full block is confirmed
+    request.num_computed_tokens = len(prompt)
     block_ids = ([b.block_id for b in blocks],)
     meta = scheduler.build_connector_meta(SchedulerOutput({"A": 1}, {"A": block_ids}))
     scheduler.request_finished_all_groups(request, block_ids)
@@ -3751,7 +3785,8 @@ def gpu_check(fuzz_examples: int = 200, limit_s: float = GPU_CHECK_LIMIT_S) -> i
     print(f"--gpu-check: {torch.cuda.get_device_name()}, torch {torch.__version__}, fuzz seed "
           f"{seed}, {fuzz_examples} schedules, limit {limit_s:.0f} s", flush=True)
     tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_kv_offload.py")
-    env = dict(os.environ, KV_OFFLOAD_REQUIRE_CUDA="1",  # a CUDA case fails instead of skipping
+    # a CUDA case fails instead of skipping
+    env = dict(os.environ, KV_OFFLOAD_REQUIRE_CUDA="1",
                KV_OFFLOAD_FUZZ_SEED=str(seed), KV_OFFLOAD_FUZZ_EXAMPLES=str(fuzz_examples))
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cuda", tests]
     failures = []

@@ -3981,7 +3981,7 @@ _README_QUOTED = {
     "112": "the report: '112 of 217' blocks on CPU", "217": "the report: '112 of 217'",
     # a full run on the development machine (no GPU, no vLLM): pytest's last line and -rs;
     # test_readme_numbers_match_the_code derives the collected total and the GPU count
-    "338": "passed", "161": "skipped", "129": "vLLM's", "126": "No module named vllm",
+    "339": "passed", "161": "skipped", "129": "vLLM's", "126": "No module named vllm",
     "57505": "upstream vLLM PR #57505 (open), which skips hashless store sources",
     # the long fuzz (KV_OFFLOAD_FUZZ_EXAMPLES=1000, KV_OFFLOAD_FUZZ_SEED=2544314924): its seed,
     # and the prefix-aware schedules it ran on CPU (its output's reached-rates line)
@@ -4121,6 +4121,51 @@ def test_no_package_index_address():
     found = [(name, host) for name in names if (root / name).is_file()
              for host in hosts if host in (root / name).read_text(errors="ignore")]
     assert not found, found
+
+
+def module_shape(src: str) -> dict:
+    """Statements per section (ast statements, imports and docstrings left out), comments at line
+    ends among all comments, lines within 5 characters of the 100 limit, the docstring's lines."""
+    import io
+    import tokenize
+    lines = src.splitlines()
+    sections = [(i + 1, int(m.group(1))) for i, line in enumerate(lines)
+                if (m := re.match(r"# (\d+)\. ", line))]
+    statements = Counter()
+    for node in ast.parse(src).body:
+        section = max((s for start, s in sections if start <= node.lineno), default=0)
+        statements[section] += sum(
+            isinstance(n, ast.stmt) and not isinstance(n, ast.Import | ast.ImportFrom)
+            and not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
+                     and isinstance(n.value.value, str)) for n in ast.walk(node))
+    trailing = own = 0
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT:
+            if lines[tok.start[0] - 1][:tok.start[1]].strip():
+                trailing += 1
+            else:
+                own += 1
+    return dict(statements=statements, trailing_share=trailing / max(trailing + own, 1),
+                near_limit_share=sum(95 <= len(line) <= 100 for line in lines) / len(lines),
+                longest=max(map(len, lines)),
+                docstring_lines=len(ast.get_docstring(ast.parse(src)).splitlines()))
+
+
+def test_module_shape():
+    """Lines of at most 100 characters and not squeezed to the limit (at most 4% within 5 of
+    it), comments above the lines they explain (at most 35% at line ends), a docstring of at most
+    25 lines, section 7 (the prefix-aware policy) at most 250 statements. Prints the statements
+    per section (the module's own ceilings, 1,700 and 1,100 for sections 1-6, are not met yet:
+    see the README's Todo)."""
+    shape = module_shape(pathlib.Path(ko.__file__).read_text())
+    counts = shape["statements"]
+    print(f"\nstatements per section {dict(sorted(counts.items()))}: {sum(counts.values())}; "
+          f"sections 1-6: {sum(counts[s] for s in range(1, 7))}")
+    assert shape["longest"] <= 100, shape
+    assert shape["near_limit_share"] <= 0.04, shape
+    assert shape["trailing_share"] <= 0.35, shape
+    assert shape["docstring_lines"] <= 25, shape
+    assert counts[7] <= 250, counts
 
 
 def test_readme_porting_checklist_names_the_grep():
