@@ -9,8 +9,8 @@ variant: 0.29) with vLLM's names, ref counts, allocation and eviction order, gua
   vllm/v1/core/{kv_cache_utils,block_pool,single_type_kv_cache_manager}.py
   vllm/v1/simple_kv_offload/{metadata,manager,worker,copy_backend}.py
 But it leaves out: lazy mode, the disk backend, KV-cache events and metrics; sliding-window,
-Mamba and other non-full-attention groups; cuMemcpyBatchAsync (torch copies here); vLLM's
-config objects (sizes are arguments); most of vLLM's scheduler (MiniEngine keeps its call order).
+Mamba and other non-full-attention groups; cuMemcpyBatchAsync in the worker (torch copies; the
+bench times it beside them); vLLM's config objects; most of vLLM's scheduler (MiniEngine).
 
 Sections, bottom-up (every name is defined before it is used):
   1. hashing and requests            6. copy worker
@@ -18,7 +18,7 @@ Sections, bottom-up (every name is defined before it is used):
   3. connector messages              8. beyond vLLM: a fix for a crash vLLM 0.34 still has
   4. scheduler-side manager          9. toy model and MiniEngine
   5. the pre-fix variant            10. demo, --bench, --gpu-check
-Sections 1-6 are vLLM 0.34's steps plus the fix (subclasses change a step by a hook). Tags:
+Sections 1-4 and 6: vLLM 0.34's code and the fix; 5: vLLM 0.29's; subclasses use hooks. Tags:
   # PR #53532      a line the fix added or changed; on a `def` line: the whole function
   # vLLM 0.3x      a later upstream change (0.30-0.34)
   # not in vLLM:   this module's own (checks, hooks, the simulated device)
@@ -64,18 +64,19 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gpu-check", action="store_true",
                         help="on a CUDA machine: every CUDA test case, 200 random schedules on "
                         "CUDA (fuzz seed 20261204, or $KV_OFFLOAD_FUZZ_SEED), then the CUDA copy "
-                        "bench; stops after 360 s; last line GPU CHECK: PASS or FAIL, exit status "
-                        "0 only on PASS")
+                        "bench; the tests are stopped after 300 s, and the check fails past "
+                        "360 s in all; last line GPU CHECK: PASS or FAIL, exit status 0 only on "
+                        "PASS")
     parser.add_argument("--prompt-tokens", type=int, default=8192, metavar="N",
                         help="tokens of the chunked prompt and of the small-pool row, whose CPU "
                         "pool holds 7/8 of the prompt's blocks of 16; the one-step row keeps "
-                        "1,000 tokens (default: %(default)s; from 48 to 1,048,576)")
+                        "1,000 tokens (default: %(default)s; from 1,025 to 1,048,576)")
     args = parser.parse_args(argv)
-    # the small pool (7/8 of the prompt's blocks) needs 2 blocks; the toy model's KV takes 4 KiB
-    # a token on each side, so 2**20 tokens take 4 GiB of GPU cache and 4 of CPU mirror
-    if not 48 <= args.prompt_tokens <= 2**20:
-        parser.error(f"--prompt-tokens {args.prompt_tokens}: from 48 (three blocks of 16) to "
-                     f"1,048,576")
+    # more than one 1,024-token step, so the prompt is chunked; the toy model's KV takes 4 KiB a
+    # token on each side, so 2**20 tokens take 4 GiB of GPU cache and 4 of CPU mirror
+    if not 1025 <= args.prompt_tokens <= 2**20:
+        parser.error(f"--prompt-tokens {args.prompt_tokens}: from 1,025 (more than one step, so "
+                     f"the prompt is chunked) to 1,048,576")
     return args
 
 
@@ -1582,8 +1583,8 @@ class SimpleCPUOffloadScheduler:
             # Batch allocate the CPU destinations.
             n_to_alloc = len(gpu_block_ids)
             if n_to_alloc > 0:
-                # not in vLLM: a hook (vLLM's cpu_block_pool.get_new_blocks(n_to_alloc)); vLLM
-                # 0.29 stamped each block with its GPU block's hash here, the fix stopped it
+                # PR #53532 dropped 0.29's stamp after this allocation (cpu_blk._block_hash = bhash)
+                # not in vLLM: a hook (vLLM's cpu_block_pool.get_new_blocks(n_to_alloc))
                 cpu_blocks_alloc = self._allocate_cpu_blocks(gpu_block_ids, state.request)
                 cpu_block_ids = [blk.block_id for blk in cpu_blocks_alloc]
             else:
@@ -3539,16 +3540,16 @@ HEADLINE_CLASSES = {"vLLM 0.29": PreFixCPUOffloadScheduler, "the fix": SimpleCPU
 
 def headline(prompt_tokens: int = 8192) -> dict[str, dict[str, tuple[float, int]]]:
     """The demo's table, printed and returned: {config: {version: (MiB stored, tokens loaded)}}."""
-    # the small-pool row's pool holds 7/8 of the prompt's blocks: at least 2 (the null block)
-    if not 48 <= prompt_tokens <= MAX_STORY_TOKENS:
-        raise ValueError(f"prompt_tokens ({prompt_tokens}): from 48 to {MAX_STORY_TOKENS:,}")
+    # the chunked row needs more than one 1,024-token step
+    if not 1025 <= prompt_tokens <= MAX_STORY_TOKENS:
+        raise ValueError(f"prompt_tokens ({prompt_tokens}): from 1,025 to {MAX_STORY_TOKENS:,}")
     print("B repeats A's prompt after A ran and the GPU prefix cache was dropped (block 16,\n"
           "1,024 tokens a step). Per version: MiB stored to CPU / tokens B loaded from CPU, as\n"
           "vLLM's kv_offload_store_bytes_total / external_prefix_cache_hits_total ...", flush=True)
     n = prompt_tokens // 16
     configs = {"one-step prompt (1,000 tokens)": dict(prompt_tokens=1000),
                f"chunked prompt ({prompt_tokens:,} tokens)": dict(prompt_tokens=prompt_tokens),
-               f"CPU pool ({n * 7 // 8} blocks) < prompt ({n})":
+               f"CPU pool ({n * 7 // 8} blocks) < prompt ({n} blocks)":
                    dict(prompt_tokens=prompt_tokens, num_cpu_blocks=n * 7 // 8)}
     rows: dict[str, dict[str, tuple[float, int]]] = {name: {} for name in configs}
     for name, kwargs in configs.items():
@@ -3558,9 +3559,9 @@ def headline(prompt_tokens: int = 8192) -> dict[str, dict[str, tuple[float, int]
                 assert r["kv_exact"] and r["all_free"]
                 rows[name][version] = (r["stored_bytes"] / 2**20, r["cpu_hit_tokens"])
         print(f"  {name}: done", flush=True)
-    print(f"\n{'configuration':36}" + "".join(f"{v:>28}" for v in HEADLINE_CLASSES))
+    print(f"\n{'configuration':43}" + "".join(f"{v:>28}" for v in HEADLINE_CLASSES))
     for name, cells in rows.items():
-        print(f"{name:36}" + "".join(f"{s:.1f} / {h:,}".rjust(28) for s, h in cells.values()))
+        print(f"{name:43}" + "".join(f"{s:.1f} / {h:,}".rjust(28) for s, h in cells.values()))
     return rows
 
 
