@@ -104,8 +104,8 @@ torch.set_num_threads(1)
 
 
 # ---- Shared helpers ------------------------------------------------------------------------------
-# One of each: a block-id helper, a pool-state snapshot (both libraries' pools), and the accessors
-# of module internals below.
+# One of each: a block-id helper, a pool-state snapshot and a manager-state snapshot (both
+# libraries'), and the accessors of module internals below.
 
 def block_ids(blocks) -> list:
     """The ids of a list of blocks (None stays None: a free-list link that is unset)."""
@@ -209,6 +209,43 @@ def live_loads(conn) -> dict:
 def abandoned_loads(conn) -> dict:
     # manager (ours or vLLM's): request id -> a sent load that reset() abandoned
     return conn._abandoned_reqs_to_load
+
+
+def manager_state(m, local_hits: bool = True) -> dict:
+    """Everything of a manager (ours or vLLM's) but its pools: transfers, pins, queued flushes,
+    event counters; `local_hits`: the GPU hits it remembers (vLLM 0.34 and ours)."""
+    def store(s):
+        return ([list(x) for x in s.block_ids], list(s.num_stored_blocks), sorted(s.store_events),
+                s.finished)
+
+    def load(s):
+        return (list(s.transfer_meta.gpu_block_ids), list(s.transfer_meta.cpu_block_ids),
+                s.load_event, s.finished)
+
+    def tm(t):
+        return (list(t.gpu_block_ids), list(t.cpu_block_ids))
+
+    state = {
+        "reqs_to_store": [(k, store(v)) for k, v in m._reqs_to_store.items()],
+        "reqs_to_load": [(k, load(v)) for k, v in live_loads(m).items()],
+        "abandoned_reqs_to_load": [(k, load(v)) for k, v in abandoned_loads(m).items()],
+        "pending_cpu_hits": [(k, (table_ids(v[0]), *v[1:]))
+                             for k, v in pending_cpu_hits(m).items()],
+        "load_event_to_reqs": [(k, list(v)) for k, v in m._load_event_to_reqs.items()],
+        "store_event_to_blocks": [(k, tm(v)) for k, v in m._store_event_to_blocks.items()],
+        "abandoned_store_event_to_blocks": [(k, tm(v))
+                                            for k, v in m._abandoned_store_event_to_blocks.items()],
+        "store_event_to_reqs": [(k, list(v)) for k, v in m._store_event_to_reqs.items()],
+        "in_flight_store_gpu_blocks": set(m._in_flight_store_gpu_blocks),
+        "pending_finished_stores": [tm(t) for t in m._pending_finished_stores],
+        "store_event_pending_counts": dict(m._store_event_pending_counts),
+        "load_event_counter": m._load_event_counter,
+        "store_event_counter": m._store_event_counter,
+        "has_pending_stores": m.has_pending_stores(),
+    }
+    if local_hits:
+        state["pending_local_hits"] = list(m._pending_local_hits.items())
+    return state
 
 
 # ==================================================================================================
@@ -1653,13 +1690,9 @@ class Harness:
         return [b for t in self.sched._pending_finished_stores for b in t.gpu_block_ids]
 
     def state(self):
-        s = self.sched
-        queued = [(list(t.gpu_block_ids), list(t.cpu_block_ids))
-                  for t in s._pending_finished_stores]
+        """Both pools and the manager, but for the GPU hits it remembers to refresh on CPU."""
         return dict(cpu=pool_state(self.cpu), gpu=pool_state(self.gpu),
-                    to_store=sorted(s._reqs_to_store), to_load=sorted(live_loads(s)),
-                    in_flight=set(s._in_flight_store_gpu_blocks),
-                    queued=queued)
+                    manager=manager_state(self.sched, local_hits=False))
 
 
 # ---- 1.7 Manager: store -> lookup -> load --------------------------------------------------------
@@ -7046,41 +7079,6 @@ def make_vllm_scheduler(num_gpu_blocks, num_cpu_blocks, block_size, hash_block_s
 V_EXTRA_OUTPUT_FIELDS = {"num_common_prefix_blocks": []} if V_IS_029 else {}
 
 
-def manager_state(m) -> dict:
-    def store(s):
-        return ([list(x) for x in s.block_ids], list(s.num_stored_blocks), sorted(s.store_events),
-                s.finished)
-
-    def load(s):
-        return (list(s.transfer_meta.gpu_block_ids), list(s.transfer_meta.cpu_block_ids),
-                s.load_event, s.finished)
-
-    def tm(t):
-        return (list(t.gpu_block_ids), list(t.cpu_block_ids))
-
-    state = {
-        "reqs_to_store": [(k, store(v)) for k, v in m._reqs_to_store.items()],
-        "reqs_to_load": [(k, load(v)) for k, v in live_loads(m).items()],
-        "abandoned_reqs_to_load": [(k, load(v)) for k, v in abandoned_loads(m).items()],
-        "pending_cpu_hits": [(k, (table_ids(v[0]), *v[1:]))
-                             for k, v in pending_cpu_hits(m).items()],
-        "load_event_to_reqs": [(k, list(v)) for k, v in m._load_event_to_reqs.items()],
-        "store_event_to_blocks": [(k, tm(v)) for k, v in m._store_event_to_blocks.items()],
-        "abandoned_store_event_to_blocks": [(k, tm(v))
-                                            for k, v in m._abandoned_store_event_to_blocks.items()],
-        "store_event_to_reqs": [(k, list(v)) for k, v in m._store_event_to_reqs.items()],
-        "in_flight_store_gpu_blocks": set(m._in_flight_store_gpu_blocks),
-        "pending_finished_stores": [tm(t) for t in m._pending_finished_stores],
-        "store_event_pending_counts": dict(m._store_event_pending_counts),
-        "load_event_counter": m._load_event_counter,
-        "store_event_counter": m._store_event_counter,
-        "has_pending_stores": m.has_pending_stores(),
-    }
-    if V_REMEMBERS_LOCAL_HITS:
-        state["pending_local_hits"] = list(m._pending_local_hits.items())
-    return state
-
-
 def meta_fields(meta) -> dict:
     return {"load_event": meta.load_event, "load_gpu_blocks": list(meta.load_gpu_blocks),
             "load_cpu_blocks": list(meta.load_cpu_blocks),
@@ -7171,11 +7169,12 @@ class ManagerTrace:
 
     def ours_manager_state(self) -> dict:
         """Our manager's state as vLLM's side shows it (ManagerTrace029 adapts it to 0.29)."""
-        return manager_state(self.ours)
+        return manager_state(self.ours, V_REMEMBERS_LOCAL_HITS)
 
     def check(self, op):
         w = self.what(op)
-        assert_same(self.ours_manager_state(), manager_state(self.vllm), w + " [manager state]")
+        theirs = manager_state(self.vllm, V_REMEMBERS_LOCAL_HITS)
+        assert_same(self.ours_manager_state(), theirs, w + " [manager state]")
         assert_same(pool_state(self.ours.cpu_block_pool), pool_state(self.vllm.cpu_block_pool),
                     w + " [CPU pool]")
         self.gpu.check(w + " [GPU pool]")
@@ -7717,7 +7716,7 @@ class ManagerTrace029(ManagerTrace):
         neutralise_vllm_029(self.vllm)
 
     def ours_manager_state(self) -> dict:
-        state = manager_state(self.ours)
+        state = manager_state(self.ours, V_REMEMBERS_LOCAL_HITS)
         # 0.29's pending CPU hit is (blocks, hit_length); 0.30 added num_computed_tokens
         state["pending_cpu_hits"] = [(k, v[:2]) for k, v in state["pending_cpu_hits"]]
         return state
