@@ -8018,12 +8018,13 @@ needs_vllm_034_or_029 = pytest.mark.skipif(VLLM_BENCH_MISSING is not None,
 
 
 class BenchSideOurs:
-    """Our call shapes for the trace's inputs."""
+    """Our call shapes for the trace's inputs (built without vLLM)."""
 
     @staticmethod
     def output(new_ids):  # one step's SchedulerOutput: A running with new_ids, or nothing scheduled
-        cached = [("a", BENCH_CHUNK, (new_ids,))] if new_ids else []
-        return ManagerTrace.outputs(None, [], cached, set())[0]  # (self unused there)
+        if not new_ids:
+            return ko.SchedulerOutput()
+        return ko.SchedulerOutput({"a": BENCH_CHUNK}, {"a": (new_ids,)})
 
     @staticmethod
     def blocks(blocks):
@@ -8046,7 +8047,7 @@ class BenchSideVllm:
     @staticmethod
     def output(new_ids):
         cached = [("a", BENCH_CHUNK, (new_ids,))] if new_ids else []
-        return ManagerTrace.outputs(None, [], cached, set())[1]
+        return ManagerTrace.outputs(None, [], cached, set())[1]  # (self unused there)
 
     @staticmethod
     def blocks(blocks):
@@ -8118,18 +8119,7 @@ def bench_trace(mgr, gpu, req_a, req_b, side) -> tuple[float, float, int, int]:
             stored, loaded)
 
 
-class BenchSideAlone(BenchSideOurs):
-    """Our call shapes, built without vLLM (ManagerTrace builds both sides' from vLLM's)."""
-
-    @staticmethod
-    def output(new_ids):
-        if not new_ids:
-            return ko.SchedulerOutput()
-        return ko.SchedulerOutput({"a": BENCH_CHUNK}, {"a": (new_ids,)})
-
-
-def bench_ours_manager(cls=ko.SimpleCPUOffloadScheduler, side=BenchSideOurs
-                       ) -> tuple[float, float, int, int]:
+def bench_ours_manager(cls=ko.SimpleCPUOffloadScheduler) -> tuple[float, float, int, int]:
     """The trace once on a fresh manager of ours (inputs built before the clock starts)."""
     bs, num_blocks = BENCH_BLOCK_SIZE, BENCH_PROMPT_TOKENS // BENCH_BLOCK_SIZE
     gpu = ko.BlockPool(2 * num_blocks + 2, True, bs)
@@ -8137,7 +8127,7 @@ def bench_ours_manager(cls=ko.SimpleCPUOffloadScheduler, side=BenchSideOurs
     mgr.bind_gpu_block_pool(gpu)
     req_a = ko.Request("a", list(range(BENCH_PROMPT_TOKENS)), bs)
     req_b = ko.Request("b", list(range(BENCH_PROMPT_TOKENS)), bs)
-    return bench_trace(mgr, gpu, req_a, req_b, side)
+    return bench_trace(mgr, gpu, req_a, req_b, BenchSideOurs)
 
 
 def interleaved_rounds(run: dict, rounds: int) -> dict[str, list]:
@@ -8156,18 +8146,23 @@ def interleaved_rounds(run: dict, rounds: int) -> dict[str, list]:
     return samples
 
 
-def speed_lines(samples: dict[str, list], names: tuple[str, str]) -> list[str]:
-    """min and median µs/block per phase of two runners, and their ratios (a / b)."""
+def speed_lines(samples: dict[str, list], names: tuple[str, str], paired: bool = False
+                ) -> list[str]:
+    """min and median µs/block per phase of two runners, and their ratios (a / b): of the minima,
+    of the medians and, if `paired`, the median of the per-round ratios."""
     import statistics
     a, b = names
     lines = [f"{'phase':8}{a + ' min':>14}{a + ' med':>14}{b + ' min':>14}{b + ' med':>14}"
-             f"{'ratio min':>11}{'ratio med':>11}"]
+             f"{'ratio min':>11}{'ratio med':>11}" + (f"{'paired med':>12}" if paired else "")]
     for i, phase in enumerate(("store", "hit")):
         x = [s[i] for s in samples[a]]
         y = [s[i] for s in samples[b]]
-        lines.append(f"{phase:8}{min(x):14.3f}{statistics.median(x):14.3f}{min(y):14.3f}"
-                     f"{statistics.median(y):14.3f}{min(x) / min(y):11.2f}"
-                     f"{statistics.median(x) / statistics.median(y):11.2f}")
+        line = (f"{phase:8}{min(x):14.3f}{statistics.median(x):14.3f}{min(y):14.3f}"
+                f"{statistics.median(y):14.3f}{min(x) / min(y):11.2f}"
+                f"{statistics.median(x) / statistics.median(y):11.2f}")
+        if paired:
+            line += f"{statistics.median(p / q for p, q in zip(x, y)):12.2f}"
+        lines.append(line)
     return lines
 
 
@@ -8175,9 +8170,8 @@ def test_prefix_aware_eviction_cost(pytestconfig):
     """Prints what PrefixAwareCPUOffloadScheduler costs over vLLM's class on the trace (no vLLM
     needed), min and median of KV_OFFLOAD_BENCH_ROUNDS interleaved rounds; asserts only that
     both went through the same trace (every block stored, every block but the last loaded)."""
-    run = {"aware": lambda: bench_ours_manager(ko.PrefixAwareCPUOffloadScheduler,
-                                               BenchSideAlone),
-           "ours": lambda: bench_ours_manager(ko.SimpleCPUOffloadScheduler, BenchSideAlone)}
+    run = {"aware": lambda: bench_ours_manager(ko.PrefixAwareCPUOffloadScheduler),
+           "ours": lambda: bench_ours_manager(ko.SimpleCPUOffloadScheduler)}
     samples = interleaved_rounds(run, BENCH_ROUNDS)
     num_blocks = BENCH_PROMPT_TOKENS // BENCH_BLOCK_SIZE
     assert {s[2:] for ss in samples.values() for s in ss} == {(num_blocks, num_blocks - 1)}
@@ -8207,19 +8201,9 @@ def test_manager_speed_against_vllm(pytestconfig):
     """Prints µs per block of the store and hit phases for both managers (min and median over
     KV_OFFLOAD_BENCH_ROUNDS rounds, each round both, in alternating order, after one warm-up
     round) and ours/vLLM; asserts only that both went through the same trace."""
-    import statistics
     ours_cls = ko.PreFixCPUOffloadScheduler if V_IS_029 else ko.SimpleCPUOffloadScheduler
     run = {"ours": lambda: bench_ours_manager(ours_cls), "vllm": bench_vllm_manager}
-    samples: dict[str, list] = {"ours": [], "vllm": []}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        run["ours"](), run["vllm"]()  # warm-up, not counted
-        for r in range(BENCH_ROUNDS):
-            for name in (("ours", "vllm") if r % 2 == 0 else ("vllm", "ours")):
-                samples[name].append(run[name]())
-    finally:
-        torch.set_num_threads(threads)
+    samples = interleaved_rounds(run, BENCH_ROUNDS)
     num_blocks = BENCH_PROMPT_TOKENS // BENCH_BLOCK_SIZE
     if V_IS_029:  # no finish flush: the last chunk is never stored, the hit covers the rest
         stored = num_blocks - BENCH_CHUNK // BENCH_BLOCK_SIZE
@@ -8231,17 +8215,9 @@ def test_manager_speed_against_vllm(pytestconfig):
     lines = [f"manager speed, µs/block, {BENCH_ROUNDS} rounds: ours={ours_cls.__name__} vs vLLM "
              f"{VLLM_VERSION}; {BENCH_PROMPT_TOKENS} tokens, chunk {BENCH_CHUNK}, block size "
              f"{BENCH_BLOCK_SIZE}; stored {expected[0]}, loaded {expected[1]}",
-             f"{'phase':8}{'ours min':>10}{'ours med':>10}{'vLLM min':>10}{'vLLM med':>10}"
-             f"{'ratio min':>11}{'ratio med':>11}{'paired med':>12}"]
-    for i, phase in enumerate(("store", "hit")):
-        o = [s[i] for s in samples["ours"]]
-        v = [s[i] for s in samples["vllm"]]
-        paired = statistics.median(a / b for a, b in zip(o, v))
-        lines.append(f"{phase:8}{min(o):10.3f}{statistics.median(o):10.3f}{min(v):10.3f}"
-                     f"{statistics.median(v):10.3f}{min(o) / min(v):11.2f}"
-                     f"{statistics.median(o) / statistics.median(v):11.2f}{paired:12.2f}")
-    lines.append("ratio = ours/vLLM: of the minima, of the medians, and the median of the "
-                 "per-round ratios")
+             *speed_lines(samples, ("ours", "vllm"), paired=True),
+             "ratio = ours/vLLM: of the minima, of the medians, and the median of the "
+             "per-round ratios"]
     print_now(pytestconfig, "\n".join(lines))
 
 
