@@ -1230,17 +1230,46 @@ def _run_device(dev, first_stream) -> None:
         dev.run(first_stream)
 
 
+def _cpu_block(w, i: int) -> torch.Tensor:
+    """CPU block i of a _race_worker's layer: its K and V."""
+    return torch.stack([w.cpu_kv_caches["l0.k"][i], w.cpu_kv_caches["l0.v"][i]])
+
+
+def _store_after_a_forward(dev, w, cache, event=0, block=3, value=7.0) -> None:
+    """A forward writes `value` into GPU block `block`; the step's store (event `event`) copies
+    that block to CPU block event + 1, issued while the forward has not run."""
+    written = torch.full_like(cache[:, block], value)
+    _on_compute(dev, lambda: cache[:, block].copy_(written))
+    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(
+        store_event=event, store_gpu_blocks=[block], store_cpu_blocks=[event + 1]))
+    w.wait_for_save()
+
+
+def _load_under_a_forward(dev, w, cache, event=0, block=2):
+    """GPU block `block` holds 1.0, which a forward issued earlier still reads; a load (event
+    `event`, request "r") brings CPU block event + 1, of 9.0, into it. Returns the forward's
+    read."""
+    cache[:, block] = 1.0
+    w.cpu_kv_caches["l0.k"][event + 1] = 9.0
+    w.cpu_kv_caches["l0.v"][event + 1] = 9.0
+    read = torch.zeros(2, 4, 8, dtype=torch.float16, device=cache.device)
+    _on_compute(dev, lambda: read.copy_(cache[:, block]))
+    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(
+        load_event=event, load_cpu_blocks=[event + 1], load_gpu_blocks=[block],
+        load_event_to_reqs={event: ["r"]}))
+    w.start_load_kv()
+    _run_device(dev, w.load_stream)
+    assert w.get_finished(set()) == (None, {"r"}) and bool((cache[:, block] == 9.0).all())
+    return read.cpu()
+
+
 def _store_right_after_a_forward(device, worker_cls) -> torch.Tensor:
     dev, w, cache = _race_worker(device, worker_cls)
-    seven = torch.full_like(cache[:, 3], 7.0)
-    _on_compute(dev, lambda: cache[:, 3].copy_(seven))  # the forward writes block 3
-    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(store_event=0, store_gpu_blocks=[3],
-                                                          store_cpu_blocks=[1]))
-    w.wait_for_save()
+    _store_after_a_forward(dev, w, cache)
     _run_device(dev, w.store_stream)
     w.get_finished(set())
     assert w.build_connector_worker_meta().completed_store_events == {0: 1}
-    return torch.stack([w.cpu_kv_caches["l0.k"][1], w.cpu_kv_caches["l0.v"][1]])
+    return _cpu_block(w, 1)
 
 
 @pytest.mark.parametrize("device", ["deferred", CUDA])
@@ -1263,16 +1292,12 @@ def _two_stores_each_after_a_forward(device, worker_cls) -> torch.Tensor:
     block 2."""
     dev, w, cache = _race_worker(device, worker_cls)
     for event, (block, value) in enumerate([(3, 7.0), (4, 8.0)]):
-        written = torch.full_like(cache[:, block], value)
-        _on_compute(dev, lambda: cache[:, block].copy_(written))
-        w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(
-            store_event=event, store_gpu_blocks=[block], store_cpu_blocks=[event + 1]))
-        w.wait_for_save()
+        _store_after_a_forward(dev, w, cache, event, block, value)
         _run_device(dev, w.store_stream)
         w.get_finished(set())
         assert w.build_connector_worker_meta().completed_store_events == {event: 1}
         w.clear_connector_metadata()
-    return torch.stack([w.cpu_kv_caches["l0.k"][2], w.cpu_kv_caches["l0.v"][2]])
+    return _cpu_block(w, 2)
 
 
 @pytest.mark.parametrize("device", ["deferred", CUDA])
@@ -1289,19 +1314,9 @@ def test_async_every_store_waits_for_its_forward(device, path, monkeypatch):
 
 
 def _load_into_a_block_a_forward_reads(device, worker_cls) -> torch.Tensor:
+    """CPU block 1 holds another request's prefix (9.0); GPU block 2's KV (1.0) is still read."""
     dev, w, cache = _race_worker(device, worker_cls)
-    cache[:, 2] = 1.0                      # block 2's KV, which a forward still reads
-    w.cpu_kv_caches["l0.k"][1] = 9.0       # CPU block 1: the KV of another request's prefix
-    w.cpu_kv_caches["l0.v"][1] = 9.0
-    read = torch.zeros(2, 4, 8, dtype=torch.float16, device=cache.device)
-    _on_compute(dev, lambda: read.copy_(cache[:, 2]))  # the running forward's read of block 2
-    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(load_event=0, load_cpu_blocks=[1],
-                                                          load_gpu_blocks=[2],
-                                                          load_event_to_reqs={0: ["r"]}))
-    w.start_load_kv()
-    _run_device(dev, w.load_stream)
-    assert w.get_finished(set()) == (None, {"r"}) and bool((cache[:, 2] == 9.0).all())
-    return read.cpu()
+    return _load_under_a_forward(dev, w, cache)
 
 
 @pytest.mark.parametrize("device", ["deferred", CUDA])
@@ -1326,19 +1341,8 @@ def _two_loads_each_into_a_block_a_forward_reads(device, worker_cls) -> torch.Te
     dev, w, cache = _race_worker(device, worker_cls)
     reads = []
     for event, block in enumerate([2, 5]):
-        cache[:, block] = 1.0
-        w.cpu_kv_caches["l0.k"][event + 1] = 9.0
-        w.cpu_kv_caches["l0.v"][event + 1] = 9.0
-        read = torch.zeros(2, 4, 8, dtype=torch.float16, device=cache.device)
-        _on_compute(dev, lambda: read.copy_(cache[:, block]))
-        w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(
-            load_event=event, load_cpu_blocks=[event + 1], load_gpu_blocks=[block],
-            load_event_to_reqs={event: ["r"]}))
-        w.start_load_kv()
-        _run_device(dev, w.load_stream)
-        assert w.get_finished(set()) == (None, {"r"}) and bool((cache[:, block] == 9.0).all())
+        reads.append(_load_under_a_forward(dev, w, cache, event, block))
         w.clear_connector_metadata()
-        reads.append(read.cpu())
     return reads[1]
 
 
@@ -1391,13 +1395,9 @@ def _preempt_while_a_store_is_in_flight(device, worker_cls) -> torch.Tensor:
     """A store of block 3 issued behind a forward that writes it; then a preemption: the freed
     blocks may be reused at once. Returns CPU block 1 right after handle_preemptions()."""
     dev, w, cache = _race_worker(device, worker_cls)
-    seven = torch.full_like(cache[:, 3], 7.0)
-    _on_compute(dev, lambda: cache[:, 3].copy_(seven))
-    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(store_event=0, store_gpu_blocks=[3],
-                                                          store_cpu_blocks=[1]))
-    w.wait_for_save()
+    _store_after_a_forward(dev, w, cache)
     w.handle_preemptions(ko.SimpleCPUOffloadMetadata(need_flush=True))
-    copied = torch.stack([w.cpu_kv_caches["l0.k"][1], w.cpu_kv_caches["l0.v"][1]]).clone()
+    copied = _cpu_block(w, 1).clone()
     _run_device(dev, w.store_stream)
     return copied
 
