@@ -7866,6 +7866,19 @@ def make_vllm_engine_scheduler(kind: str, bs: int, budget: int, max_model_len: i
                      structured_output_manager=StructuredOutputManager(vc))
 
 
+def vllm_runner_output(s, rids: list, kv):
+    """The simulated model runner's output for vLLM's Scheduler `s`: token 7 sampled for each
+    request of `rids` past its prompt's chunks, and the workers' KVConnectorOutput `kv`."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    kw = dict(req_ids=rids,
+              sampled_token_ids=[[] if s.requests[r].is_prefill_chunk else [7] for r in rids],
+              kv_connector_output=kv)
+    if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__:  # removed in 0.34
+        kw["req_id_to_index"] = {r: i for i, r in enumerate(rids)}
+    return ModelRunnerOutput(**kw)
+
+
 def run_vllm_scheduler(kind: str, bs: int, prompt_len: int, budget: int, max_tokens: int,
                        cpu_blocks: int | None = None, gpu_blocks: int | None = None,
                        keep_gpu_cache: bool = False) -> dict:
@@ -7877,7 +7890,7 @@ def run_vllm_scheduler(kind: str, bs: int, prompt_len: int, budget: int, max_tok
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
     from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata as WorkerMeta
 
@@ -7896,12 +7909,7 @@ def run_vllm_scheduler(kind: str, bs: int, prompt_len: int, budget: int, max_tok
             finished_recving=set(meta.load_event_to_reqs.get(meta.load_event, [])) or None,
             kv_connector_worker_meta=(WorkerMeta({meta.store_event: 1})
                                       if meta.store_event >= 0 else None))
-        kw = dict(req_ids=rids,
-                  sampled_token_ids=[[] if s.requests[r].is_prefill_chunk else [7] for r in rids],
-                  kv_connector_output=kv)
-        if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__:  # removed in 0.34
-            kw["req_id_to_index"] = {r: i for i, r in enumerate(rids)}
-        s.update_from_output(out, ModelRunnerOutput(**kw))
+        s.update_from_output(out, vllm_runner_output(s, rids, kv))
 
     prompt = [(i * 31) % 50000 + 3 for i in range(prompt_len)]
     result = {}
@@ -8811,7 +8819,7 @@ def run_vllm_failed_sync_load(policy: str, late: bool, monkeypatch, manager_cls=
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import (get_request_block_hasher,
                                              make_block_hash_with_group_id)
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
     from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata as WorkerMeta
 
@@ -8846,10 +8854,7 @@ def run_vllm_failed_sync_load(policy: str, late: bool, monkeypatch, manager_cls=
             finished_recving=set(meta.load_event_to_reqs.get(meta.load_event, [])) or None,
             kv_connector_worker_meta=MultiKVConnectorWorkerMetadata((None, worker_meta)),
             invalid_block_ids=invalid_block_ids)
-        rids = list(out.num_scheduled_tokens)
-        sampled = [[] if s.requests[r].is_prefill_chunk else [7] for r in rids]
-        s.update_from_output(out, ModelRunnerOutput(req_ids=rids, sampled_token_ids=sampled,
-                                                    kv_connector_output=kv))
+        s.update_from_output(out, vllm_runner_output(s, list(out.num_scheduled_tokens), kv))
 
     def run_until_idle():
         for _ in range(8):
