@@ -104,8 +104,8 @@ torch.set_num_threads(1)
 
 
 # ---- Shared helpers ------------------------------------------------------------------------------
-# One of each: a block-id helper, a pool-state snapshot (both libraries' pools), and the accessors
-# of module internals below.
+# One of each: a block-id helper, a pool-state snapshot and a manager-state snapshot (both
+# libraries'), and the accessors of module internals below.
 
 def block_ids(blocks) -> list:
     """The ids of a list of blocks (None stays None: a free-list link that is unset)."""
@@ -209,6 +209,43 @@ def live_loads(conn) -> dict:
 def abandoned_loads(conn) -> dict:
     # manager (ours or vLLM's): request id -> a sent load that reset() abandoned
     return conn._abandoned_reqs_to_load
+
+
+def manager_state(m, local_hits: bool = True) -> dict:
+    """Everything of a manager (ours or vLLM's) but its pools: transfers, pins, queued flushes,
+    event counters; `local_hits`: the GPU hits it remembers (vLLM 0.34 and ours)."""
+    def store(s):
+        return ([list(x) for x in s.block_ids], list(s.num_stored_blocks), sorted(s.store_events),
+                s.finished)
+
+    def load(s):
+        return (list(s.transfer_meta.gpu_block_ids), list(s.transfer_meta.cpu_block_ids),
+                s.load_event, s.finished)
+
+    def tm(t):
+        return (list(t.gpu_block_ids), list(t.cpu_block_ids))
+
+    state = {
+        "reqs_to_store": [(k, store(v)) for k, v in m._reqs_to_store.items()],
+        "reqs_to_load": [(k, load(v)) for k, v in live_loads(m).items()],
+        "abandoned_reqs_to_load": [(k, load(v)) for k, v in abandoned_loads(m).items()],
+        "pending_cpu_hits": [(k, (table_ids(v[0]), *v[1:]))
+                             for k, v in pending_cpu_hits(m).items()],
+        "load_event_to_reqs": [(k, list(v)) for k, v in m._load_event_to_reqs.items()],
+        "store_event_to_blocks": [(k, tm(v)) for k, v in m._store_event_to_blocks.items()],
+        "abandoned_store_event_to_blocks": [(k, tm(v))
+                                            for k, v in m._abandoned_store_event_to_blocks.items()],
+        "store_event_to_reqs": [(k, list(v)) for k, v in m._store_event_to_reqs.items()],
+        "in_flight_store_gpu_blocks": set(m._in_flight_store_gpu_blocks),
+        "pending_finished_stores": [tm(t) for t in m._pending_finished_stores],
+        "store_event_pending_counts": dict(m._store_event_pending_counts),
+        "load_event_counter": m._load_event_counter,
+        "store_event_counter": m._store_event_counter,
+        "has_pending_stores": m.has_pending_stores(),
+    }
+    if local_hits:
+        state["pending_local_hits"] = list(m._pending_local_hits.items())
+    return state
 
 
 # ==================================================================================================
@@ -1193,17 +1230,46 @@ def _run_device(dev, first_stream) -> None:
         dev.run(first_stream)
 
 
+def _cpu_block(w, i: int) -> torch.Tensor:
+    """CPU block i of a _race_worker's layer: its K and V."""
+    return torch.stack([w.cpu_kv_caches["l0.k"][i], w.cpu_kv_caches["l0.v"][i]])
+
+
+def _store_after_a_forward(dev, w, cache, event=0, block=3, value=7.0) -> None:
+    """A forward writes `value` into GPU block `block`; the step's store (event `event`) copies
+    that block to CPU block event + 1, issued while the forward has not run."""
+    written = torch.full_like(cache[:, block], value)
+    _on_compute(dev, lambda: cache[:, block].copy_(written))
+    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(
+        store_event=event, store_gpu_blocks=[block], store_cpu_blocks=[event + 1]))
+    w.wait_for_save()
+
+
+def _load_under_a_forward(dev, w, cache, event=0, block=2):
+    """GPU block `block` holds 1.0, which a forward issued earlier still reads; a load (event
+    `event`, request "r") brings CPU block event + 1, of 9.0, into it. Returns the forward's
+    read."""
+    cache[:, block] = 1.0
+    w.cpu_kv_caches["l0.k"][event + 1] = 9.0
+    w.cpu_kv_caches["l0.v"][event + 1] = 9.0
+    read = torch.zeros(2, 4, 8, dtype=torch.float16, device=cache.device)
+    _on_compute(dev, lambda: read.copy_(cache[:, block]))
+    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(
+        load_event=event, load_cpu_blocks=[event + 1], load_gpu_blocks=[block],
+        load_event_to_reqs={event: ["r"]}))
+    w.start_load_kv()
+    _run_device(dev, w.load_stream)
+    assert w.get_finished(set()) == (None, {"r"}) and bool((cache[:, block] == 9.0).all())
+    return read.cpu()
+
+
 def _store_right_after_a_forward(device, worker_cls) -> torch.Tensor:
     dev, w, cache = _race_worker(device, worker_cls)
-    seven = torch.full_like(cache[:, 3], 7.0)
-    _on_compute(dev, lambda: cache[:, 3].copy_(seven))  # the forward writes block 3
-    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(store_event=0, store_gpu_blocks=[3],
-                                                          store_cpu_blocks=[1]))
-    w.wait_for_save()
+    _store_after_a_forward(dev, w, cache)
     _run_device(dev, w.store_stream)
     w.get_finished(set())
     assert w.build_connector_worker_meta().completed_store_events == {0: 1}
-    return torch.stack([w.cpu_kv_caches["l0.k"][1], w.cpu_kv_caches["l0.v"][1]])
+    return _cpu_block(w, 1)
 
 
 @pytest.mark.parametrize("device", ["deferred", CUDA])
@@ -1226,16 +1292,12 @@ def _two_stores_each_after_a_forward(device, worker_cls) -> torch.Tensor:
     block 2."""
     dev, w, cache = _race_worker(device, worker_cls)
     for event, (block, value) in enumerate([(3, 7.0), (4, 8.0)]):
-        written = torch.full_like(cache[:, block], value)
-        _on_compute(dev, lambda: cache[:, block].copy_(written))
-        w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(
-            store_event=event, store_gpu_blocks=[block], store_cpu_blocks=[event + 1]))
-        w.wait_for_save()
+        _store_after_a_forward(dev, w, cache, event, block, value)
         _run_device(dev, w.store_stream)
         w.get_finished(set())
         assert w.build_connector_worker_meta().completed_store_events == {event: 1}
         w.clear_connector_metadata()
-    return torch.stack([w.cpu_kv_caches["l0.k"][2], w.cpu_kv_caches["l0.v"][2]])
+    return _cpu_block(w, 2)
 
 
 @pytest.mark.parametrize("device", ["deferred", CUDA])
@@ -1252,19 +1314,9 @@ def test_async_every_store_waits_for_its_forward(device, path, monkeypatch):
 
 
 def _load_into_a_block_a_forward_reads(device, worker_cls) -> torch.Tensor:
+    """CPU block 1 holds another request's prefix (9.0); GPU block 2's KV (1.0) is still read."""
     dev, w, cache = _race_worker(device, worker_cls)
-    cache[:, 2] = 1.0                      # block 2's KV, which a forward still reads
-    w.cpu_kv_caches["l0.k"][1] = 9.0       # CPU block 1: the KV of another request's prefix
-    w.cpu_kv_caches["l0.v"][1] = 9.0
-    read = torch.zeros(2, 4, 8, dtype=torch.float16, device=cache.device)
-    _on_compute(dev, lambda: read.copy_(cache[:, 2]))  # the running forward's read of block 2
-    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(load_event=0, load_cpu_blocks=[1],
-                                                          load_gpu_blocks=[2],
-                                                          load_event_to_reqs={0: ["r"]}))
-    w.start_load_kv()
-    _run_device(dev, w.load_stream)
-    assert w.get_finished(set()) == (None, {"r"}) and bool((cache[:, 2] == 9.0).all())
-    return read.cpu()
+    return _load_under_a_forward(dev, w, cache)
 
 
 @pytest.mark.parametrize("device", ["deferred", CUDA])
@@ -1289,19 +1341,8 @@ def _two_loads_each_into_a_block_a_forward_reads(device, worker_cls) -> torch.Te
     dev, w, cache = _race_worker(device, worker_cls)
     reads = []
     for event, block in enumerate([2, 5]):
-        cache[:, block] = 1.0
-        w.cpu_kv_caches["l0.k"][event + 1] = 9.0
-        w.cpu_kv_caches["l0.v"][event + 1] = 9.0
-        read = torch.zeros(2, 4, 8, dtype=torch.float16, device=cache.device)
-        _on_compute(dev, lambda: read.copy_(cache[:, block]))
-        w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(
-            load_event=event, load_cpu_blocks=[event + 1], load_gpu_blocks=[block],
-            load_event_to_reqs={event: ["r"]}))
-        w.start_load_kv()
-        _run_device(dev, w.load_stream)
-        assert w.get_finished(set()) == (None, {"r"}) and bool((cache[:, block] == 9.0).all())
+        reads.append(_load_under_a_forward(dev, w, cache, event, block))
         w.clear_connector_metadata()
-        reads.append(read.cpu())
     return reads[1]
 
 
@@ -1354,13 +1395,9 @@ def _preempt_while_a_store_is_in_flight(device, worker_cls) -> torch.Tensor:
     """A store of block 3 issued behind a forward that writes it; then a preemption: the freed
     blocks may be reused at once. Returns CPU block 1 right after handle_preemptions()."""
     dev, w, cache = _race_worker(device, worker_cls)
-    seven = torch.full_like(cache[:, 3], 7.0)
-    _on_compute(dev, lambda: cache[:, 3].copy_(seven))
-    w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(store_event=0, store_gpu_blocks=[3],
-                                                          store_cpu_blocks=[1]))
-    w.wait_for_save()
+    _store_after_a_forward(dev, w, cache)
     w.handle_preemptions(ko.SimpleCPUOffloadMetadata(need_flush=True))
-    copied = torch.stack([w.cpu_kv_caches["l0.k"][1], w.cpu_kv_caches["l0.v"][1]]).clone()
+    copied = _cpu_block(w, 1).clone()
     _run_device(dev, w.store_stream)
     return copied
 
@@ -1653,13 +1690,9 @@ class Harness:
         return [b for t in self.sched._pending_finished_stores for b in t.gpu_block_ids]
 
     def state(self):
-        s = self.sched
-        queued = [(list(t.gpu_block_ids), list(t.cpu_block_ids))
-                  for t in s._pending_finished_stores]
+        """Both pools and the manager, but for the GPU hits it remembers to refresh on CPU."""
         return dict(cpu=pool_state(self.cpu), gpu=pool_state(self.gpu),
-                    to_store=sorted(s._reqs_to_store), to_load=sorted(live_loads(s)),
-                    in_flight=set(s._in_flight_store_gpu_blocks),
-                    queued=queued)
+                    manager=manager_state(self.sched, local_hits=False))
 
 
 # ---- 1.7 Manager: store -> lookup -> load --------------------------------------------------------
@@ -7046,41 +7079,6 @@ def make_vllm_scheduler(num_gpu_blocks, num_cpu_blocks, block_size, hash_block_s
 V_EXTRA_OUTPUT_FIELDS = {"num_common_prefix_blocks": []} if V_IS_029 else {}
 
 
-def manager_state(m) -> dict:
-    def store(s):
-        return ([list(x) for x in s.block_ids], list(s.num_stored_blocks), sorted(s.store_events),
-                s.finished)
-
-    def load(s):
-        return (list(s.transfer_meta.gpu_block_ids), list(s.transfer_meta.cpu_block_ids),
-                s.load_event, s.finished)
-
-    def tm(t):
-        return (list(t.gpu_block_ids), list(t.cpu_block_ids))
-
-    state = {
-        "reqs_to_store": [(k, store(v)) for k, v in m._reqs_to_store.items()],
-        "reqs_to_load": [(k, load(v)) for k, v in live_loads(m).items()],
-        "abandoned_reqs_to_load": [(k, load(v)) for k, v in abandoned_loads(m).items()],
-        "pending_cpu_hits": [(k, (table_ids(v[0]), *v[1:]))
-                             for k, v in pending_cpu_hits(m).items()],
-        "load_event_to_reqs": [(k, list(v)) for k, v in m._load_event_to_reqs.items()],
-        "store_event_to_blocks": [(k, tm(v)) for k, v in m._store_event_to_blocks.items()],
-        "abandoned_store_event_to_blocks": [(k, tm(v))
-                                            for k, v in m._abandoned_store_event_to_blocks.items()],
-        "store_event_to_reqs": [(k, list(v)) for k, v in m._store_event_to_reqs.items()],
-        "in_flight_store_gpu_blocks": set(m._in_flight_store_gpu_blocks),
-        "pending_finished_stores": [tm(t) for t in m._pending_finished_stores],
-        "store_event_pending_counts": dict(m._store_event_pending_counts),
-        "load_event_counter": m._load_event_counter,
-        "store_event_counter": m._store_event_counter,
-        "has_pending_stores": m.has_pending_stores(),
-    }
-    if V_REMEMBERS_LOCAL_HITS:
-        state["pending_local_hits"] = list(m._pending_local_hits.items())
-    return state
-
-
 def meta_fields(meta) -> dict:
     return {"load_event": meta.load_event, "load_gpu_blocks": list(meta.load_gpu_blocks),
             "load_cpu_blocks": list(meta.load_cpu_blocks),
@@ -7171,11 +7169,12 @@ class ManagerTrace:
 
     def ours_manager_state(self) -> dict:
         """Our manager's state as vLLM's side shows it (ManagerTrace029 adapts it to 0.29)."""
-        return manager_state(self.ours)
+        return manager_state(self.ours, V_REMEMBERS_LOCAL_HITS)
 
     def check(self, op):
         w = self.what(op)
-        assert_same(self.ours_manager_state(), manager_state(self.vllm), w + " [manager state]")
+        theirs = manager_state(self.vllm, V_REMEMBERS_LOCAL_HITS)
+        assert_same(self.ours_manager_state(), theirs, w + " [manager state]")
         assert_same(pool_state(self.ours.cpu_block_pool), pool_state(self.vllm.cpu_block_pool),
                     w + " [CPU pool]")
         self.gpu.check(w + " [GPU pool]")
@@ -7717,7 +7716,7 @@ class ManagerTrace029(ManagerTrace):
         neutralise_vllm_029(self.vllm)
 
     def ours_manager_state(self) -> dict:
-        state = manager_state(self.ours)
+        state = manager_state(self.ours, V_REMEMBERS_LOCAL_HITS)
         # 0.29's pending CPU hit is (blocks, hit_length); 0.30 added num_computed_tokens
         state["pending_cpu_hits"] = [(k, v[:2]) for k, v in state["pending_cpu_hits"]]
         return state
@@ -7867,6 +7866,19 @@ def make_vllm_engine_scheduler(kind: str, bs: int, budget: int, max_model_len: i
                      structured_output_manager=StructuredOutputManager(vc))
 
 
+def vllm_runner_output(s, rids: list, kv):
+    """The simulated model runner's output for vLLM's Scheduler `s`: token 7 sampled for each
+    request of `rids` past its prompt's chunks, and the workers' KVConnectorOutput `kv`."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    kw = dict(req_ids=rids,
+              sampled_token_ids=[[] if s.requests[r].is_prefill_chunk else [7] for r in rids],
+              kv_connector_output=kv)
+    if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__:  # removed in 0.34
+        kw["req_id_to_index"] = {r: i for i, r in enumerate(rids)}
+    return ModelRunnerOutput(**kw)
+
+
 def run_vllm_scheduler(kind: str, bs: int, prompt_len: int, budget: int, max_tokens: int,
                        cpu_blocks: int | None = None, gpu_blocks: int | None = None,
                        keep_gpu_cache: bool = False) -> dict:
@@ -7878,7 +7890,7 @@ def run_vllm_scheduler(kind: str, bs: int, prompt_len: int, budget: int, max_tok
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
     from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata as WorkerMeta
 
@@ -7897,12 +7909,7 @@ def run_vllm_scheduler(kind: str, bs: int, prompt_len: int, budget: int, max_tok
             finished_recving=set(meta.load_event_to_reqs.get(meta.load_event, [])) or None,
             kv_connector_worker_meta=(WorkerMeta({meta.store_event: 1})
                                       if meta.store_event >= 0 else None))
-        kw = dict(req_ids=rids,
-                  sampled_token_ids=[[] if s.requests[r].is_prefill_chunk else [7] for r in rids],
-                  kv_connector_output=kv)
-        if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__:  # removed in 0.34
-            kw["req_id_to_index"] = {r: i for i, r in enumerate(rids)}
-        s.update_from_output(out, ModelRunnerOutput(**kw))
+        s.update_from_output(out, vllm_runner_output(s, rids, kv))
 
     prompt = [(i * 31) % 50000 + 3 for i in range(prompt_len)]
     result = {}
@@ -8019,12 +8026,13 @@ needs_vllm_034_or_029 = pytest.mark.skipif(VLLM_BENCH_MISSING is not None,
 
 
 class BenchSideOurs:
-    """Our call shapes for the trace's inputs."""
+    """Our call shapes for the trace's inputs (built without vLLM)."""
 
     @staticmethod
     def output(new_ids):  # one step's SchedulerOutput: A running with new_ids, or nothing scheduled
-        cached = [("a", BENCH_CHUNK, (new_ids,))] if new_ids else []
-        return ManagerTrace.outputs(None, [], cached, set())[0]  # (self unused there)
+        if not new_ids:
+            return ko.SchedulerOutput()
+        return ko.SchedulerOutput({"a": BENCH_CHUNK}, {"a": (new_ids,)})
 
     @staticmethod
     def blocks(blocks):
@@ -8047,7 +8055,7 @@ class BenchSideVllm:
     @staticmethod
     def output(new_ids):
         cached = [("a", BENCH_CHUNK, (new_ids,))] if new_ids else []
-        return ManagerTrace.outputs(None, [], cached, set())[1]
+        return ManagerTrace.outputs(None, [], cached, set())[1]  # (self unused there)
 
     @staticmethod
     def blocks(blocks):
@@ -8119,18 +8127,7 @@ def bench_trace(mgr, gpu, req_a, req_b, side) -> tuple[float, float, int, int]:
             stored, loaded)
 
 
-class BenchSideAlone(BenchSideOurs):
-    """Our call shapes, built without vLLM (ManagerTrace builds both sides' from vLLM's)."""
-
-    @staticmethod
-    def output(new_ids):
-        if not new_ids:
-            return ko.SchedulerOutput()
-        return ko.SchedulerOutput({"a": BENCH_CHUNK}, {"a": (new_ids,)})
-
-
-def bench_ours_manager(cls=ko.SimpleCPUOffloadScheduler, side=BenchSideOurs
-                       ) -> tuple[float, float, int, int]:
+def bench_ours_manager(cls=ko.SimpleCPUOffloadScheduler) -> tuple[float, float, int, int]:
     """The trace once on a fresh manager of ours (inputs built before the clock starts)."""
     bs, num_blocks = BENCH_BLOCK_SIZE, BENCH_PROMPT_TOKENS // BENCH_BLOCK_SIZE
     gpu = ko.BlockPool(2 * num_blocks + 2, True, bs)
@@ -8138,7 +8135,7 @@ def bench_ours_manager(cls=ko.SimpleCPUOffloadScheduler, side=BenchSideOurs
     mgr.bind_gpu_block_pool(gpu)
     req_a = ko.Request("a", list(range(BENCH_PROMPT_TOKENS)), bs)
     req_b = ko.Request("b", list(range(BENCH_PROMPT_TOKENS)), bs)
-    return bench_trace(mgr, gpu, req_a, req_b, side)
+    return bench_trace(mgr, gpu, req_a, req_b, BenchSideOurs)
 
 
 def interleaved_rounds(run: dict, rounds: int) -> dict[str, list]:
@@ -8157,18 +8154,23 @@ def interleaved_rounds(run: dict, rounds: int) -> dict[str, list]:
     return samples
 
 
-def speed_lines(samples: dict[str, list], names: tuple[str, str]) -> list[str]:
-    """min and median µs/block per phase of two runners, and their ratios (a / b)."""
+def speed_lines(samples: dict[str, list], names: tuple[str, str], paired: bool = False
+                ) -> list[str]:
+    """min and median µs/block per phase of two runners, and their ratios (a / b): of the minima,
+    of the medians and, if `paired`, the median of the per-round ratios."""
     import statistics
     a, b = names
     lines = [f"{'phase':8}{a + ' min':>14}{a + ' med':>14}{b + ' min':>14}{b + ' med':>14}"
-             f"{'ratio min':>11}{'ratio med':>11}"]
+             f"{'ratio min':>11}{'ratio med':>11}" + (f"{'paired med':>12}" if paired else "")]
     for i, phase in enumerate(("store", "hit")):
         x = [s[i] for s in samples[a]]
         y = [s[i] for s in samples[b]]
-        lines.append(f"{phase:8}{min(x):14.3f}{statistics.median(x):14.3f}{min(y):14.3f}"
-                     f"{statistics.median(y):14.3f}{min(x) / min(y):11.2f}"
-                     f"{statistics.median(x) / statistics.median(y):11.2f}")
+        line = (f"{phase:8}{min(x):14.3f}{statistics.median(x):14.3f}{min(y):14.3f}"
+                f"{statistics.median(y):14.3f}{min(x) / min(y):11.2f}"
+                f"{statistics.median(x) / statistics.median(y):11.2f}")
+        if paired:
+            line += f"{statistics.median(p / q for p, q in zip(x, y)):12.2f}"
+        lines.append(line)
     return lines
 
 
@@ -8176,9 +8178,8 @@ def test_prefix_aware_eviction_cost(pytestconfig):
     """Prints what PrefixAwareCPUOffloadScheduler costs over vLLM's class on the trace (no vLLM
     needed), min and median of KV_OFFLOAD_BENCH_ROUNDS interleaved rounds; asserts only that
     both went through the same trace (every block stored, every block but the last loaded)."""
-    run = {"aware": lambda: bench_ours_manager(ko.PrefixAwareCPUOffloadScheduler,
-                                               BenchSideAlone),
-           "ours": lambda: bench_ours_manager(ko.SimpleCPUOffloadScheduler, BenchSideAlone)}
+    run = {"aware": lambda: bench_ours_manager(ko.PrefixAwareCPUOffloadScheduler),
+           "ours": lambda: bench_ours_manager(ko.SimpleCPUOffloadScheduler)}
     samples = interleaved_rounds(run, BENCH_ROUNDS)
     num_blocks = BENCH_PROMPT_TOKENS // BENCH_BLOCK_SIZE
     assert {s[2:] for ss in samples.values() for s in ss} == {(num_blocks, num_blocks - 1)}
@@ -8208,19 +8209,9 @@ def test_manager_speed_against_vllm(pytestconfig):
     """Prints µs per block of the store and hit phases for both managers (min and median over
     KV_OFFLOAD_BENCH_ROUNDS rounds, each round both, in alternating order, after one warm-up
     round) and ours/vLLM; asserts only that both went through the same trace."""
-    import statistics
     ours_cls = ko.PreFixCPUOffloadScheduler if V_IS_029 else ko.SimpleCPUOffloadScheduler
     run = {"ours": lambda: bench_ours_manager(ours_cls), "vllm": bench_vllm_manager}
-    samples: dict[str, list] = {"ours": [], "vllm": []}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        run["ours"](), run["vllm"]()  # warm-up, not counted
-        for r in range(BENCH_ROUNDS):
-            for name in (("ours", "vllm") if r % 2 == 0 else ("vllm", "ours")):
-                samples[name].append(run[name]())
-    finally:
-        torch.set_num_threads(threads)
+    samples = interleaved_rounds(run, BENCH_ROUNDS)
     num_blocks = BENCH_PROMPT_TOKENS // BENCH_BLOCK_SIZE
     if V_IS_029:  # no finish flush: the last chunk is never stored, the hit covers the rest
         stored = num_blocks - BENCH_CHUNK // BENCH_BLOCK_SIZE
@@ -8232,17 +8223,9 @@ def test_manager_speed_against_vllm(pytestconfig):
     lines = [f"manager speed, µs/block, {BENCH_ROUNDS} rounds: ours={ours_cls.__name__} vs vLLM "
              f"{VLLM_VERSION}; {BENCH_PROMPT_TOKENS} tokens, chunk {BENCH_CHUNK}, block size "
              f"{BENCH_BLOCK_SIZE}; stored {expected[0]}, loaded {expected[1]}",
-             f"{'phase':8}{'ours min':>10}{'ours med':>10}{'vLLM min':>10}{'vLLM med':>10}"
-             f"{'ratio min':>11}{'ratio med':>11}{'paired med':>12}"]
-    for i, phase in enumerate(("store", "hit")):
-        o = [s[i] for s in samples["ours"]]
-        v = [s[i] for s in samples["vllm"]]
-        paired = statistics.median(a / b for a, b in zip(o, v))
-        lines.append(f"{phase:8}{min(o):10.3f}{statistics.median(o):10.3f}{min(v):10.3f}"
-                     f"{statistics.median(v):10.3f}{min(o) / min(v):11.2f}"
-                     f"{statistics.median(o) / statistics.median(v):11.2f}{paired:12.2f}")
-    lines.append("ratio = ours/vLLM: of the minima, of the medians, and the median of the "
-                 "per-round ratios")
+             *speed_lines(samples, ("ours", "vllm"), paired=True),
+             "ratio = ours/vLLM: of the minima, of the medians, and the median of the "
+             "per-round ratios"]
     print_now(pytestconfig, "\n".join(lines))
 
 
@@ -8836,7 +8819,7 @@ def run_vllm_failed_sync_load(policy: str, late: bool, monkeypatch, manager_cls=
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import (get_request_block_hasher,
                                              make_block_hash_with_group_id)
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
     from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata as WorkerMeta
 
@@ -8871,10 +8854,7 @@ def run_vllm_failed_sync_load(policy: str, late: bool, monkeypatch, manager_cls=
             finished_recving=set(meta.load_event_to_reqs.get(meta.load_event, [])) or None,
             kv_connector_worker_meta=MultiKVConnectorWorkerMetadata((None, worker_meta)),
             invalid_block_ids=invalid_block_ids)
-        rids = list(out.num_scheduled_tokens)
-        sampled = [[] if s.requests[r].is_prefill_chunk else [7] for r in rids]
-        s.update_from_output(out, ModelRunnerOutput(req_ids=rids, sampled_token_ids=sampled,
-                                                    kv_connector_output=kv))
+        s.update_from_output(out, vllm_runner_output(s, list(out.num_scheduled_tokens), kv))
 
     def run_until_idle():
         for _ in range(8):
