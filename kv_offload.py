@@ -2576,33 +2576,33 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         gaps = self._reuse_gap
         clock = self._clock
         one_group = len(self.group_block_sizes) == 1
+        block_size = self.block_size
         prev_block = None  # the previous source: in a run of one group, the parent
         for gpu_block_id, cpu_block in zip(gpu_block_ids, cpu_blocks):
             gpu_block = gpu_blocks[gpu_block_id]
+            block_id = cpu_block.block_id
             num_tokens = gpu_block.block_hash_num_tokens or 0
             if one_group:
-                parent_num_tokens = num_tokens - self.block_size
+                parent_num_tokens = num_tokens - block_size
             else:
                 group_id = get_group_id(gpu_block.block_hash)
                 parent_num_tokens = num_tokens - self.group_block_sizes[group_id]
             if one_group and prev_block is not None and (
                     prev_block.block_hash_num_tokens == parent_num_tokens):
-                parent_keys[cpu_block.block_id] = prev_block.block_hash  # no hashing
+                parent_keys[block_id] = prev_block.block_hash  # no hashing
             elif parent_num_tokens > 0:  # a run's first copy: its parent may be in the queue
                 parent_fine_idx = parent_num_tokens // self.hash_block_size - 1
                 parent_key = request.block_hashes[parent_fine_idx] + gpu_block.block_hash[-4:]
-                parent_keys[cpu_block.block_id] = parent_key
-                self._in_flight_run_parents[cpu_block.block_id] = parent_key
+                parent_keys[block_id] = parent_key
+                self._in_flight_run_parents[block_id] = parent_key
                 in_flight[parent_key] = in_flight.get(parent_key, 0) + 1
             else:
-                parent_keys[cpu_block.block_id] = None  # a chain's root
+                parent_keys[block_id] = None  # a chain's root
             # stored again after an eviction: a reuse, whose gap predicts the next one
             last_use = evicted.pop(gpu_block.block_hash, None)
-            gaps[cpu_block.block_id] = None
-            if last_use is not None:
-                gaps[cpu_block.block_id] = clock - last_use
+            gaps[block_id] = None if last_use is None else clock - last_use
             # negative until the copy registers: the request's use, not one yet
-            last_uses[cpu_block.block_id] = -1 - clock
+            last_uses[block_id] = -1 - clock
             prev_block = gpu_block
         # a short memory: as many evicted keys as the pool has blocks, twice
         while len(evicted) > 2 * self.num_cpu_blocks:
@@ -2685,29 +2685,35 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
             if block.is_null:
                 continue
             block.ref_cnt -= 1
-            assert block.ref_cnt >= 0, f"block {block.block_id} is freed twice"
+            ref_cnt = block.ref_cnt
+            assert ref_cnt >= 0, f"block {block.block_id} is freed twice"
+            block_id = block.block_id
             block_hash = block.block_hash
+            if ref_cnt:  # held: the run ends here
+                if run:
+                    self._place_cpu_run(run)
+                    run = []
+                continue
             # a store's destination lands (or is abandoned): not a use, but its parent may go
-            last_use = last_uses[block.block_id]
-            if not block.ref_cnt and last_use < 0:
-                last_uses[block.block_id] = -1 - last_use
-                parent_key = run_parents.pop(block.block_id, None)
+            last_use = last_uses[block_id]
+            if last_use < 0:
+                last_uses[block_id] = -1 - last_use
+                parent_key = run_parents.pop(block_id, None)
                 if parent_key is not None:
                     num_children = in_flight.pop(parent_key) - 1
                     if num_children:
                         in_flight[parent_key] = num_children
             # a use ends (a hit, a GPU hit's refresh): the gap since the last one
-            elif not block.ref_cnt and block_hash is not None and last_use < clock:
-                self._reuse_gap[block.block_id] = clock - last_use
-                last_uses[block.block_id] = clock
-            if block.ref_cnt or block_hash is None:
-                if block_hash is None and not block.ref_cnt:
-                    unhashed.append(block)
-                if run:  # held, or unhashed: the run ends here
+            elif block_hash is not None and last_use < clock:
+                self._reuse_gap[block_id] = clock - last_use
+                last_uses[block_id] = clock
+            if block_hash is None:  # unhashed: the run ends here
+                unhashed.append(block)
+                if run:
                     self._place_cpu_run(run)
                     run = []
                 continue
-            if run and parent_keys[block.block_id] == run_hash:
+            if run and parent_keys[block_id] == run_hash:
                 run.append(block)  # the child of the run's leaf: the run goes on
             else:
                 if run:
@@ -2727,8 +2733,11 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         run.reverse()
         queue.append_n(run)
         first = run[0]
+        waiting_runs = self._waiting_runs
         for block in run:
-            for root in self._waiting_runs.pop(block.block_id, ()):  # if still its free child
+            if not waiting_runs:  # none left to place (mostly none at all)
+                break
+            for root in waiting_runs.pop(block.block_id, ()):  # if still its free child
                 if (root.prev_free_block is not None and root not in run
                         and self._cpu_parent_keys[root.block_id] == block.block_hash):
                     root_first = self._descendants_ahead(root)
