@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """
-kv_offload: vLLM's simple CPU KV-cache offload (eager mode), all of it in one file.
+kv_offload: vLLM's simple CPU KV-cache offload (eager mode) in one file.
 
 A runnable, tested reference of the offload manager, the prefix-cache block pool under it, the
 GPU<->CPU copy worker and a toy engine that drives them as vLLM's scheduler does, so that vLLM
@@ -18,7 +18,8 @@ Sections, bottom-up (every name is defined before it is used):
   3. connector messages              8. beyond vLLM: a fix for a crash vLLM 0.34 still has
   4. scheduler-side manager          9. toy model and MiniEngine
   5. the pre-fix variant            10. demo, --bench, --gpu-check
-Sections 1-4 and 6: vLLM 0.34's code and the fix; 5: vLLM 0.29's; subclasses use hooks. Tags:
+Sections 1-4 and 6: vLLM 0.34's code and the fix (6's copy backend is ours: torch copies);
+5: vLLM 0.29's; subclasses use hooks. Tags:
   # PR #53532      a line the fix added or changed; on a `def` line: the whole function
   # vLLM 0.3x      a later upstream change (0.30-0.34)
   # not in vLLM:   this module's own (checks, hooks, the simulated device)
@@ -66,7 +67,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "CUDA (fuzz seed 20261204, or $KV_OFFLOAD_FUZZ_SEED), then the CUDA copy "
                         "bench; the tests are stopped after 300 s, and the check fails past "
                         "360 s in all; last line GPU CHECK: PASS or FAIL, exit status 0 only on "
-                        "PASS")
+                        "PASS (the bench's bandwidth goal is printed, not part of it)")
     parser.add_argument("--prompt-tokens", type=int, default=8192, metavar="N",
                         help="tokens of the chunked prompt and of the small-pool row, whose CPU "
                         "pool holds 7/8 of the prompt's blocks of 16; the one-step row keeps "
@@ -2141,7 +2142,7 @@ class TorchCopyBackend:
     """Not in vLLM: DmaCopyBackend's calls (init, launch_copy) with torch copies, issued in
     the calling thread (vLLM: cuMemcpyBatchAsync from a background thread). Two paths, one
     rule: a launch's ids are split into runs consecutive on both sides (_coalesce_runs); if
-    each of its copy_ calls (runs x regions) would move at least _GATHER_BELOW_BYTES, one
+    its copy_ calls (runs x regions) would move at least _GATHER_BELOW_BYTES on average, one
     slice copy_ per run and region (the readable reference: DMA at the link's speed for
     large runs); otherwise one index_select + index_copy_ per region over zero-copy device
     views of both sides (_device_rows), two kernels per region however many runs, the
@@ -2237,9 +2238,9 @@ class SimpleCPUOffloadWorker:
     Not in vLLM: the CPU pool's size and the block dimension are given (vLLM sizes the pool from
     its byte budget and reads the regions from the KV-cache config), copies go through
     TorchCopyBackend, and a load waits for the compute stream. Two copy paths, one rule: a
-    launch whose slice copies (a run of ids consecutive on both sides, per region) would each
-    move at least _GATHER_BELOW_BYTES (1 MiB) is copied run by run with copy_; any other is
-    gathered and scattered, two kernels per region, over zero-copy views of the pinned mirrors.
+    launch whose slice copies (a run of ids consecutive on both sides, per region) would move
+    _GATHER_BELOW_BYTES (1 MiB) or more on average is copied run by run with copy_; any other
+    is gathered and scattered, two kernels per region, over zero-copy views of the pinned mirrors.
     CUDA: loads (CPU->GPU) run on `load_stream`, stores (GPU->CPU) on `store_stream`, both at
     torch.cuda.Stream.priority_range()[0] as in vLLM: the lowest, also the default stream's
     (0), so they do not yield to compute on it. A store waits on a compute-done event recorded
@@ -2524,16 +2525,17 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
     """not in vLLM. A store never evicts the prefix it extends (judged by the hash chain), nor
     the parent of a copy in flight, and the CPU pool evicts a chain's children before its
     parents. vLLM's LRU evicts a chain's root first, stranding every block after it: a pool a
-    block smaller than a prompt serves nothing; here n blocks serve n - 1. How: each CPU block
-    records its parent's key; a freed run goes just ahead of its parent, O(1) a block.
-    Among chains, LRU, except that a store stops short of a block predicted to be used again
-    before the chain it stores: a block's next use is its last one plus the gap between its
-    last two (a tick: a store selection turning to another request); a chain's, its cached
-    parent's, or its evicted key's gap (a short memory of evicted keys, twice the pool). So
-    prompts in rotation keep a share each where LRU keeps none. Limits (workload_table
-    measures them): a chain used once is stored as by LRU; sibling branches, duplicate copies
-    and a lookup after a GPU hit (it pins a child, not its parent) can still put a parent
-    first; a prediction made on one reuse can keep a block that is never used again."""
+    block smaller than a prompt serves nothing once a later store evicts after an earlier one
+    completed; here n blocks serve n - 1. How: each CPU block records its parent's key; a freed
+    run goes just ahead of its parent, O(1) a block; a second copy of a cached block goes to
+    the front. Among chains, LRU, except that a store stops short of a block predicted to be
+    used again before the chain it stores: a block's next use is its last one plus the gap
+    between its last two (in ticks, scheduler steps that select stores; one at least); a
+    chain's, by its evicted key's gap (a short memory of evicted keys, twice the pool), else by
+    its cached parent's. So prompts in rotation keep a share each where LRU keeps little or
+    none. Limits (workload_table measures them): a chain never reused is stored as by LRU;
+    sibling branches and a lookup after a GPU hit (it pins a child, not its parent) can still
+    put a parent first; a prediction made on one reuse can keep a block never used again."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -2545,7 +2547,7 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         # of its last use (-1 - tick: stored at tick, not registered yet) and the ticks between
         # its last two uses (None: used once); evicted keys -> their last use, oldest first
         self._clock = 0
-        self._clock_state: StoreRequestState | None = None
+        self._ticked = False
         self._last_use = [0] * self.num_cpu_blocks
         self._reuse_gap: list[int | None] = [None] * self.num_cpu_blocks
         self._evicted_last_use: OrderedDict[bytes, int] = OrderedDict()
@@ -2619,9 +2621,9 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         cursors = zip(state.block_ids, state.num_stored_blocks)
         num_wanted = sum(len(ids) - num_stored for ids, num_stored in cursors)
         num_free = self.cpu_block_pool.get_num_free_blocks()
-        if state is not self._clock_state:  # another request's selection: one tick
+        if not self._ticked:  # the step's first store selection: one tick
             self._clock += 1
-            self._clock_state = state
+            self._ticked = True
         incoming_reuse = self._predicted_reuse(state)
         block = self.cpu_block_pool.free_block_queue.fake_free_list_head.next_free_block
         for i in range(min(num_free, num_wanted)):
@@ -2659,11 +2661,17 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
             block = self.cpu_block_pool.cached_block_hash_to_block.get_one_block(key)
             if block is None:
                 last_use = self._evicted_last_use.get(key)
-                if last_use is not None and gap is None:
+                if last_use is not None:
                     gap = self._clock - last_use
                 break
             gap = self._reuse_gap[block.block_id]
         return None if gap is None else self._clock + gap
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput
+                             ) -> SimpleCPUOffloadMetadata:
+        """A new step: its first store selection ticks the clock."""
+        self._ticked = False
+        return super().build_connector_meta(scheduler_output)
 
     def _refresh_cpu_lru(self, prefix_blocks: list[KVCacheBlock]) -> None:
         """Touch, then free in prefix order: the run placement puts the leaves first."""
@@ -2677,6 +2685,7 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         last_uses = self._last_use
         in_flight = self._in_flight_children
         run_parents = self._in_flight_run_parents
+        gaps = self._reuse_gap
         clock = self._clock
         unhashed: list[KVCacheBlock] = []
         run: list[KVCacheBlock] = []  # root first
@@ -2703,9 +2712,10 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
                     num_children = in_flight.pop(parent_key) - 1
                     if num_children:
                         in_flight[parent_key] = num_children
-            # a use ends (a hit, a GPU hit's refresh): the gap since the last one
-            elif block_hash is not None and last_use < clock:
-                self._reuse_gap[block_id] = clock - last_use
+            # a use ends (a hit, a GPU hit's refresh): the gap since the last one (a tick at
+            # least)
+            elif block_hash is not None:
+                gaps[block_id] = clock - last_use or 1
                 last_uses[block_id] = clock
             if block_hash is None:  # unhashed: the run ends here
                 unhashed.append(block)
@@ -2743,6 +2753,14 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
                     root_first = self._descendants_ahead(root)
                     _move_run_before(root_first, root, first)
                     first = root_first
+        # a second copy of a cached block (two requests stored it in one step) is never hit:
+        # the front
+        cache = self.cpu_block_pool.cached_block_hash_to_block
+        if cache.get_one_block(last.block_hash) is not last:
+            head = queue.fake_free_list_head.next_free_block
+            if head is not first:
+                _move_run_before(first, last, head)
+            return
         parent_key = self._cpu_parent_keys[last.block_id]
         if parent_key is None:
             return
