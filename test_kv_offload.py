@@ -9,7 +9,7 @@ vLLM itself when importable: 0.34 for the fixed code, 0.29 for the pre-fix varia
 
 Contents (the file reads top to bottom in this order; each part and section has a banner):
 
-  Shared helpers (block ids, the pool-state snapshot) and the accessors of module internals
+  Shared helpers (block ids, the one state snapshot) and the accessors of module internals
   Part 1 — the reader's tests
     1.1 Hashing and requests              1.9  Manager: request lifecycle
     1.2 Block pool                        1.10 Manager: block tables
@@ -104,8 +104,8 @@ torch.set_num_threads(1)
 
 
 # ---- Shared helpers ------------------------------------------------------------------------------
-# One of each: a block-id helper, a pool-state snapshot and a manager-state snapshot (both
-# libraries'), and the accessors of module internals below.
+# One of each: a block-id helper, one state snapshot (pools and managers of both libraries,
+# anything else as plain values), and the accessors of module internals below.
 
 def block_ids(blocks) -> list:
     """The ids of a list of blocks (None stays None: a free-list link that is unset)."""
@@ -136,24 +136,88 @@ def map_contents(m) -> dict:
     return {key: list(m._dup_ids.get(key, [block_id])) for key, block_id in m._cache.items()}
 
 
-def pool_state(pool) -> dict:
-    """Everything observable of a BlockPool (ours or vLLM's): ref counts, the free queue (order
-    and links), every block's keys, the hash map in insertion order, the usage."""
-    blocks = pool.blocks
-    return {
-        "num_free": pool.get_num_free_blocks(),
-        "free_queue": free_ids(pool),
-        "ref_cnt": [b.ref_cnt for b in blocks],
-        "block_hash": [b.block_hash for b in blocks],
-        "block_hash_num_tokens": [b.block_hash_num_tokens for b in blocks],
-        "links": [tuple(block_ids([b.prev_free_block, b.next_free_block])) for b in blocks],
-        "is_null": [b.is_null for b in blocks],
-        "null_block": pool.null_block.block_id,
-        "secondaries": {k: set(v) for k, v in pool.cached_block_hashes_by_block.items()},
-        "hash_map": map_contents(pool.cached_block_hash_to_block),
-        "hash_map_len": len(pool.cached_block_hash_to_block),
-        "usage": round(pool.get_usage(), 9),
-    }
+def snapshot(x, local_hits: bool = True):
+    """A comparable, plain copy of state, the one the tests compare. A BlockPool (ours or vLLM's):
+    ref counts, the free queue (order and links), every block's keys, the hash map in insertion
+    order, the usage. A manager (ours or vLLM's): all but its pools: transfers, pins, queued
+    flushes, event counters; `local_hits`: the GPU hits it remembers (vLLM 0.34 and ours).
+    Anything else: tensors as bytes, blocks and requests by their defining fields, dicts in
+    insertion order, sets sorted."""
+    if hasattr(x, "free_block_queue"):  # a BlockPool
+        return {
+            "num_free": x.get_num_free_blocks(),
+            "free_queue": free_ids(x),
+            "ref_cnt": [b.ref_cnt for b in x.blocks],
+            "block_hash": [b.block_hash for b in x.blocks],
+            "block_hash_num_tokens": [b.block_hash_num_tokens for b in x.blocks],
+            "links": [tuple(block_ids([b.prev_free_block, b.next_free_block])) for b in x.blocks],
+            "is_null": [b.is_null for b in x.blocks],
+            "null_block": x.null_block.block_id,
+            "secondaries": {k: set(v) for k, v in x.cached_block_hashes_by_block.items()},
+            "hash_map": map_contents(x.cached_block_hash_to_block),
+            "hash_map_len": len(x.cached_block_hash_to_block),
+            "usage": round(x.get_usage(), 9),
+        }
+    if hasattr(x, "_reqs_to_store"):  # a manager
+        def store(s):
+            return ([list(ids) for ids in s.block_ids], list(s.num_stored_blocks),
+                    sorted(s.store_events), s.finished)
+
+        def load(s):
+            return (list(s.transfer_meta.gpu_block_ids), list(s.transfer_meta.cpu_block_ids),
+                    s.load_event, s.finished)
+
+        def tm(t):
+            return (list(t.gpu_block_ids), list(t.cpu_block_ids))
+
+        abandoned_stores = x._abandoned_store_event_to_blocks
+        state = {
+            "reqs_to_store": [(k, store(v)) for k, v in x._reqs_to_store.items()],
+            "reqs_to_load": [(k, load(v)) for k, v in live_loads(x).items()],
+            "abandoned_reqs_to_load": [(k, load(v)) for k, v in abandoned_loads(x).items()],
+            "pending_cpu_hits": [(k, (table_ids(v[0]), *v[1:]))
+                                 for k, v in pending_cpu_hits(x).items()],
+            "load_event_to_reqs": [(k, list(v)) for k, v in x._load_event_to_reqs.items()],
+            "store_event_to_blocks": [(k, tm(v)) for k, v in x._store_event_to_blocks.items()],
+            "abandoned_store_event_to_blocks": [(k, tm(v)) for k, v in abandoned_stores.items()],
+            "store_event_to_reqs": [(k, list(v)) for k, v in x._store_event_to_reqs.items()],
+            "in_flight_store_gpu_blocks": set(x._in_flight_store_gpu_blocks),
+            "pending_finished_stores": [tm(t) for t in x._pending_finished_stores],
+            "store_event_pending_counts": dict(x._store_event_pending_counts),
+            "load_event_counter": x._load_event_counter,
+            "store_event_counter": x._store_event_counter,
+            "has_pending_stores": x.has_pending_stores(),
+        }
+        if local_hits:
+            state["pending_local_hits"] = list(x._pending_local_hits.items())
+        return state
+    if isinstance(x, torch.Tensor):
+        t = x.detach().cpu().contiguous()
+        return ("tensor", str(t.dtype), tuple(t.shape),
+                t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    if isinstance(x, ko.KVCacheBlock):
+        return ("block", x.block_id, x.ref_cnt, x.block_hash)
+    if isinstance(x, ko.Request):
+        return ("request", x.request_id, x.num_computed_tokens, tuple(x.all_token_ids),
+                len(x.block_hashes))
+    if isinstance(x, (FaultProxy, ko.SimpleCPUOffloadWorker, ko.MiniEngine, ko.ToyModel)):
+        return (type(x).__name__, id(x))  # snapshotted on their own
+    if isinstance(x, DeferredCopyEngine):  # queued copies and the random state that runs them
+        return ("copy engine", x.rng.getstate(), tuple((len(s.ops), s.num_done) for s in x.streams))
+    if is_dataclass(x) and not isinstance(x, type):
+        return (type(x).__name__,
+                tuple((f.name, snapshot(getattr(x, f.name))) for f in fields(x)))
+    if isinstance(x, dict):
+        return ("dict", tuple((snapshot(k), snapshot(v)) for k, v in x.items()))
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, tuple(snapshot(v) for v in x))
+    if isinstance(x, (set, frozenset)):
+        return ("set", tuple(sorted((snapshot(v) for v in x), key=repr)))
+    if x is None or isinstance(x, (bool, int, float, str, bytes)):
+        return x
+    if isinstance(x, (torch.device, torch.dtype)):
+        return str(x)
+    return ("opaque", type(x).__name__)  # streams, events
 
 
 # ---- Accessors of engine and manager internals ---------------------------------------------------
@@ -209,43 +273,6 @@ def live_loads(conn) -> dict:
 def abandoned_loads(conn) -> dict:
     # manager (ours or vLLM's): request id -> a sent load that reset() abandoned
     return conn._abandoned_reqs_to_load
-
-
-def manager_state(m, local_hits: bool = True) -> dict:
-    """Everything of a manager (ours or vLLM's) but its pools: transfers, pins, queued flushes,
-    event counters; `local_hits`: the GPU hits it remembers (vLLM 0.34 and ours)."""
-    def store(s):
-        return ([list(x) for x in s.block_ids], list(s.num_stored_blocks), sorted(s.store_events),
-                s.finished)
-
-    def load(s):
-        return (list(s.transfer_meta.gpu_block_ids), list(s.transfer_meta.cpu_block_ids),
-                s.load_event, s.finished)
-
-    def tm(t):
-        return (list(t.gpu_block_ids), list(t.cpu_block_ids))
-
-    state = {
-        "reqs_to_store": [(k, store(v)) for k, v in m._reqs_to_store.items()],
-        "reqs_to_load": [(k, load(v)) for k, v in live_loads(m).items()],
-        "abandoned_reqs_to_load": [(k, load(v)) for k, v in abandoned_loads(m).items()],
-        "pending_cpu_hits": [(k, (table_ids(v[0]), *v[1:]))
-                             for k, v in pending_cpu_hits(m).items()],
-        "load_event_to_reqs": [(k, list(v)) for k, v in m._load_event_to_reqs.items()],
-        "store_event_to_blocks": [(k, tm(v)) for k, v in m._store_event_to_blocks.items()],
-        "abandoned_store_event_to_blocks": [(k, tm(v))
-                                            for k, v in m._abandoned_store_event_to_blocks.items()],
-        "store_event_to_reqs": [(k, list(v)) for k, v in m._store_event_to_reqs.items()],
-        "in_flight_store_gpu_blocks": set(m._in_flight_store_gpu_blocks),
-        "pending_finished_stores": [tm(t) for t in m._pending_finished_stores],
-        "store_event_pending_counts": dict(m._store_event_pending_counts),
-        "load_event_counter": m._load_event_counter,
-        "store_event_counter": m._store_event_counter,
-        "has_pending_stores": m.has_pending_stores(),
-    }
-    if local_hits:
-        state["pending_local_hits"] = list(m._pending_local_hits.items())
-    return state
 
 
 # ==================================================================================================
@@ -1691,8 +1718,8 @@ class Harness:
 
     def state(self):
         """Both pools and the manager, but for the GPU hits it remembers to refresh on CPU."""
-        return dict(cpu=pool_state(self.cpu), gpu=pool_state(self.gpu),
-                    manager=manager_state(self.sched, local_hits=False))
+        return dict(cpu=snapshot(self.cpu), gpu=snapshot(self.gpu),
+                    manager=snapshot(self.sched, local_hits=False))
 
 
 # ---- 1.7 Manager: store -> lookup -> load --------------------------------------------------------
@@ -5545,39 +5572,6 @@ def test_rb1_minimal_engine_run_finishes():
 # calls keeps vLLM's contract (a trusted caller); misuse that would corrupt KV silently or leak
 # fails one of vLLM-style asserts, with a message naming the likely bug.
 
-def plain_state(x):
-    """A comparable, plain copy of (nested) state: tensors as bytes, blocks and requests by their
-    defining fields, dicts in insertion order, sets sorted."""
-    if isinstance(x, torch.Tensor):
-        t = x.detach().cpu().contiguous()
-        return ("tensor", str(t.dtype), tuple(t.shape),
-                t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    if isinstance(x, ko.KVCacheBlock):
-        return ("block", x.block_id, x.ref_cnt, x.block_hash)
-    if isinstance(x, ko.Request):
-        return ("request", x.request_id, x.num_computed_tokens, tuple(x.all_token_ids),
-                len(x.block_hashes))
-    if isinstance(x, (ko.BlockPool, FaultProxy, ko.SimpleCPUOffloadScheduler,
-                      ko.SimpleCPUOffloadWorker, ko.MiniEngine, ko.ToyModel)):
-        return (type(x).__name__, id(x))  # snapshotted on their own
-    if isinstance(x, DeferredCopyEngine):  # queued copies and the random state that runs them
-        return ("copy engine", x.rng.getstate(), tuple((len(s.ops), s.num_done) for s in x.streams))
-    if is_dataclass(x) and not isinstance(x, type):
-        return (type(x).__name__,
-                tuple((f.name, plain_state(getattr(x, f.name))) for f in fields(x)))
-    if isinstance(x, dict):
-        return ("dict", tuple((plain_state(k), plain_state(v)) for k, v in x.items()))
-    if isinstance(x, (list, tuple)):
-        return (type(x).__name__, tuple(plain_state(v) for v in x))
-    if isinstance(x, (set, frozenset)):
-        return ("set", tuple(sorted((plain_state(v) for v in x), key=repr)))
-    if x is None or isinstance(x, (bool, int, float, str, bytes)):
-        return x
-    if isinstance(x, (torch.device, torch.dtype)):
-        return str(x)
-    return ("opaque", type(x).__name__)  # streams, events
-
-
 def world_snapshot(world) -> dict:
     """Everything a bad call could change: both pools, the KV caches and CPU mirrors, every
     attribute of the connector, the worker and the engine, the requests, and the spare
@@ -5588,18 +5582,18 @@ def world_snapshot(world) -> dict:
                        == eng.kv_caches[n][i].data_ptr()
                        for n in eng.kv_caches for i, kv in enumerate("kv"))
     return {
-        "gpu": pool_state(eng.gpu_block_pool),
-        "cpu": pool_state(conn.cpu_block_pool),
-        "kv": plain_state(eng.kv_caches),
-        "connector": plain_state({k: v for k, v in vars(conn).items()
+        "gpu": snapshot(eng.gpu_block_pool),
+        "cpu": snapshot(conn.cpu_block_pool),
+        "kv": snapshot(eng.kv_caches),
+        "connector": snapshot({k: v for k, v in vars(conn).items()
                                 if k not in ("cpu_block_pool", "_gpu_block_pool")}),
         "connector binding": conn._gpu_block_pool is eng.gpu_block_pool,
-        "worker": plain_state({k: v for k, v in vars(worker).items() if k != "gpu_kv_caches"}),
+        "worker": snapshot({k: v for k, v in vars(worker).items() if k != "gpu_kv_caches"}),
         "worker binding": worker_bound,
-        "engine": plain_state({k: v for k, v in vars(eng).items() if k not in skip_engine}),
-        "requests": plain_state(world.requests),
-        "spares": (plain_state(vars(world.spare_conn)), pool_state(world.spare_conn.cpu_block_pool),
-                   plain_state(vars(world.spare_worker))),
+        "engine": snapshot({k: v for k, v in vars(eng).items() if k not in skip_engine}),
+        "requests": snapshot(world.requests),
+        "spares": (snapshot(vars(world.spare_conn)), snapshot(world.spare_conn.cpu_block_pool),
+                   snapshot(vars(world.spare_worker))),
     }
 
 
@@ -6747,7 +6741,7 @@ class PoolPair:
         self.vllm = VBlockPool(n, caching, hbs)
 
     def check(self, what: str) -> None:
-        assert_same(pool_state(self.ours), pool_state(self.vllm), what)
+        assert_same(snapshot(self.ours), snapshot(self.vllm), what)
 
     def ob(self, ids):
         return [self.ours.blocks[i] for i in ids]
@@ -7169,13 +7163,13 @@ class ManagerTrace:
 
     def ours_manager_state(self) -> dict:
         """Our manager's state as vLLM's side shows it (ManagerTrace029 adapts it to 0.29)."""
-        return manager_state(self.ours, V_REMEMBERS_LOCAL_HITS)
+        return snapshot(self.ours, V_REMEMBERS_LOCAL_HITS)
 
     def check(self, op):
         w = self.what(op)
-        theirs = manager_state(self.vllm, V_REMEMBERS_LOCAL_HITS)
+        theirs = snapshot(self.vllm, V_REMEMBERS_LOCAL_HITS)
         assert_same(self.ours_manager_state(), theirs, w + " [manager state]")
-        assert_same(pool_state(self.ours.cpu_block_pool), pool_state(self.vllm.cpu_block_pool),
+        assert_same(snapshot(self.ours.cpu_block_pool), snapshot(self.vllm.cpu_block_pool),
                     w + " [CPU pool]")
         self.gpu.check(w + " [GPU pool]")
 
@@ -7716,7 +7710,7 @@ class ManagerTrace029(ManagerTrace):
         neutralise_vllm_029(self.vllm)
 
     def ours_manager_state(self) -> dict:
-        state = manager_state(self.ours, V_REMEMBERS_LOCAL_HITS)
+        state = snapshot(self.ours, V_REMEMBERS_LOCAL_HITS)
         # 0.29's pending CPU hit is (blocks, hit_length); 0.30 added num_computed_tokens
         state["pending_cpu_hits"] = [(k, v[:2]) for k, v in state["pending_cpu_hits"]]
         return state
