@@ -7136,6 +7136,8 @@ class ManagerTrace:
             world_size=world_size, **ours_kwargs)
         self.vllm = make_vllm_scheduler(num_gpu_blocks, num_cpu_blocks, block_size, hash_block_size,
                                         group_block_sizes, world_size)
+        if V_IS_029:  # the pre-fix release, neutralised as 3.7 says
+            neutralise_vllm_029(self.vllm)
         self.gpu = PoolPair(num_gpu_blocks, True, hash_block_size)
         self.ours.bind_gpu_block_pool(self.gpu.ours)
         self.vllm.bind_gpu_block_pool(self.gpu.vllm)
@@ -7161,14 +7163,14 @@ class ManagerTrace:
     def what(self, op):
         return f"manager {self.cfg} step={self.step_no} call#{self.calls} {op}"
 
-    def ours_manager_state(self) -> dict:
-        """Our manager's state as vLLM's side shows it (ManagerTrace029 adapts it to 0.29)."""
-        return snapshot(self.ours, V_REMEMBERS_LOCAL_HITS)
-
     def check(self, op):
         w = self.what(op)
+        ours = snapshot(self.ours, V_REMEMBERS_LOCAL_HITS)
+        # 0.29's pending CPU hit is (blocks, hit_length); 0.30 added num_computed_tokens
+        if V_IS_029:
+            ours["pending_cpu_hits"] = [(k, v[:2]) for k, v in ours["pending_cpu_hits"]]
         theirs = snapshot(self.vllm, V_REMEMBERS_LOCAL_HITS)
-        assert_same(self.ours_manager_state(), theirs, w + " [manager state]")
+        assert_same(ours, theirs, w + " [manager state]")
         assert_same(snapshot(self.ours.cpu_block_pool), snapshot(self.vllm.cpu_block_pool),
                     w + " [CPU pool]")
         self.gpu.check(w + " [GPU pool]")
@@ -7601,22 +7603,28 @@ def test_manager_traces_cover_the_paths():
 
 # ---- 3.6 The pre-fix variant: the differential sees each bug, and nothing else -------------------
 
+def diverging_traces(cfg, seed_factor: int, **kwargs) -> list[str]:
+    """Three lockstep traces of `cfg` with PreFixCPUOffloadScheduler(**kwargs) against the vLLM
+    that imports: the first line of each divergence."""
+    diverged = []
+    for seed in range(3):
+        trace = ManagerTrace(seed * seed_factor + cfg[0] + cfg[1], *cfg[:5], world_size=cfg[5],
+                             ours_cls=ko.PreFixCPUOffloadScheduler, **kwargs)
+        try:
+            trace.run(100)
+        except AssertionError as e:
+            diverged.append(str(e).splitlines()[0])
+    return diverged
+
+
 @needs_vllm
 @pytest.mark.parametrize("registration_bug,flush_bug",
                          [(False, False), (True, False), (False, True)])
 def test_pre_fix_variant_diverges_exactly_by_its_bugs(registration_bug, flush_bug):
     """With both flags off, PreFixCPUOffloadScheduler is the fixed manager and matches vLLM; with
     either bug on, the lockstep comparison catches it (vLLM 0.34 has both fixes)."""
-    cfg = MANAGER_CONFIGS[2]
-    diverged = []
-    for seed in range(3):
-        trace = ManagerTrace(seed * 104729 + cfg[0] + cfg[1], *cfg[:5], world_size=cfg[5],
-                             ours_cls=ko.PreFixCPUOffloadScheduler,
-                             registration_bug=registration_bug, flush_bug=flush_bug)
-        try:
-            trace.run(100)
-        except AssertionError as e:
-            diverged.append(str(e).splitlines()[0])
+    diverged = diverging_traces(MANAGER_CONFIGS[2], 104729, registration_bug=registration_bug,
+                                flush_bug=flush_bug)
     if registration_bug or flush_bug:
         assert len(diverged) == 3, diverged
     else:
@@ -7702,27 +7710,13 @@ def neutralise_vllm_029(v) -> None:
     v._pending_finished_stores = []
 
 
-class ManagerTrace029(ManagerTrace):
-    """ManagerTrace with vLLM 0.29's manager (neutralised as above) on the vLLM side."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        neutralise_vllm_029(self.vllm)
-
-    def ours_manager_state(self) -> dict:
-        state = snapshot(self.ours, V_REMEMBERS_LOCAL_HITS)
-        # 0.29's pending CPU hit is (blocks, hit_length); 0.30 added num_computed_tokens
-        state["pending_cpu_hits"] = [(k, v[:2]) for k, v in state["pending_cpu_hits"]]
-        return state
-
-
 @needs_vllm_029
 @pytest.mark.parametrize("gpu,cpu,bs,hbs,sizes,world", MANAGER_CONFIGS)
 @pytest.mark.parametrize("seed", range(int(os.environ.get("KV_OFFLOAD_029_SEEDS", "4"))))
 def test_pre_fix_variant_matches_vllm_029(seed, gpu, cpu, bs, hbs, sizes, world):
     """PreFixCPUOffloadScheduler with both bugs, step for step against vLLM 0.29's own manager:
     every return value, metadata field, bookkeeping table and both pools after every call."""
-    trace = ManagerTrace029(seed * 7919 + gpu + cpu, gpu, cpu, bs, hbs, sizes, world_size=world,
+    trace = ManagerTrace(seed * 7919 + gpu + cpu, gpu, cpu, bs, hbs, sizes, world_size=world,
                             ours_cls=ko.PreFixCPUOffloadScheduler)
     trace.run(100)
     assert trace.finished_total > 0 and trace.stats["stores"] > 0, trace.stats
@@ -7735,16 +7729,8 @@ def test_pre_fix_variant_matches_vllm_029(seed, gpu, cpu, bs, hbs, sizes, world)
 def test_vllm_029_differential_sees_each_fix(kwargs):
     """The comparison above can fail: take away either bug (or swap the registration for the
     reset_hash trap) and our manager no longer behaves like vLLM 0.29."""
-    cfg = MANAGER_CONFIGS[4]  # hbs < block size: the registration bug shows in secondary keys
-    diverged = 0
-    for seed in range(3):
-        trace = ManagerTrace029(seed * 7919 + cfg[0] + cfg[1], *cfg[:5], world_size=cfg[5],
-                                ours_cls=ko.PreFixCPUOffloadScheduler, **kwargs)
-        try:
-            trace.run(100)
-        except AssertionError:
-            diverged += 1
-    assert diverged == 3
+    # MANAGER_CONFIGS[4]: hbs < block size: the registration bug shows in secondary keys
+    assert len(diverging_traces(MANAGER_CONFIGS[4], 7919, **kwargs)) == 3
 
 
 # ---- 3.8 Where "every lookup misses" comes from: vLLM's own Scheduler ----------------------------
