@@ -4712,6 +4712,13 @@ class FaultyWorker(FaultProxy):
         return bool(self._rel_recv or self._rel_stores)
 
 
+def late_reports(num_cpu_blocks: int, **delays) -> FaultyWorker:
+    """A worker that hands each load (store) report over exactly load_delay (store_delay) steps
+    after its copy ran."""
+    worker = ko.SimpleCPUOffloadWorker(num_cpu_blocks)
+    return FaultyWorker(worker, Faults(exact=True, **delays), random.Random(0), RunLog(), 1)
+
+
 class FaultyConnector(FaultProxy):
     """Sits between the engine and the connector: load reports (finished_recving) go through at
     once -- the engine acts on them this step, so must the connector -- while the store part of
@@ -5978,21 +5985,6 @@ def test_engine_protocol_raises_only_vllms_errors(cls, name):
         assert not raises, raises
 
 
-class _LateLoadReports(ko.SimpleCPUOffloadWorker):
-    """A worker that hands each load report to the engine `delay` steps after its copy ran."""
-
-    def __init__(self, num_cpu_blocks: int, delay: int):
-        super().__init__(num_cpu_blocks)
-        self.delay = delay
-        self.reports: list[set[str]] = []
-
-    def get_finished(self, finished_req_ids):
-        _, finished_recving = super().get_finished(finished_req_ids)
-        self.reports.append(finished_recving or set())
-        due = self.reports.pop(0) if len(self.reports) > self.delay else set()
-        return None, due or None
-
-
 def test_engine_admission_never_stalls():
     """The stall the issue found, with load reports 4 steps late. GPU pool: 7 usable blocks of 2
     tokens. x's first 6 tokens are stored (3 CPU blocks), the GPU cache is dropped; r1 (1 token,
@@ -6003,7 +5995,7 @@ def test_engine_admission_never_stalls():
     not fit no longer stops the queue: every request finishes, x's KV is exact."""
     model = ko.ToyModel(1, 1, 2)
     conn = ko.SimpleCPUOffloadScheduler(200, 2)
-    eng = ko.MiniEngine(8, 2, 5, model, conn, _LateLoadReports(200, delay=4), capture_kv=True)
+    eng = ko.MiniEngine(8, 2, 5, model, conn, late_reports(200, load_delay=4), capture_kv=True)
     x = list(range(1000, 1011))
     eng.add_request(ko.Request("x0", x[:6], 2))
     eng.run()
@@ -6248,19 +6240,6 @@ class SyncSiblingEngine(ko.MiniEngine):
                 OutputWithInvalidBlocks(invalid_block_ids=invalid_block_ids))
 
 
-class _LateStoreReports(ko.SimpleCPUOffloadWorker):
-    """A worker that reports each completed store one step after its copy ran."""
-
-    def __init__(self, num_cpu_blocks: int):
-        super().__init__(num_cpu_blocks)
-        self.held = None
-
-    def build_connector_worker_meta(self):
-        due = self.held
-        self.held = super().build_connector_worker_meta()
-        return due
-
-
 def cpu_copy_of(eng, req, index: int):
     """[L, 2, block_size, H, D]: the CPU copy under req's block `index`'s key, or None."""
     conn = eng.connector
@@ -6281,7 +6260,7 @@ def run_failed_sync_load(policy: str, connector_cls, late: bool = False,
     prompt, runs."""
     model = ko.ToyModel(**FUZZ_MODEL)
     conn = connector_cls(16, 16)
-    worker = (_LateStoreReports if late else ko.SimpleCPUOffloadWorker)(16)
+    worker = late_reports(16, store_delay=1) if late else ko.SimpleCPUOffloadWorker(16)
     eng = SyncSiblingEngine(16, 16, 512, model, conn, worker, capture_kv=True, policy=policy,
                             sibling_hits={"A": (sibling_tokens, 1)})
     prompt = _prompt(64, seed=34)
