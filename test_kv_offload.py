@@ -5891,16 +5891,11 @@ def test_bad_call_catalogue_covers_every_layer():
 
 # ---- 2.7 Module bugs found here, now fixed (see the RB-n legend in Part 2) -----------------------
 
-def fault_harness(world_size=1) -> Harness:
-    """The manager harness of Part 1 with blocks of FUZZ_BS tokens, 19 GPU and 9 CPU blocks."""
-    return Harness(num_cpu_blocks=10, num_gpu_blocks=20, block_size=FUZZ_BS, world_size=world_size)
-
-
 def test_repeated_report_of_a_finished_store_is_kept_until_reset():  # RB-3: vLLM parity
     """world_size 2: a late repeat of an already completed store event is counted and kept, as
     vLLM 0.34 keeps it (update_connector_output sums counts per event id, and event ids are never
     reused, so it can never complete anything); reset() drops it. Nothing is cached twice."""
-    h = fault_harness(world_size=2)
+    h = Harness(num_cpu_blocks=10, num_gpu_blocks=20, block_size=FUZZ_BS, world_size=2)
     req = h.request(tokens=list(range(8)) + [99], rid="a")
     _, (table,) = h.schedule((req, 9), confirmed=False, lookup=True)
     event = h.step({"a": 1}).store_event
