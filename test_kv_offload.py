@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import copy
 import ctypes
 import dataclasses
 import functools
@@ -72,6 +73,7 @@ import time
 import gc
 import hashlib
 import importlib
+import importlib.util
 import io
 import itertools
 import math
@@ -81,12 +83,17 @@ import pathlib
 import random
 import re
 import shutil
+import statistics
 import struct
 import subprocess
 import sys
+import tempfile
+import tokenize
 import traceback
+import types
 import warnings
 from collections import Counter
+from unittest import mock
 from dataclasses import dataclass, field, fields, is_dataclass
 from types import SimpleNamespace
 
@@ -3276,7 +3283,6 @@ def pr_53532_tests() -> dict:
 
 def failing_pr_tests(cls) -> dict[str, str]:
     """PR #53532's seven tests run on `cls` in the fix's place: {name: why it failed}."""
-    from unittest import mock
     failed = {}
     with mock.patch.object(ko, "SimpleCPUOffloadScheduler", cls):
         for name, test in pr_53532_tests().items():
@@ -3302,8 +3308,6 @@ class _TrapOnly(ko.PreFixCPUOffloadScheduler):
 
 def _without_reset_hash(cls):
     """`cls` whose store completion runs with reset_hash() a no-op (the fix's line removed)."""
-    from unittest import mock
-
     class WithoutResetHash(cls):
         def _process_store_completion(self, gpu_block_ids, cpu_block_ids):
             with mock.patch.object(ko.KVCacheBlock, "reset_hash", lambda block: None):
@@ -3715,8 +3719,6 @@ def _notebook_prerequisites():
 
 def _start_notebook(with_changed_parameters: bool = False):
     """The notebook's process (started on the first call): (Popen, folder of its output)."""
-    import copy
-    import tempfile
     import nbformat
     if not _notebook_runs:
         folder = pathlib.Path(tempfile.mkdtemp(prefix="kv_offload_notebook_"))
@@ -3742,8 +3744,6 @@ def _start_notebook(with_changed_parameters: bool = False):
 def _notebook_in_background(request):
     """Starts the notebook as the module's first test starts, when a selected test needs it;
     stops it at the module's end if no test waited for it (-x, say)."""
-    import importlib.util
-    import shutil
     items = request.session.items
     if (any("executed_notebook" in getattr(item, "fixturenames", ()) for item in items)
             and NOTEBOOK.exists()
@@ -3865,8 +3865,6 @@ def _numbers(text: str) -> set[str]:
 def _code_numbers(source: str) -> set[str]:
     """The numbers a code cell states for a reader: in its comments, and in its top-level
     assignments of literals (`budget_blocks = 7`), not a plot's coordinates or a call's args."""
-    import io
-    import tokenize
     source = "\n".join(line for line in source.splitlines() if not line.startswith("%"))
     found = set()
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
@@ -4026,8 +4024,6 @@ def _memoize_toy_model(monkeypatch) -> None:
 @functools.lru_cache(maxsize=None)
 def _demo_table() -> str:
     """What `python kv_offload.py` prints, made once (the model memoized)."""
-    import contextlib
-    import io
     out = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
         _memoize_toy_model(mp)
@@ -4075,8 +4071,6 @@ def test_readme_numbers_match_the_code(executed_notebook):
     with its source (_README_QUOTED, the vLLM tests in _README_SOURCES); every section, step or
     exercise it names exists; the demo's table is the demo's, row by row; and the skip counts add
     up to the tests collected."""
-    import contextlib
-    import io
     text = README.read_text()
     demo = _demo_table()
     table = [line for line in demo.splitlines() if re.search(r"\d / \d", line)]
@@ -4192,8 +4186,6 @@ def test_no_package_index_address():
 def module_shape(src: str) -> dict:
     """Statements per section (ast statements, imports and docstrings left out), comments at line
     ends among all comments, lines within 5 characters of the 100 limit, the docstring's lines."""
-    import io
-    import tokenize
     lines = src.splitlines()
     sections = [(i + 1, int(m.group(1))) for i, line in enumerate(lines)
                 if (m := re.match(r"# (\d+)\. ", line))]
@@ -7759,8 +7751,6 @@ def make_vllm_engine_scheduler(kind: str, bs: int, budget: int, max_model_len: i
     mamba_cache_mode="align", its page equal to the attention page) or "fa_sw" (+ a sliding
     window of 2 blocks). `sibling` (class name, module path): a MultiConnector with that
     connector first, the simple one second."""
-    import tempfile
-
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
                              SchedulerConfig, VllmConfig)
     from vllm.utils.hashing import sha256
@@ -8031,7 +8021,6 @@ def bench_trace(mgr, gpu, req_a, req_b, side) -> tuple[float, float, int, int]:
     then B, the same prompt, looked up, allocated, one step, its load's completion. Returns
     (store µs/block, hit µs/block, blocks stored, blocks loaded). The garbage collector is off
     while it runs."""
-    import time
     bs, chunk, prompt_tokens = BENCH_BLOCK_SIZE, BENCH_CHUNK, BENCH_PROMPT_TOKENS
     num_blocks, per_step = prompt_tokens // bs, chunk // bs
     steps = num_blocks // per_step + 1  # one more: A finished, flush its last chunk
@@ -8112,7 +8101,6 @@ def speed_lines(samples: dict[str, list], names: tuple[str, str], paired: bool =
                 ) -> list[str]:
     """min and median µs/block per phase of two runners, and their ratios (a / b): of the minima,
     of the medians and, if `paired`, the median of the per-round ratios."""
-    import statistics
     a, b = names
     lines = [f"{'phase':8}{a + ' min':>14}{a + ' med':>14}{b + ' min':>14}{b + ' med':>14}"
              f"{'ratio min':>11}{'ratio med':>11}" + (f"{'paired med':>12}" if paired else "")]
@@ -8724,8 +8712,6 @@ def vllm_sync_sibling(monkeypatch, hits: dict[str, int]) -> tuple[str, str]:
     that holds `hits[req_id]` tokens and loads them synchronously, as MooncakeStoreConnector
     with load_async: false does; its worker (simulated by the test) reports failed blocks in
     invalid_block_ids."""
-    import types
-
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                    KVConnectorMetadata,
                                                                    SupportsHMA)
