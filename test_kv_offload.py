@@ -1104,12 +1104,6 @@ def _run_a_then_b(eng, prompt, block_size=16):
     return eng.run()
 
 
-def _assert_all_free(eng, conn):
-    assert eng.gpu_block_pool.get_num_free_blocks() == eng.gpu_block_pool.num_gpu_blocks - 1
-    assert conn.cpu_block_pool.get_num_free_blocks() == conn.num_cpu_blocks - 1
-    assert not conn.has_pending_push_work() and not live_loads(conn) and not conn._reqs_to_store
-
-
 def test_deferred_engine_models_a_dma_engine():
     """The simulator itself, against hand-derived outcomes: a queued copy changes nothing until
     it runs, then copies the source as it is *then*; an event is seen done only by a poll after
@@ -2731,7 +2725,7 @@ def test_repeated_prompt_end_to_end(device, variant):
     assert a.output_token_ids == b.output_token_ids and len(b.output_token_ids) == 1
     # captured KV is on CPU: compare on one device
     assert torch.equal(b.kv, model.expected_kv(prompt).cpu()) and torch.equal(a.kv, b.kv)
-    _assert_all_free(eng, conn)
+    check_idle(eng)
 
 
 def test_shared_prefix_decode_and_gpu_hits():
@@ -2751,7 +2745,7 @@ def test_shared_prefix_decode_and_gpu_hits():
     stats = eng.run()
     assert (stats["r1"].gpu_hit_tokens, stats["r1"].cpu_hit_tokens) == (992, 0)
     assert (stats["r2"].gpu_hit_tokens, stats["r2"].cpu_hit_tokens) == (0, 992)
-    _assert_all_free(eng, conn)
+    check_idle(eng)
 
 
 @pytest.mark.parametrize("device", ["cpu", "deferred"])
@@ -2766,7 +2760,7 @@ def test_gpu_preemption_recomputes_and_stays_exact(device):
     assert sum(s.computed_tokens for s in stats.values()) > 3 * 602   # something was recomputed
     for i, p in enumerate(prompts):
         assert torch.equal(stats[f"r{i}"].kv, model.expected_kv(p))
-    _assert_all_free(eng, conn)
+    check_idle(eng)
 
 
 def test_engine_lists_new_and_resumed_requests_before_running_ones():
@@ -2832,7 +2826,7 @@ def test_two_workers_world_size_2(device):
     stats = _run_a_then_b(eng, prompt)
     assert stats["B"].cpu_hit_tokens == 992
     assert torch.equal(stats["B"].kv, model.expected_kv(prompt).cpu())
-    _assert_all_free(eng, conn)
+    check_idle(eng)
     for w in eng.workers:  # rank 1's forwards may still be queued: nothing read its KV
         finish_copies(w)
     rank0, rank1 = eng.rank_kv_caches
@@ -3095,7 +3089,7 @@ def test_demo_story_and_engine_exact_on_each_path(path, monkeypatch):
     prompt = _prompt(1000)
     b = _run_a_then_b(eng, prompt)["B"]
     assert b.cpu_hit_tokens == 992 and torch.equal(b.kv, model.expected_kv(prompt))
-    _assert_all_free(eng, conn)
+    check_idle(eng)
 
 
 def test_bench_rows_agree_with_their_columns():
