@@ -1163,7 +1163,7 @@ class _NoLoadWait(ko.SimpleCPUOffloadWorker):
 class _StoreWaitsOnce(ko.SimpleCPUOffloadWorker):
     """Planted bug 1: the compute-done event is recorded only at the first store (where it is
     created), so every later store waits on the first one's mark, long passed. Caught by
-    test_async_every_store_waits_for_its_forward."""
+    test_async_race[every_store_waits]."""
 
     def wait_for_save(self) -> None:
         first = self._store_compute_done is None
@@ -1174,7 +1174,7 @@ class _StoreWaitsOnce(ko.SimpleCPUOffloadWorker):
 
 class _LoadWaitsOnce(ko.SimpleCPUOffloadWorker):
     """Planted bug 2: the load stream waits for the compute stream at the first load only.
-    Caught by test_async_every_load_waits_for_the_forwards_before_it."""
+    Caught by test_async_race[every_load_waits]."""
 
     def register_kv_caches(self, *args, **kwargs):
         super().register_kv_caches(*args, **kwargs)
@@ -1190,8 +1190,7 @@ class _ComputeReadInCopyContext(ko.SimpleCPUOffloadWorker):
     """Planted bug 3: the compute stream is read inside the copy stream's context, where the
     current stream is the copy stream: the store's compute-done event is recorded on the store
     stream and the load waits for the load stream, both for nothing. Caught by
-    test_async_store_right_after_a_forward_copies_the_written_bytes and
-    test_async_load_does_not_land_in_a_block_a_running_forward_reads."""
+    test_async_race[store_after_a_forward] and [load_under_a_forward]."""
 
     def start_load_kv(self) -> None:
         with self._backend.dev.stream(self.load_stream):
@@ -1292,6 +1291,11 @@ def _load_under_a_forward(dev, w, cache, event=0, block=2):
 
 
 def _store_right_after_a_forward(device, worker_cls) -> torch.Tensor:
+    """A forward writes 7.0 into GPU block 3; the step's store copies block 3 to CPU block 1,
+    issued while the forward has not run. The store waits on the compute-done event, so CPU
+    block 1 holds 7.0. _NoStoreWait: the copy runs before the forward and CPU block 1 keeps
+    block 3's old bytes (0.0), which the manager would register as its KV; so with bug 3
+    (_ComputeReadInCopyContext: the event recorded on the store stream)."""
     dev, w, cache = _race_worker(device, worker_cls)
     _store_after_a_forward(dev, w, cache)
     _run_device(dev, w.store_stream)
@@ -1300,24 +1304,12 @@ def _store_right_after_a_forward(device, worker_cls) -> torch.Tensor:
     return _cpu_block(w, 1)
 
 
-@pytest.mark.parametrize("device", ["deferred", CUDA])
-@pytest.mark.parametrize("path", PATHS)
-def test_async_store_right_after_a_forward_copies_the_written_bytes(device, path, monkeypatch):
-    """A forward writes 7.0 into GPU block 3; the step's store copies block 3 to CPU block 1,
-    issued while the forward has not run. The store waits on the compute-done event, so CPU
-    block 1 holds 7.0. Planted bug (_NoStoreWait): the copy runs before the forward and CPU
-    block 1 keeps block 3's old bytes (0.0), which the manager would register as its KV; so
-    with bug 3 (_ComputeReadInCopyContext: the event recorded on the store stream)."""
-    force_path(monkeypatch, path)
-    assert bool((_store_right_after_a_forward(device, ko.SimpleCPUOffloadWorker) == 7.0).all())
-    assert bool((_store_right_after_a_forward(device, _NoStoreWait) == 0.0).all())
-    assert bool((_store_right_after_a_forward(device, _ComputeReadInCopyContext) == 0.0).all())
-
-
 def _two_stores_each_after_a_forward(device, worker_cls) -> torch.Tensor:
     """Two steps on one worker: a forward writes block 3 (7.0), its store copies it to CPU block
-    1; then a forward writes block 4 (8.0), its store copies it to CPU block 2. Returns CPU
-    block 2."""
+    1; then a forward writes block 4 (8.0), its store copies it to CPU block 2. The second store
+    waits for the second forward as the first waits for the first: CPU block 2 holds 8.0. Bug 1
+    (_StoreWaitsOnce: the event recorded at the first store only): the second store waits on a
+    mark long passed, runs before the second forward, and CPU block 2 keeps 0.0."""
     dev, w, cache = _race_worker(device, worker_cls)
     for event, (block, value) in enumerate([(3, 7.0), (4, 8.0)]):
         _store_after_a_forward(dev, w, cache, event, block, value)
@@ -1328,44 +1320,20 @@ def _two_stores_each_after_a_forward(device, worker_cls) -> torch.Tensor:
     return _cpu_block(w, 2)
 
 
-@pytest.mark.parametrize("device", ["deferred", CUDA])
-@pytest.mark.parametrize("path", PATHS)
-def test_async_every_store_waits_for_its_forward(device, path, monkeypatch):
-    """The second store of a worker waits for the second forward, as the first store waits for
-    the first: CPU block 2 holds 8.0. Bug 1 (_StoreWaitsOnce: the event recorded at the first
-    store only): the second store waits on a mark long passed, runs before the second forward
-    and CPU block 2 keeps block 4's old bytes (0.0)."""
-    force_path(monkeypatch, path)
-    assert bool((_two_stores_each_after_a_forward(device, ko.SimpleCPUOffloadWorker)
-                 == 8.0).all())
-    assert bool((_two_stores_each_after_a_forward(device, _StoreWaitsOnce) == 0.0).all())
-
-
 def _load_into_a_block_a_forward_reads(device, worker_cls) -> torch.Tensor:
-    """CPU block 1 holds another request's prefix (9.0); GPU block 2's KV (1.0) is still read."""
+    """GPU block 2 (KV 1.0) was freed and handed to a new request, whose load brings CPU block 1
+    (another request's prefix, 9.0) into it while a forward issued earlier still reads block 2.
+    The load waits for the compute stream's earlier work: the forward reads 1.0. _NoLoadWait
+    (and bug 3): the load lands first and the forward reads 9.0, another request's KV."""
     dev, w, cache = _race_worker(device, worker_cls)
     return _load_under_a_forward(dev, w, cache)
 
 
-@pytest.mark.parametrize("device", ["deferred", CUDA])
-@pytest.mark.parametrize("path", PATHS)
-def test_async_load_does_not_land_in_a_block_a_running_forward_reads(device, path, monkeypatch):
-    """GPU block 2 (KV 1.0) was freed and handed to a new request, whose load brings CPU block 1
-    (KV 9.0) into it, while a forward issued earlier still reads block 2. The load waits for
-    the compute stream's earlier work: the forward reads 1.0. Planted bug (_NoLoadWait): the
-    load lands first and the forward reads 9.0, another request's KV."""
-    force_path(monkeypatch, path)
-    read = _load_into_a_block_a_forward_reads(device, ko.SimpleCPUOffloadWorker)
-    assert bool((read == 1.0).all())
-    assert bool((_load_into_a_block_a_forward_reads(device, _NoLoadWait) == 9.0).all())
-    assert bool((_load_into_a_block_a_forward_reads(device, _ComputeReadInCopyContext)
-                 == 9.0).all())
-
-
 def _two_loads_each_into_a_block_a_forward_reads(device, worker_cls) -> torch.Tensor:
     """Two steps on one worker: each time a GPU block (2, then 5) holds 1.0 that a running
-    forward reads, and a load brings a CPU block (1, then 2) of 9.0 into it. Returns what the
-    second forward read."""
+    forward reads, and a load brings a CPU block (1, then 2) of 9.0 into it. The second load
+    waits for the forward running when it is issued, as the first does: the second forward
+    reads 1.0. Bug 2 (_LoadWaitsOnce: the wait at the first load only): it reads 9.0."""
     dev, w, cache = _race_worker(device, worker_cls)
     reads = []
     for event, block in enumerate([2, 5]):
@@ -1374,23 +1342,12 @@ def _two_loads_each_into_a_block_a_forward_reads(device, worker_cls) -> torch.Te
     return reads[1]
 
 
-@pytest.mark.parametrize("device", ["deferred", CUDA])
-@pytest.mark.parametrize("path", PATHS)
-def test_async_every_load_waits_for_the_forwards_before_it(device, path, monkeypatch):
-    """The second load of a worker waits for the forward running when it is issued, as the first
-    does: the second forward reads 1.0. Bug 2 (_LoadWaitsOnce: the wait at the first load only):
-    the second load lands first and the forward reads 9.0, another request's KV."""
-    force_path(monkeypatch, path)
-    read = _two_loads_each_into_a_block_a_forward_reads(device, ko.SimpleCPUOffloadWorker)
-    assert bool((read == 1.0).all())
-    assert bool((_two_loads_each_into_a_block_a_forward_reads(device, _LoadWaitsOnce)
-                 == 9.0).all())
-
-
 def _issue_and_poll_while_compute_is_busy(device, worker_cls) -> bool:
     """A store and a load issued, then polled, behind a forward that has not run. Returns
     whether the forward had run when the three calls returned (no timing is asserted: the
-    forward's state tells a blocking call from one that returns at once)."""
+    forward's state tells a blocking call from one that returns at once). The worker returns at
+    once: on CUDA well inside the ~100 ms the forward takes; on the deferred engine without
+    running any of its ops. _BlockingPoll waits for the oldest copy: the forward has run."""
     dev, w, cache = _race_worker(device, worker_cls)
     seven = torch.full_like(cache[:, 3], 7.0)
     forward = _on_compute(dev, lambda: cache[:, 3].copy_(seven))
@@ -1407,21 +1364,11 @@ def _issue_and_poll_while_compute_is_busy(device, worker_cls) -> bool:
     return ran
 
 
-@pytest.mark.parametrize("device", ["deferred", CUDA])
-@pytest.mark.parametrize("path", PATHS)
-def test_issue_and_poll_never_block(device, path, monkeypatch):
-    """Issuing the step's copies and polling return at once while the compute stream is busy:
-    on CUDA well inside the ~100 ms the forward takes, before it ran; on the deferred engine
-    without running any of its ops. Planted bug (_BlockingPoll): the poll waits for the oldest
-    copy, so it returns only after the forward ran."""
-    force_path(monkeypatch, path)
-    assert not _issue_and_poll_while_compute_is_busy(device, ko.SimpleCPUOffloadWorker)
-    assert _issue_and_poll_while_compute_is_busy(device, _BlockingPoll)
-
-
 def _preempt_while_a_store_is_in_flight(device, worker_cls) -> torch.Tensor:
-    """A store of block 3 issued behind a forward that writes it; then a preemption: the freed
-    blocks may be reused at once. Returns CPU block 1 right after handle_preemptions()."""
+    """A store of block 3 issued behind a forward that writes it (7.0); then a preemption
+    (need_flush): the freed blocks may be reused at once, so handle_preemptions() returns only
+    once the store copied block 3: CPU block 1 holds 7.0 right after it. _NoPreemptionWait
+    returns at once: 0.0 (the copy would then read whatever the reuse writes)."""
     dev, w, cache = _race_worker(device, worker_cls)
     _store_after_a_forward(dev, w, cache)
     w.handle_preemptions(ko.SimpleCPUOffloadMetadata(need_flush=True))
@@ -1430,16 +1377,33 @@ def _preempt_while_a_store_is_in_flight(device, worker_cls) -> torch.Tensor:
     return copied
 
 
+# race -> (its scenario, what the worker gives, what each planted bug gives instead): every CPU
+# block value or every value the forward read, or whether the forward had run
+ASYNC_RACES = {
+    "store_after_a_forward": (_store_right_after_a_forward, 7.0,
+                              {_NoStoreWait: 0.0, _ComputeReadInCopyContext: 0.0}),
+    "every_store_waits": (_two_stores_each_after_a_forward, 8.0, {_StoreWaitsOnce: 0.0}),
+    "load_under_a_forward": (_load_into_a_block_a_forward_reads, 1.0,
+                             {_NoLoadWait: 9.0, _ComputeReadInCopyContext: 9.0}),
+    "every_load_waits": (_two_loads_each_into_a_block_a_forward_reads, 1.0, {_LoadWaitsOnce: 9.0}),
+    "issue_and_poll_never_block": (_issue_and_poll_while_compute_is_busy, False,
+                                   {_BlockingPoll: True}),
+    "preemption_waits_for_a_store": (_preempt_while_a_store_is_in_flight, 7.0,
+                                     {_NoPreemptionWait: 0.0}),
+}
+
+
 @pytest.mark.parametrize("device", ["deferred", CUDA])
 @pytest.mark.parametrize("path", PATHS)
-def test_handle_preemptions_waits_for_an_in_flight_store(device, path, monkeypatch):
-    """need_flush: handle_preemptions() returns only once the store in flight has copied block 3
-    (7.0), so the block may be reused. Planted bug (_NoPreemptionWait): it returns at once and
-    CPU block 1 still holds 0.0 (the copy would then read whatever the reuse writes)."""
+@pytest.mark.parametrize("race", ASYNC_RACES)
+def test_async_race(race, device, path, monkeypatch):
+    """The worker wins each race of ASYNC_RACES (its scenario's docstring derives the values),
+    on each copy path; each planted bug loses it, with the value the table gives."""
     force_path(monkeypatch, path)
-    assert bool((_preempt_while_a_store_is_in_flight(device, ko.SimpleCPUOffloadWorker)
-                 == 7.0).all())
-    assert bool((_preempt_while_a_store_is_in_flight(device, _NoPreemptionWait) == 0.0).all())
+    scenario, right, bugs = ASYNC_RACES[race]
+    for worker_cls, expected in {ko.SimpleCPUOffloadWorker: right, **bugs}.items():
+        observed = torch.as_tensor(scenario(device, worker_cls))
+        assert bool((observed == expected).all()), (worker_cls.__name__, observed)
 
 
 def _one_of_two_workers_reports(plant_bug: bool) -> str | None:
@@ -3216,15 +3180,12 @@ def test_gpu_check_selects_every_gpu_case():
             "test_abort_while_its_load_is_in_flight",
             "test_reset_while_a_store_and_a_load_are_in_flight",
             "test_world_size_2_one_worker_lags",
-            "test_async_store_right_after_a_forward_copies_the_written_bytes",
-            "test_async_load_does_not_land_in_a_block_a_running_forward_reads",
-            "test_issue_and_poll_never_block",
-            "test_handle_preemptions_waits_for_an_in_flight_store",
-            "test_async_every_store_waits_for_its_forward",
-            "test_async_every_load_waits_for_the_forwards_before_it",
+            "test_async_race",
             "test_unpinned_mirror_fails_registration",
             "test_copy_calls_per_block_of_the_story"} <= names
     assert all("cuda" in i.split("[")[1] for i in ids), ids
+    races = {i.split("[")[1].split("-")[0] for i in ids if "::test_async_race[" in i}
+    assert races == set(ASYNC_RACES), races
     if not torch.cuda.is_available():
         one = _pytest_here("-k", "cuda and worker_copies and flash and contiguous and gather",
                            env=env)
