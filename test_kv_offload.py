@@ -261,9 +261,8 @@ def connector_reset_pending(eng) -> bool:
 
 
 def pending_cpu_hits(conn) -> dict:
-    # manager (ours or vLLM's): request id -> its lookup pin as a tuple (blocks per group, hit
-    # tokens[, num_computed_tokens]): a bare tuple, of three fields in 0.34 (and ours) and
-    # two in 0.29
+    # manager (ours or vLLM's): request id -> its lookup pin, a bare tuple (blocks per group,
+    # hit tokens[, num_computed_tokens]): three fields in 0.34 (and ours), two in 0.29
     return {rid: tuple(hit) for rid, hit in conn._pending_cpu_hits.items()}
 
 
@@ -602,8 +601,6 @@ def test_multi_group_lookup_requires_every_group():
 
 # ---- 1.4 Copy worker -----------------------------------------------------------------------------
 
-# A simulated asynchronous device for CPU caches: the worker's CUDA branch runs on it in CI
-# (its `copy_engine`), so the orderings a real GPU enforces are exercised without one.
 
 class _SimStream:
     """A DeferredCopyEngine stream: a FIFO of copies (callables) and barriers ((stream, n): wait
@@ -694,21 +691,19 @@ class _QueueCopies(torch.overrides.TorchFunctionMode):
 
 
 class DeferredCopyEngine:
-    """A simulated asynchronous device for CPU caches. It stands in for `torch.cuda` in the
-    worker (`SimpleCPUOffloadWorker(n, copy_engine=DeferredCopyEngine())`), so that the CUDA
-    branch and its ordering run in CI, where CPU copies would finish inside the step. As CUDA:
-    inside `with engine.stream(s):` s is the current stream (current_stream() says so), and each
-    copy op of either path (Tensor.copy_; index_select and index_copy_) is queued on s (a FIFO)
-    and reads its inputs when it *runs*; `event.record(s)`, `s.wait_event(e)` and
-    `s.wait_stream(t)` take a mark of what is queued at that call. Ops run only while the host
-    polls: each `event.query()` answers, then runs 0..max_ops_per_call ready ops of random
-    (seeded) streams, so a copy is seen done only by a later poll and streams run out of step
-    (0: nothing runs by itself). `run(*streams)` runs all it can, those streams first: a test's
-    adversarial order. `compute` is the stream outside any context: a test queues a forward
-    there (`queue_forwards` does for a whole engine), and `synchronize(s)` runs until s is idle,
-    as a host read of s's results does. Pinned memory and non_blocking are not modelled: the
-    worker's CPU mirrors are plain memory here.
-    """
+    """A simulated asynchronous device for CPU caches, standing in for `torch.cuda` in the
+    worker (`SimpleCPUOffloadWorker(n, copy_engine=DeferredCopyEngine())`) so that its CUDA
+    branch and ordering run in CI, where CPU copies would finish inside the step. As CUDA:
+    inside `with engine.stream(s):` s is the current stream, and each copy op of either path
+    (copy_; index_select, index_copy_) is queued on s (a FIFO) and reads its inputs when it
+    *runs*; `event.record(s)`, `s.wait_event(e)`, `s.wait_stream(t)` mark what is queued at
+    that call. Ops run only while the host polls: each `event.query()` answers, then runs
+    0..max_ops_per_call ready ops of random (seeded) streams, so a copy is seen done only by a
+    later poll and streams run out of step (0: nothing runs by itself). `run(*streams)` runs
+    all it can, those first: a test's adversarial order. `compute` is the stream outside any
+    context, where a test queues a forward (`queue_forwards`: a whole engine's);
+    `synchronize(s)` runs until s is idle, as a host read does. Pinned memory and non_blocking
+    are not modelled."""
 
     def __init__(self, seed: int = 0, max_ops_per_call: int = 2):
         self.rng = random.Random(seed)
@@ -1072,11 +1067,8 @@ def test_worker_reports_an_event_with_nothing_to_copy_in_order(device):
 
 
 # ---- 1.5 Copy worker on an asynchronous device ---------------------------------------------------
-# DeferredCopyEngine stands in for torch.cuda: copies are queued and run later, out of step
-# with the compute stream, reading their source when they run. These races cannot happen with
-# CPU copies that finish inside the step. Each scenario runs once on the real worker and once
-# with a planted ordering bug, and must tell the two apart.
-
+# DeferredCopyEngine stands in for torch.cuda: copies run later, out of step with the compute
+# stream, reading their source when they run; CPU copies, done inside the step, never race so.
 # The engine drivers below also serve the end-to-end tests (1.14).
 
 def _story_engine(connector_cls=ko.SimpleCPUOffloadScheduler, num_gpu_blocks=300,
