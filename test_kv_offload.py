@@ -601,7 +601,6 @@ def test_multi_group_lookup_requires_every_group():
 
 # ---- 1.4 Copy worker -----------------------------------------------------------------------------
 
-
 class _SimStream:
     """A DeferredCopyEngine stream: a FIFO of copies (callables) and barriers ((stream, n): wait
     until that stream ran n ops)."""
