@@ -825,6 +825,17 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().view(torch.uint8)
 
 
+def assert_copied(src: dict, dst: dict, s_ids, d_ids, before_dst: dict) -> None:
+    """vLLM's copy-test oracle, per region: each mapped destination block equals its source
+    block bit for bit; every other destination block is as it was (`before_dst`, as bits())."""
+    for k in src:
+        for s_id, d_id in zip(s_ids, d_ids):
+            assert torch.equal(bits(dst[k][d_id]), bits(src[k][s_id])), (k, s_id, d_id)
+        untouched = [i for i in range(dst[k].shape[0]) if i not in d_ids]
+        before = before_dst[k].view(dst[k].dtype)[untouched]
+        assert torch.equal(bits(dst[k][untouched]), bits(before)), k
+
+
 def _fill_random(t: torch.Tensor, seed: int) -> None:
     """Random float16 values in t, every 7th one a NaN with one of NAN_BITS's payloads."""
     g = torch.Generator().manual_seed(seed)
@@ -868,13 +879,8 @@ def test_worker_copies_exact_blocks_both_directions(device, layout, ids, path, m
         w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(**fields_))
         (w.wait_for_save if direction == "store" else w.start_load_kv)()
         finish_copies(w)
-        for k in src:
-            assert torch.equal(bits(src[k]), before_src[k])
-            for s_id, d_id in zip(s_ids, d_ids):
-                assert torch.equal(bits(dst[k][d_id]), bits(src[k][s_id]))
-            untouched = [i for i in range(dst[k].shape[0]) if i not in d_ids]
-            assert torch.equal(bits(dst[k][untouched]), bits(before_dst[k].view(
-                dst[k].dtype)[untouched]))
+        assert all(torch.equal(bits(src[k]), before_src[k]) for k in src)
+        assert_copied(src, dst, s_ids, d_ids, before_dst)
         _, recv = w.get_finished(set())
         assert recv == ({"r"} if direction == "load" else None)
         meta = w.build_connector_worker_meta()
@@ -3096,12 +3102,7 @@ def test_batched_dma_descriptors_address_the_right_blocks():
                 _fill_random(r, 4)
         before = {k: bits(v) for k, v in dst.items()}
         ko._batched_dma(stand_in, src, dst, s_ids, d_ids, is_store, SimpleNamespace(cuda_stream=0))
-        for k in src:
-            for s_id, d_id in zip(s_ids, d_ids):
-                assert torch.equal(bits(dst[k][d_id]), bits(src[k][s_id]))
-            untouched = [i for i in range(dst[k].shape[0]) if i not in d_ids]
-            assert torch.equal(bits(dst[k][untouched]), bits(before[k].view(dst[k].dtype)[
-                untouched]))
+        assert_copied(src, dst, s_ids, d_ids, before)
     assert calls == [4 * 5, 4 * 5]  # one call a launch: 4 regions (2 layers, K and V) x 5 blocks
 
 
@@ -3791,14 +3792,14 @@ def test_notebook_pictures_survive_changed_parameters(executed_notebook,
 
 # Numbers the prose quotes instead of measuring (where each comes from); every other number in
 # the prose must be in the outputs or the code of its own step (test_notebook_claims_in_its_outputs)
-_PROSE_QUOTED = {
+_REPORT_QUOTED = {  # quoted by the notebook's prose and the README alike
     "53498": "vLLM issue #53498", "53532": "vLLM PR #53532",
     "0.29": "a vLLM release", "0.30": "a vLLM release",
     "40": "the PR's write-up: a repeated 40K-token prompt",
     "27": "the PR's write-up: 27 s before the fix", "1.8": "the PR's write-up: 1.8 s after it",
     "112": "the report: '112 of 217' blocks on CPU", "217": "the report: '112 of 217'",
-    "105": "217 - 112",
 }
+_PROSE_QUOTED = {**_REPORT_QUOTED, "105": "217 - 112"}
 _NUMBER = re.compile(r"(?<![\w.,])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 _STEP_REFERENCE = re.compile(
     r"\b([Ss]teps?|[Ee]xercises?|[Bb]ugs?) (\d+(?:(?:, | to | and |-)\d+)*)")
@@ -3981,11 +3982,7 @@ def _demo_table() -> str:
 # function or table of the tests says that it holds the number (the vLLM rows: Part 3 asserts them
 # against vLLM's own scheduler, where vLLM imports).
 _README_QUOTED = {
-    "53498": "vLLM issue #53498", "53532": "vLLM PR #53532",
-    "0.29": "a vLLM release", "0.30": "a vLLM release", "0.34": "a vLLM release",
-    "40": "the PR's write-up: a repeated 40K-token prompt",
-    "27": "the PR's write-up: 27 s before the fix", "1.8": "the PR's write-up: 1.8 s after it",
-    "112": "the report: '112 of 217' blocks on CPU", "217": "the report: '112 of 217'",
+    **_REPORT_QUOTED, "0.34": "a vLLM release",
     # a full run on the development machine (no GPU, no vLLM): pytest's last line and -rs;
     # test_readme_numbers_match_the_code derives the collected total and the GPU count
     "339": "passed", "161": "skipped", "129": "vLLM's", "126": "No module named vllm",
@@ -7478,11 +7475,12 @@ MANAGER_CONFIGS = [
 
 
 @functools.cache
-def manager_trace_stats(seed, gpu, cpu, bs, hbs, sizes, world) -> dict[str, int]:
+def manager_trace_stats(seed, gpu, cpu, bs, hbs, sizes, world, seed_factor=104729,
+                        ours_cls=None) -> dict[str, int]:
     """Run one lockstep manager trace (any divergence raises) and return what it went through;
     cached, so the coverage test reuses the traces test_manager_differential ran."""
-    trace = ManagerTrace(seed * 104729 + gpu + cpu, gpu, cpu, bs, hbs, list(sizes),
-                         world_size=world)
+    trace = ManagerTrace(seed * seed_factor + gpu + cpu, gpu, cpu, bs, hbs, list(sizes),
+                         world_size=world, ours_cls=ours_cls)
     trace.run(100)
     assert trace.finished_total > 0 and trace.stats["stores"] > 0, trace.stats
     return dict(trace.stats, calls=trace.calls)
@@ -7628,10 +7626,8 @@ def neutralise_vllm_029(v) -> None:
 def test_pre_fix_variant_matches_vllm_029(seed, gpu, cpu, bs, hbs, sizes, world):
     """PreFixCPUOffloadScheduler with both bugs, step for step against vLLM 0.29's own manager:
     every return value, metadata field, bookkeeping table and both pools after every call."""
-    trace = ManagerTrace(seed * 7919 + gpu + cpu, gpu, cpu, bs, hbs, sizes, world_size=world,
-                            ours_cls=ko.PreFixCPUOffloadScheduler)
-    trace.run(100)
-    assert trace.finished_total > 0 and trace.stats["stores"] > 0, trace.stats
+    manager_trace_stats(seed, gpu, cpu, bs, hbs, tuple(sizes), world, 7919,
+                        ko.PreFixCPUOffloadScheduler)
 
 
 @needs_vllm_029
