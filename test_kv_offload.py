@@ -4229,8 +4229,7 @@ def test_notebook_is_committed_with_outputs():
 #   RB-8 the worker reported a rejected copy as complete once a later copy finished
 # Issue 13 (an adversarial pass of 63 bad calls): every case is a row of the bad-input catalogue
 # (BAD_CALLS), plus test_report_of_an_unissued_store_event_is_refused, the stale finish in
-# test_reused_request_id_is_stored, and
-# test_refused_reset_is_retried_and_serves_no_stale_hit.
+# test_reused_request_id_is_stored, and test_refused_reset_is_retried_and_serves_no_stale_hit.
 
 FUZZ_BS = 4  # tokens per block in every schedule: prompts of tens of tokens span a few blocks
 
@@ -7592,8 +7591,7 @@ def neutralise_vllm_029(v) -> None:
         return finished(request, block_ids)
 
     def reset_releasing_lookup_pins():
-        # vLLM 0.32: reset() also drops the pins of lookups not yet
-        # followed by an allocation
+        # vLLM 0.32: reset() also drops the pins of lookups not yet followed by an allocation
         # (0.29 kept them until the request's next lookup or its finish); 0.34 forgets local hits
         for pending in v._pending_cpu_hits.values():
             v._free_pending_cpu_hit(pending)
@@ -7602,8 +7600,7 @@ def neutralise_vllm_029(v) -> None:
         return reset()
 
     def build_connector_meta_resetting_preempted(scheduler_output):
-        # vLLM 0.32: a preempted request's store state (table and cursor)
-        # is cleared in the
+        # vLLM 0.32: a preempted request's store state (table and cursor) is cleared in the
         # step that preempts it; 0.29 cleared it only when the request resumed
         for req_id in scheduler_output.preempted_req_ids:
             if (state := v._reqs_to_store.get(req_id)) is not None:
@@ -7688,11 +7685,10 @@ def make_vllm_engine_scheduler(kind: str, bs: int, budget: int, max_model_len: i
                                nb: int, cpu_blocks: int | None = None,
                                sibling: tuple[str, str] | None = None,
                                kv_load_failure_policy: str = "fail"):
-    """vLLM's own engine Scheduler with SimpleCPUOffloadConnector (eager) on CPU, nb GPU
-    blocks. `kind`: "fa" (full attention), "fa_mamba" (+ a Mamba group,
-    mamba_cache_mode="align", its page equal to the attention page) or "fa_sw" (+ a sliding
-    window of 2 blocks). `sibling` (class name, module path): a MultiConnector with that
-    connector first, the simple one second."""
+    """vLLM's engine Scheduler with SimpleCPUOffloadConnector (eager) on CPU, nb GPU blocks.
+    `kind`: "fa" (full attention), "fa_mamba" (+ a Mamba group, mamba_cache_mode="align", its
+    page equal to the attention page) or "fa_sw" (+ a sliding window of 2 blocks); `sibling`
+    (class name, module path): a MultiConnector of that connector, then the simple one."""
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
                              SchedulerConfig, VllmConfig)
     from vllm.utils.hashing import sha256
