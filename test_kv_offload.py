@@ -997,9 +997,8 @@ def test_copy_rule_picks_the_path_by_bytes_per_copy_call():
 def test_unpinned_mirror_is_an_error_on_a_gpu():
     """A CUDA worker's mirror must be pinned: the gather/scatter kernels read and write it in
     place across the link, which pageable memory does not allow. Registration builds the views,
-    so an unpinned mirror fails there, before any CUDA call (checked on CPU with a plain
-    tensor); the CUDA case checks a real registration (torch.zeros made to return pageable
-    memory)."""
+    so an unpinned mirror fails there, before any CUDA call (here: a plain tensor, on CPU; the
+    CUDA case registers one, torch.zeros made to return pageable memory)."""
     with pytest.raises(ValueError, match="must be pinned"):
         ko._device_rows(torch.zeros(4, 8), torch.device("cuda"))
     backend = ko.TorchCopyBackend(torch.cpu)
@@ -1044,12 +1043,11 @@ def test_coalesce_runs():
 
 @pytest.mark.parametrize("device", ["cpu", "deferred"])
 def test_worker_reports_an_event_with_nothing_to_copy_in_order(device):
-    """Review defect: a load event with no blocks was never reported (its request hung); a store
-    event with none likewise. Such an event gets a done event of its own, reported in FIFO order
+    """Review defect: a load event with no blocks was never reported (its request hung), nor a
+    store event with none. Such an event gets a done event of its own, reported in FIFO order
     like the others (event i done => every event <= i done). Load 0 has a block, load 1 and
     store 0 none, and the device runs nothing yet: store 0 is reported by the very next poll,
-    r1 together with r0 once r0's copy ran (at once on CPU, where copies finish inside the
-    call)."""
+    r1 with r0 once r0's copy ran (at once on CPU, where copies finish inside the call)."""
     w = make_worker(10, device)
     w.register_kv_caches(_make_caches("flash", device), 12, block_dim=1)
     if w.copy_engine is not None:
@@ -2842,8 +2840,7 @@ def test_engine_preempted_request_resumes_as_vllm_does():
     prompt) and r2 (20 tokens) decode until, at step 6, r1 needs a 5th block and none is free:
     the last running request, r2, is PREEMPTED (num_preemptions 1, no blocks, first in the
     waiting queue). It is RUNNING again two steps later (its own freed blocks are a GPU prefix
-    hit), keeps the hit counts of its first admission (0), and produces the same tokens as a
-    run in a pool large enough that nobody is preempted."""
+    hit), keeps its first admission's hit counts (0), and yields an unpreempted run's tokens."""
     statuses = ko.RequestStatus
 
     def run(num_gpu_blocks):
@@ -2917,11 +2914,10 @@ def _pytest_here(*args, env=None) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _collect_cuda_cases() -> str:
-    """`--collect-only -k cuda` under KV_OFFLOAD_REQUIRE_CUDA, one pytest process for two tests:
-    the CUDA cases it lists (test_gpu_check_selects_every_gpu_case) and, in its closing
-    "<selected>/<all> tests collected", the file's count (test_readme_numbers_match_the_code): -k
-    deselects after collecting, and the variable only turns the CUDA cases' skip into a failure
-    when they run, so what is collected is the same as without either."""
+    """`--collect-only -k cuda` under KV_OFFLOAD_REQUIRE_CUDA, one process for two tests: the
+    CUDA cases it lists (test_gpu_check_selects_every_gpu_case), and the file's count in its
+    "<selected>/<all> tests collected" (test_readme_numbers_match_the_code): -k deselects after
+    collecting; the variable only turns a CUDA case's skip into a failure when it runs."""
     env = dict(os.environ, KV_OFFLOAD_REQUIRE_CUDA="1")
     return _pytest_here("--collect-only", "-k", "cuda", env=env)
 
