@@ -2840,7 +2840,7 @@ def test_engine_preempted_request_resumes_as_vllm_does():
     prompt) and r2 (20 tokens) decode until, at step 6, r1 needs a 5th block and none is free:
     the last running request, r2, is PREEMPTED (num_preemptions 1, no blocks, first in the
     waiting queue). It is RUNNING again two steps later (its own freed blocks are a GPU prefix
-    hit), keeps its first admission's hit counts (0), and yields an unpreempted run's tokens."""
+    hit), keeps its first admission's hit counts (0) and yields an unpreempted run's tokens."""
     statuses = ko.RequestStatus
 
     def run(num_gpu_blocks):
@@ -2916,8 +2916,8 @@ def _pytest_here(*args, env=None) -> str:
 def _collect_cuda_cases() -> str:
     """`--collect-only -k cuda` under KV_OFFLOAD_REQUIRE_CUDA, one process for two tests: the
     CUDA cases it lists (test_gpu_check_selects_every_gpu_case), and the file's count in its
-    "<selected>/<all> tests collected" (test_readme_numbers_match_the_code): -k deselects after
-    collecting; the variable only turns a CUDA case's skip into a failure when it runs."""
+    "<selected>/<all> tests collected" (test_readme_numbers_match_the_code): -k deselects
+    after collecting; the variable only turns a CUDA case's skip into a failure when it runs."""
     env = dict(os.environ, KV_OFFLOAD_REQUIRE_CUDA="1")
     return _pytest_here("--collect-only", "-k", "cuda", env=env)
 
