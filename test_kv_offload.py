@@ -2839,8 +2839,8 @@ def test_engine_preempted_request_resumes_as_vllm_does():
     """Preemption in vLLM's states. 9 usable GPU blocks of 4 tokens, budget 8: r1 (12-token
     prompt) and r2 (20 tokens) decode until, at step 6, r1 needs a 5th block and none is free:
     the last running request, r2, is PREEMPTED (num_preemptions 1, no blocks, first in the
-    waiting queue). It is RUNNING again two steps later (its own freed blocks are a GPU prefix
-    hit), keeps its first admission's hit counts (0) and yields an unpreempted run's tokens."""
+    waiting queue). It is RUNNING again two steps later (its freed blocks are a GPU prefix hit),
+    keeps its first admission's hit counts (0) and yields an unpreempted run's tokens."""
     statuses = ko.RequestStatus
 
     def run(num_gpu_blocks):
@@ -2917,7 +2917,7 @@ def _collect_cuda_cases() -> str:
     """`--collect-only -k cuda` under KV_OFFLOAD_REQUIRE_CUDA, one process for two tests: the
     CUDA cases it lists (test_gpu_check_selects_every_gpu_case), and the file's count in its
     "<selected>/<all> tests collected" (test_readme_numbers_match_the_code): -k deselects
-    after collecting; the variable only turns a CUDA case's skip into a failure when it runs."""
+    after collecting; the variable only turns a CUDA case's skip into a failure as it runs."""
     env = dict(os.environ, KV_OFFLOAD_REQUIRE_CUDA="1")
     return _pytest_here("--collect-only", "-k", "cuda", env=env)
 
