@@ -2839,7 +2839,7 @@ def test_engine_preempted_request_resumes_as_vllm_does():
     """Preemption in vLLM's states. 9 usable GPU blocks of 4 tokens, budget 8: r1 (12-token
     prompt) and r2 (20 tokens) decode until, at step 6, r1 needs a 5th block and none is free:
     the last running request, r2, is PREEMPTED (num_preemptions 1, no blocks, first in the
-    waiting queue). It is RUNNING again two steps later (its freed blocks are a GPU prefix hit),
+    waiting queue). It is RUNNING again two steps later (its freed blocks: a GPU prefix hit),
     keeps its first admission's hit counts (0) and yields an unpreempted run's tokens."""
     statuses = ko.RequestStatus
 
