@@ -9,7 +9,7 @@ vLLM itself when importable: 0.34 for the fixed code, 0.29 for the pre-fix varia
 
 Contents (the file reads top to bottom in this order; each part and section has a banner):
 
-  Shared helpers (block ids, the pool-state snapshot) and the accessors of module internals
+  Shared helpers (block ids, the one state snapshot) and the accessors of module internals
   Part 1 — the reader's tests
     1.1 Hashing and requests              1.9  Manager: request lifecycle
     1.2 Block pool                        1.10 Manager: block tables
@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import copy
 import ctypes
 import dataclasses
 import functools
@@ -72,6 +73,7 @@ import time
 import gc
 import hashlib
 import importlib
+import importlib.util
 import io
 import itertools
 import math
@@ -81,12 +83,17 @@ import pathlib
 import random
 import re
 import shutil
+import statistics
 import struct
 import subprocess
 import sys
+import tempfile
+import tokenize
 import traceback
+import types
 import warnings
 from collections import Counter
+from unittest import mock
 from dataclasses import dataclass, field, fields, is_dataclass
 from types import SimpleNamespace
 
@@ -104,8 +111,8 @@ torch.set_num_threads(1)
 
 
 # ---- Shared helpers ------------------------------------------------------------------------------
-# One of each: a block-id helper, a pool-state snapshot and a manager-state snapshot (both
-# libraries'), and the accessors of module internals below.
+# One of each: a block-id helper, one state snapshot (pools and managers of both libraries,
+# anything else as plain values), and the accessors of module internals below.
 
 def block_ids(blocks) -> list:
     """The ids of a list of blocks (None stays None: a free-list link that is unset)."""
@@ -136,24 +143,88 @@ def map_contents(m) -> dict:
     return {key: list(m._dup_ids.get(key, [block_id])) for key, block_id in m._cache.items()}
 
 
-def pool_state(pool) -> dict:
-    """Everything observable of a BlockPool (ours or vLLM's): ref counts, the free queue (order
-    and links), every block's keys, the hash map in insertion order, the usage."""
-    blocks = pool.blocks
-    return {
-        "num_free": pool.get_num_free_blocks(),
-        "free_queue": free_ids(pool),
-        "ref_cnt": [b.ref_cnt for b in blocks],
-        "block_hash": [b.block_hash for b in blocks],
-        "block_hash_num_tokens": [b.block_hash_num_tokens for b in blocks],
-        "links": [tuple(block_ids([b.prev_free_block, b.next_free_block])) for b in blocks],
-        "is_null": [b.is_null for b in blocks],
-        "null_block": pool.null_block.block_id,
-        "secondaries": {k: set(v) for k, v in pool.cached_block_hashes_by_block.items()},
-        "hash_map": map_contents(pool.cached_block_hash_to_block),
-        "hash_map_len": len(pool.cached_block_hash_to_block),
-        "usage": round(pool.get_usage(), 9),
-    }
+def snapshot(x, local_hits: bool = True):
+    """A comparable, plain copy of state, the one the tests compare. A BlockPool (ours or vLLM's):
+    ref counts, the free queue (order and links), every block's keys, the hash map in insertion
+    order, the usage. A manager (ours or vLLM's): all but its pools: transfers, pins, queued
+    flushes, event counters; `local_hits`: the GPU hits it remembers (vLLM 0.34 and ours).
+    Anything else: tensors as bytes, blocks and requests by their defining fields, dicts in
+    insertion order, sets sorted."""
+    if hasattr(x, "free_block_queue"):  # a BlockPool
+        return {
+            "num_free": x.get_num_free_blocks(),
+            "free_queue": free_ids(x),
+            "ref_cnt": [b.ref_cnt for b in x.blocks],
+            "block_hash": [b.block_hash for b in x.blocks],
+            "block_hash_num_tokens": [b.block_hash_num_tokens for b in x.blocks],
+            "links": [tuple(block_ids([b.prev_free_block, b.next_free_block])) for b in x.blocks],
+            "is_null": [b.is_null for b in x.blocks],
+            "null_block": x.null_block.block_id,
+            "secondaries": {k: set(v) for k, v in x.cached_block_hashes_by_block.items()},
+            "hash_map": map_contents(x.cached_block_hash_to_block),
+            "hash_map_len": len(x.cached_block_hash_to_block),
+            "usage": round(x.get_usage(), 9),
+        }
+    if hasattr(x, "_reqs_to_store"):  # a manager
+        def store(s):
+            return ([list(ids) for ids in s.block_ids], list(s.num_stored_blocks),
+                    sorted(s.store_events), s.finished)
+
+        def load(s):
+            return (list(s.transfer_meta.gpu_block_ids), list(s.transfer_meta.cpu_block_ids),
+                    s.load_event, s.finished)
+
+        def tm(t):
+            return (list(t.gpu_block_ids), list(t.cpu_block_ids))
+
+        abandoned_stores = x._abandoned_store_event_to_blocks
+        state = {
+            "reqs_to_store": [(k, store(v)) for k, v in x._reqs_to_store.items()],
+            "reqs_to_load": [(k, load(v)) for k, v in live_loads(x).items()],
+            "abandoned_reqs_to_load": [(k, load(v)) for k, v in abandoned_loads(x).items()],
+            "pending_cpu_hits": [(k, (table_ids(v[0]), *v[1:]))
+                                 for k, v in pending_cpu_hits(x).items()],
+            "load_event_to_reqs": [(k, list(v)) for k, v in x._load_event_to_reqs.items()],
+            "store_event_to_blocks": [(k, tm(v)) for k, v in x._store_event_to_blocks.items()],
+            "abandoned_store_event_to_blocks": [(k, tm(v)) for k, v in abandoned_stores.items()],
+            "store_event_to_reqs": [(k, list(v)) for k, v in x._store_event_to_reqs.items()],
+            "in_flight_store_gpu_blocks": set(x._in_flight_store_gpu_blocks),
+            "pending_finished_stores": [tm(t) for t in x._pending_finished_stores],
+            "store_event_pending_counts": dict(x._store_event_pending_counts),
+            "load_event_counter": x._load_event_counter,
+            "store_event_counter": x._store_event_counter,
+            "has_pending_stores": x.has_pending_stores(),
+        }
+        if local_hits:
+            state["pending_local_hits"] = list(x._pending_local_hits.items())
+        return state
+    if isinstance(x, torch.Tensor):
+        t = x.detach().cpu().contiguous()
+        return ("tensor", str(t.dtype), tuple(t.shape),
+                t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    if isinstance(x, ko.KVCacheBlock):
+        return ("block", x.block_id, x.ref_cnt, x.block_hash)
+    if isinstance(x, ko.Request):
+        return ("request", x.request_id, x.num_computed_tokens, tuple(x.all_token_ids),
+                len(x.block_hashes))
+    if isinstance(x, (FaultProxy, ko.SimpleCPUOffloadWorker, ko.MiniEngine, ko.ToyModel)):
+        return (type(x).__name__, id(x))  # snapshotted on their own
+    if isinstance(x, DeferredCopyEngine):  # queued copies and the random state that runs them
+        return ("copy engine", x.rng.getstate(), tuple((len(s.ops), s.num_done) for s in x.streams))
+    if is_dataclass(x) and not isinstance(x, type):
+        return (type(x).__name__,
+                tuple((f.name, snapshot(getattr(x, f.name))) for f in fields(x)))
+    if isinstance(x, dict):
+        return ("dict", tuple((snapshot(k), snapshot(v)) for k, v in x.items()))
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, tuple(snapshot(v) for v in x))
+    if isinstance(x, (set, frozenset)):
+        return ("set", tuple(sorted((snapshot(v) for v in x), key=repr)))
+    if x is None or isinstance(x, (bool, int, float, str, bytes)):
+        return x
+    if isinstance(x, (torch.device, torch.dtype)):
+        return str(x)
+    return ("opaque", type(x).__name__)  # streams, events
 
 
 # ---- Accessors of engine and manager internals ---------------------------------------------------
@@ -190,9 +261,8 @@ def connector_reset_pending(eng) -> bool:
 
 
 def pending_cpu_hits(conn) -> dict:
-    # manager (ours or vLLM's): request id -> its lookup pin as a tuple (blocks per group, hit
-    # tokens[, num_computed_tokens]): a bare tuple, of three fields in 0.34 (and ours) and
-    # two in 0.29
+    # manager (ours or vLLM's): request id -> its lookup pin, a bare tuple (blocks per group,
+    # hit tokens[, num_computed_tokens]): three fields in 0.34 (and ours), two in 0.29
     return {rid: tuple(hit) for rid, hit in conn._pending_cpu_hits.items()}
 
 
@@ -209,43 +279,6 @@ def live_loads(conn) -> dict:
 def abandoned_loads(conn) -> dict:
     # manager (ours or vLLM's): request id -> a sent load that reset() abandoned
     return conn._abandoned_reqs_to_load
-
-
-def manager_state(m, local_hits: bool = True) -> dict:
-    """Everything of a manager (ours or vLLM's) but its pools: transfers, pins, queued flushes,
-    event counters; `local_hits`: the GPU hits it remembers (vLLM 0.34 and ours)."""
-    def store(s):
-        return ([list(x) for x in s.block_ids], list(s.num_stored_blocks), sorted(s.store_events),
-                s.finished)
-
-    def load(s):
-        return (list(s.transfer_meta.gpu_block_ids), list(s.transfer_meta.cpu_block_ids),
-                s.load_event, s.finished)
-
-    def tm(t):
-        return (list(t.gpu_block_ids), list(t.cpu_block_ids))
-
-    state = {
-        "reqs_to_store": [(k, store(v)) for k, v in m._reqs_to_store.items()],
-        "reqs_to_load": [(k, load(v)) for k, v in live_loads(m).items()],
-        "abandoned_reqs_to_load": [(k, load(v)) for k, v in abandoned_loads(m).items()],
-        "pending_cpu_hits": [(k, (table_ids(v[0]), *v[1:]))
-                             for k, v in pending_cpu_hits(m).items()],
-        "load_event_to_reqs": [(k, list(v)) for k, v in m._load_event_to_reqs.items()],
-        "store_event_to_blocks": [(k, tm(v)) for k, v in m._store_event_to_blocks.items()],
-        "abandoned_store_event_to_blocks": [(k, tm(v))
-                                            for k, v in m._abandoned_store_event_to_blocks.items()],
-        "store_event_to_reqs": [(k, list(v)) for k, v in m._store_event_to_reqs.items()],
-        "in_flight_store_gpu_blocks": set(m._in_flight_store_gpu_blocks),
-        "pending_finished_stores": [tm(t) for t in m._pending_finished_stores],
-        "store_event_pending_counts": dict(m._store_event_pending_counts),
-        "load_event_counter": m._load_event_counter,
-        "store_event_counter": m._store_event_counter,
-        "has_pending_stores": m.has_pending_stores(),
-    }
-    if local_hits:
-        state["pending_local_hits"] = list(m._pending_local_hits.items())
-    return state
 
 
 # ==================================================================================================
@@ -568,9 +601,6 @@ def test_multi_group_lookup_requires_every_group():
 
 # ---- 1.4 Copy worker -----------------------------------------------------------------------------
 
-# A simulated asynchronous device for CPU caches: the worker's CUDA branch runs on it in CI
-# (its `copy_engine`), so the orderings a real GPU enforces are exercised without one.
-
 class _SimStream:
     """A DeferredCopyEngine stream: a FIFO of copies (callables) and barriers ((stream, n): wait
     until that stream ran n ops)."""
@@ -660,21 +690,19 @@ class _QueueCopies(torch.overrides.TorchFunctionMode):
 
 
 class DeferredCopyEngine:
-    """A simulated asynchronous device for CPU caches. It stands in for `torch.cuda` in the
-    worker (`SimpleCPUOffloadWorker(n, copy_engine=DeferredCopyEngine())`), so that the CUDA
-    branch and its ordering run in CI, where CPU copies would finish inside the step. As CUDA:
-    inside `with engine.stream(s):` s is the current stream (current_stream() says so), and each
-    copy op of either path (Tensor.copy_; index_select and index_copy_) is queued on s (a FIFO)
-    and reads its inputs when it *runs*; `event.record(s)`, `s.wait_event(e)` and
-    `s.wait_stream(t)` take a mark of what is queued at that call. Ops run only while the host
-    polls: each `event.query()` answers, then runs 0..max_ops_per_call ready ops of random
-    (seeded) streams, so a copy is seen done only by a later poll and streams run out of step
-    (0: nothing runs by itself). `run(*streams)` runs all it can, those streams first: a test's
-    adversarial order. `compute` is the stream outside any context: a test queues a forward
-    there (`queue_forwards` does for a whole engine), and `synchronize(s)` runs until s is idle,
-    as a host read of s's results does. Pinned memory and non_blocking are not modelled: the
-    worker's CPU mirrors are plain memory here.
-    """
+    """A simulated asynchronous device for CPU caches, standing in for `torch.cuda` in the
+    worker (`SimpleCPUOffloadWorker(n, copy_engine=DeferredCopyEngine())`) so that its CUDA
+    branch and ordering run in CI, where CPU copies would finish inside the step. As CUDA:
+    inside `with engine.stream(s):` s is the current stream, and each copy op of either path
+    (copy_; index_select, index_copy_) is queued on s (a FIFO) and reads its inputs when it
+    *runs*; `event.record(s)`, `s.wait_event(e)`, `s.wait_stream(t)` mark what is queued at
+    that call. Ops run only while the host polls: each `event.query()` answers, then runs
+    0..max_ops_per_call ready ops of random (seeded) streams, so a copy is seen done only by a
+    later poll and streams run out of step (0: nothing runs by itself). `run(*streams)` runs
+    all it can, those first: a test's adversarial order. `compute` is the stream outside any
+    context, where a test queues a forward (`queue_forwards`: a whole engine's);
+    `synchronize(s)` runs until s is idle, as a host read does. Pinned memory and non_blocking
+    are not modelled."""
 
     def __init__(self, seed: int = 0, max_ops_per_call: int = 2):
         self.rng = random.Random(seed)
@@ -797,6 +825,17 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().view(torch.uint8)
 
 
+def assert_copied(src: dict, dst: dict, s_ids, d_ids, before_dst: dict) -> None:
+    """vLLM's copy-test oracle, per region: each mapped destination block equals its source
+    block bit for bit; every other destination block is as it was (`before_dst`, as bits())."""
+    for k in src:
+        for s_id, d_id in zip(s_ids, d_ids):
+            assert torch.equal(bits(dst[k][d_id]), bits(src[k][s_id])), (k, s_id, d_id)
+        untouched = [i for i in range(dst[k].shape[0]) if i not in d_ids]
+        before = before_dst[k].view(dst[k].dtype)[untouched]
+        assert torch.equal(bits(dst[k][untouched]), bits(before)), k
+
+
 def _fill_random(t: torch.Tensor, seed: int) -> None:
     """Random float16 values in t, every 7th one a NaN with one of NAN_BITS's payloads."""
     g = torch.Generator().manual_seed(seed)
@@ -840,13 +879,8 @@ def test_worker_copies_exact_blocks_both_directions(device, layout, ids, path, m
         w.bind_connector_metadata(ko.SimpleCPUOffloadMetadata(**fields_))
         (w.wait_for_save if direction == "store" else w.start_load_kv)()
         finish_copies(w)
-        for k in src:
-            assert torch.equal(bits(src[k]), before_src[k])
-            for s_id, d_id in zip(s_ids, d_ids):
-                assert torch.equal(bits(dst[k][d_id]), bits(src[k][s_id]))
-            untouched = [i for i in range(dst[k].shape[0]) if i not in d_ids]
-            assert torch.equal(bits(dst[k][untouched]), bits(before_dst[k].view(
-                dst[k].dtype)[untouched]))
+        assert all(torch.equal(bits(src[k]), before_src[k]) for k in src)
+        assert_copied(src, dst, s_ids, d_ids, before_dst)
         _, recv = w.get_finished(set())
         assert recv == ({"r"} if direction == "load" else None)
         meta = w.build_connector_worker_meta()
@@ -963,9 +997,8 @@ def test_copy_rule_picks_the_path_by_bytes_per_copy_call():
 def test_unpinned_mirror_is_an_error_on_a_gpu():
     """A CUDA worker's mirror must be pinned: the gather/scatter kernels read and write it in
     place across the link, which pageable memory does not allow. Registration builds the views,
-    so an unpinned mirror fails there, before any CUDA call (checked on CPU with a plain
-    tensor); the CUDA case checks a real registration (torch.zeros made to return pageable
-    memory)."""
+    so an unpinned mirror fails there, before any CUDA call (here: a plain tensor, on CPU; the
+    CUDA case registers one, torch.zeros made to return pageable memory)."""
     with pytest.raises(ValueError, match="must be pinned"):
         ko._device_rows(torch.zeros(4, 8), torch.device("cuda"))
     backend = ko.TorchCopyBackend(torch.cpu)
@@ -1010,12 +1043,11 @@ def test_coalesce_runs():
 
 @pytest.mark.parametrize("device", ["cpu", "deferred"])
 def test_worker_reports_an_event_with_nothing_to_copy_in_order(device):
-    """Review defect: a load event with no blocks was never reported (its request hung); a store
-    event with none likewise. Such an event gets a done event of its own, reported in FIFO order
+    """Review defect: a load event with no blocks was never reported (its request hung), nor a
+    store event with none. Such an event gets a done event of its own, reported in FIFO order
     like the others (event i done => every event <= i done). Load 0 has a block, load 1 and
     store 0 none, and the device runs nothing yet: store 0 is reported by the very next poll,
-    r1 together with r0 once r0's copy ran (at once on CPU, where copies finish inside the
-    call)."""
+    r1 with r0 once r0's copy ran (at once on CPU, where copies finish inside the call)."""
     w = make_worker(10, device)
     w.register_kv_caches(_make_caches("flash", device), 12, block_dim=1)
     if w.copy_engine is not None:
@@ -1038,11 +1070,8 @@ def test_worker_reports_an_event_with_nothing_to_copy_in_order(device):
 
 
 # ---- 1.5 Copy worker on an asynchronous device ---------------------------------------------------
-# DeferredCopyEngine stands in for torch.cuda: copies are queued and run later, out of step
-# with the compute stream, reading their source when they run. These races cannot happen with
-# CPU copies that finish inside the step. Each scenario runs once on the real worker and once
-# with a planted ordering bug, and must tell the two apart.
-
+# DeferredCopyEngine stands in for torch.cuda: copies run later, out of step with the compute
+# stream, reading their source when they run; CPU copies, done inside the step, never race so.
 # The engine drivers below also serve the end-to-end tests (1.14).
 
 def _story_engine(connector_cls=ko.SimpleCPUOffloadScheduler, num_gpu_blocks=300,
@@ -1068,12 +1097,6 @@ def _run_a_then_b(eng, prompt, block_size=16):
     assert eng.reset_gpu_prefix_cache()
     eng.add_request(ko.Request("B", prompt, block_size))
     return eng.run()
-
-
-def _assert_all_free(eng, conn):
-    assert eng.gpu_block_pool.get_num_free_blocks() == eng.gpu_block_pool.num_gpu_blocks - 1
-    assert conn.cpu_block_pool.get_num_free_blocks() == conn.num_cpu_blocks - 1
-    assert not conn.has_pending_push_work() and not live_loads(conn) and not conn._reqs_to_store
 
 
 def test_deferred_engine_models_a_dma_engine():
@@ -1135,7 +1158,7 @@ class _NoLoadWait(ko.SimpleCPUOffloadWorker):
 class _StoreWaitsOnce(ko.SimpleCPUOffloadWorker):
     """Planted bug 1: the compute-done event is recorded only at the first store (where it is
     created), so every later store waits on the first one's mark, long passed. Caught by
-    test_async_every_store_waits_for_its_forward."""
+    test_async_race[every_store_waits]."""
 
     def wait_for_save(self) -> None:
         first = self._store_compute_done is None
@@ -1146,7 +1169,7 @@ class _StoreWaitsOnce(ko.SimpleCPUOffloadWorker):
 
 class _LoadWaitsOnce(ko.SimpleCPUOffloadWorker):
     """Planted bug 2: the load stream waits for the compute stream at the first load only.
-    Caught by test_async_every_load_waits_for_the_forwards_before_it."""
+    Caught by test_async_race[every_load_waits]."""
 
     def register_kv_caches(self, *args, **kwargs):
         super().register_kv_caches(*args, **kwargs)
@@ -1162,8 +1185,7 @@ class _ComputeReadInCopyContext(ko.SimpleCPUOffloadWorker):
     """Planted bug 3: the compute stream is read inside the copy stream's context, where the
     current stream is the copy stream: the store's compute-done event is recorded on the store
     stream and the load waits for the load stream, both for nothing. Caught by
-    test_async_store_right_after_a_forward_copies_the_written_bytes and
-    test_async_load_does_not_land_in_a_block_a_running_forward_reads."""
+    test_async_race[store_after_a_forward] and [load_under_a_forward]."""
 
     def start_load_kv(self) -> None:
         with self._backend.dev.stream(self.load_stream):
@@ -1264,6 +1286,11 @@ def _load_under_a_forward(dev, w, cache, event=0, block=2):
 
 
 def _store_right_after_a_forward(device, worker_cls) -> torch.Tensor:
+    """A forward writes 7.0 into GPU block 3; the step's store copies block 3 to CPU block 1,
+    issued while the forward has not run. The store waits on the compute-done event, so CPU
+    block 1 holds 7.0. _NoStoreWait: the copy runs before the forward and CPU block 1 keeps
+    block 3's old bytes (0.0), which the manager would register as its KV; so with bug 3
+    (_ComputeReadInCopyContext: the event recorded on the store stream)."""
     dev, w, cache = _race_worker(device, worker_cls)
     _store_after_a_forward(dev, w, cache)
     _run_device(dev, w.store_stream)
@@ -1272,24 +1299,12 @@ def _store_right_after_a_forward(device, worker_cls) -> torch.Tensor:
     return _cpu_block(w, 1)
 
 
-@pytest.mark.parametrize("device", ["deferred", CUDA])
-@pytest.mark.parametrize("path", PATHS)
-def test_async_store_right_after_a_forward_copies_the_written_bytes(device, path, monkeypatch):
-    """A forward writes 7.0 into GPU block 3; the step's store copies block 3 to CPU block 1,
-    issued while the forward has not run. The store waits on the compute-done event, so CPU
-    block 1 holds 7.0. Planted bug (_NoStoreWait): the copy runs before the forward and CPU
-    block 1 keeps block 3's old bytes (0.0), which the manager would register as its KV; so
-    with bug 3 (_ComputeReadInCopyContext: the event recorded on the store stream)."""
-    force_path(monkeypatch, path)
-    assert bool((_store_right_after_a_forward(device, ko.SimpleCPUOffloadWorker) == 7.0).all())
-    assert bool((_store_right_after_a_forward(device, _NoStoreWait) == 0.0).all())
-    assert bool((_store_right_after_a_forward(device, _ComputeReadInCopyContext) == 0.0).all())
-
-
 def _two_stores_each_after_a_forward(device, worker_cls) -> torch.Tensor:
     """Two steps on one worker: a forward writes block 3 (7.0), its store copies it to CPU block
-    1; then a forward writes block 4 (8.0), its store copies it to CPU block 2. Returns CPU
-    block 2."""
+    1; then a forward writes block 4 (8.0), its store copies it to CPU block 2. The second store
+    waits for the second forward as the first waits for the first: CPU block 2 holds 8.0. Bug 1
+    (_StoreWaitsOnce: the event recorded at the first store only): the second store waits on a
+    mark long passed, runs before the second forward, and CPU block 2 keeps 0.0."""
     dev, w, cache = _race_worker(device, worker_cls)
     for event, (block, value) in enumerate([(3, 7.0), (4, 8.0)]):
         _store_after_a_forward(dev, w, cache, event, block, value)
@@ -1300,44 +1315,20 @@ def _two_stores_each_after_a_forward(device, worker_cls) -> torch.Tensor:
     return _cpu_block(w, 2)
 
 
-@pytest.mark.parametrize("device", ["deferred", CUDA])
-@pytest.mark.parametrize("path", PATHS)
-def test_async_every_store_waits_for_its_forward(device, path, monkeypatch):
-    """The second store of a worker waits for the second forward, as the first store waits for
-    the first: CPU block 2 holds 8.0. Bug 1 (_StoreWaitsOnce: the event recorded at the first
-    store only): the second store waits on a mark long passed, runs before the second forward
-    and CPU block 2 keeps block 4's old bytes (0.0)."""
-    force_path(monkeypatch, path)
-    assert bool((_two_stores_each_after_a_forward(device, ko.SimpleCPUOffloadWorker)
-                 == 8.0).all())
-    assert bool((_two_stores_each_after_a_forward(device, _StoreWaitsOnce) == 0.0).all())
-
-
 def _load_into_a_block_a_forward_reads(device, worker_cls) -> torch.Tensor:
-    """CPU block 1 holds another request's prefix (9.0); GPU block 2's KV (1.0) is still read."""
+    """GPU block 2 (KV 1.0) was freed and handed to a new request, whose load brings CPU block 1
+    (another request's prefix, 9.0) into it while a forward issued earlier still reads block 2.
+    The load waits for the compute stream's earlier work: the forward reads 1.0. _NoLoadWait
+    (and bug 3): the load lands first and the forward reads 9.0, another request's KV."""
     dev, w, cache = _race_worker(device, worker_cls)
     return _load_under_a_forward(dev, w, cache)
 
 
-@pytest.mark.parametrize("device", ["deferred", CUDA])
-@pytest.mark.parametrize("path", PATHS)
-def test_async_load_does_not_land_in_a_block_a_running_forward_reads(device, path, monkeypatch):
-    """GPU block 2 (KV 1.0) was freed and handed to a new request, whose load brings CPU block 1
-    (KV 9.0) into it, while a forward issued earlier still reads block 2. The load waits for
-    the compute stream's earlier work: the forward reads 1.0. Planted bug (_NoLoadWait): the
-    load lands first and the forward reads 9.0, another request's KV."""
-    force_path(monkeypatch, path)
-    read = _load_into_a_block_a_forward_reads(device, ko.SimpleCPUOffloadWorker)
-    assert bool((read == 1.0).all())
-    assert bool((_load_into_a_block_a_forward_reads(device, _NoLoadWait) == 9.0).all())
-    assert bool((_load_into_a_block_a_forward_reads(device, _ComputeReadInCopyContext)
-                 == 9.0).all())
-
-
 def _two_loads_each_into_a_block_a_forward_reads(device, worker_cls) -> torch.Tensor:
     """Two steps on one worker: each time a GPU block (2, then 5) holds 1.0 that a running
-    forward reads, and a load brings a CPU block (1, then 2) of 9.0 into it. Returns what the
-    second forward read."""
+    forward reads, and a load brings a CPU block (1, then 2) of 9.0 into it. The second load
+    waits for the forward running when it is issued, as the first does: the second forward
+    reads 1.0. Bug 2 (_LoadWaitsOnce: the wait at the first load only): it reads 9.0."""
     dev, w, cache = _race_worker(device, worker_cls)
     reads = []
     for event, block in enumerate([2, 5]):
@@ -1346,23 +1337,12 @@ def _two_loads_each_into_a_block_a_forward_reads(device, worker_cls) -> torch.Te
     return reads[1]
 
 
-@pytest.mark.parametrize("device", ["deferred", CUDA])
-@pytest.mark.parametrize("path", PATHS)
-def test_async_every_load_waits_for_the_forwards_before_it(device, path, monkeypatch):
-    """The second load of a worker waits for the forward running when it is issued, as the first
-    does: the second forward reads 1.0. Bug 2 (_LoadWaitsOnce: the wait at the first load only):
-    the second load lands first and the forward reads 9.0, another request's KV."""
-    force_path(monkeypatch, path)
-    read = _two_loads_each_into_a_block_a_forward_reads(device, ko.SimpleCPUOffloadWorker)
-    assert bool((read == 1.0).all())
-    assert bool((_two_loads_each_into_a_block_a_forward_reads(device, _LoadWaitsOnce)
-                 == 9.0).all())
-
-
 def _issue_and_poll_while_compute_is_busy(device, worker_cls) -> bool:
     """A store and a load issued, then polled, behind a forward that has not run. Returns
     whether the forward had run when the three calls returned (no timing is asserted: the
-    forward's state tells a blocking call from one that returns at once)."""
+    forward's state tells a blocking call from one that returns at once). The worker returns at
+    once: on CUDA well inside the ~100 ms the forward takes; on the deferred engine without
+    running any of its ops. _BlockingPoll waits for the oldest copy: the forward has run."""
     dev, w, cache = _race_worker(device, worker_cls)
     seven = torch.full_like(cache[:, 3], 7.0)
     forward = _on_compute(dev, lambda: cache[:, 3].copy_(seven))
@@ -1379,21 +1359,11 @@ def _issue_and_poll_while_compute_is_busy(device, worker_cls) -> bool:
     return ran
 
 
-@pytest.mark.parametrize("device", ["deferred", CUDA])
-@pytest.mark.parametrize("path", PATHS)
-def test_issue_and_poll_never_block(device, path, monkeypatch):
-    """Issuing the step's copies and polling return at once while the compute stream is busy:
-    on CUDA well inside the ~100 ms the forward takes, before it ran; on the deferred engine
-    without running any of its ops. Planted bug (_BlockingPoll): the poll waits for the oldest
-    copy, so it returns only after the forward ran."""
-    force_path(monkeypatch, path)
-    assert not _issue_and_poll_while_compute_is_busy(device, ko.SimpleCPUOffloadWorker)
-    assert _issue_and_poll_while_compute_is_busy(device, _BlockingPoll)
-
-
 def _preempt_while_a_store_is_in_flight(device, worker_cls) -> torch.Tensor:
-    """A store of block 3 issued behind a forward that writes it; then a preemption: the freed
-    blocks may be reused at once. Returns CPU block 1 right after handle_preemptions()."""
+    """A store of block 3 issued behind a forward that writes it (7.0); then a preemption
+    (need_flush): the freed blocks may be reused at once, so handle_preemptions() returns only
+    once the store copied block 3: CPU block 1 holds 7.0 right after it. _NoPreemptionWait
+    returns at once: 0.0 (the copy would then read whatever the reuse writes)."""
     dev, w, cache = _race_worker(device, worker_cls)
     _store_after_a_forward(dev, w, cache)
     w.handle_preemptions(ko.SimpleCPUOffloadMetadata(need_flush=True))
@@ -1402,16 +1372,33 @@ def _preempt_while_a_store_is_in_flight(device, worker_cls) -> torch.Tensor:
     return copied
 
 
+# race -> (its scenario, what the worker gives, what each planted bug gives instead): every CPU
+# block value or every value the forward read, or whether the forward had run
+ASYNC_RACES = {
+    "store_after_a_forward": (_store_right_after_a_forward, 7.0,
+                              {_NoStoreWait: 0.0, _ComputeReadInCopyContext: 0.0}),
+    "every_store_waits": (_two_stores_each_after_a_forward, 8.0, {_StoreWaitsOnce: 0.0}),
+    "load_under_a_forward": (_load_into_a_block_a_forward_reads, 1.0,
+                             {_NoLoadWait: 9.0, _ComputeReadInCopyContext: 9.0}),
+    "every_load_waits": (_two_loads_each_into_a_block_a_forward_reads, 1.0, {_LoadWaitsOnce: 9.0}),
+    "issue_and_poll_never_block": (_issue_and_poll_while_compute_is_busy, False,
+                                   {_BlockingPoll: True}),
+    "preemption_waits_for_a_store": (_preempt_while_a_store_is_in_flight, 7.0,
+                                     {_NoPreemptionWait: 0.0}),
+}
+
+
 @pytest.mark.parametrize("device", ["deferred", CUDA])
 @pytest.mark.parametrize("path", PATHS)
-def test_handle_preemptions_waits_for_an_in_flight_store(device, path, monkeypatch):
-    """need_flush: handle_preemptions() returns only once the store in flight has copied block 3
-    (7.0), so the block may be reused. Planted bug (_NoPreemptionWait): it returns at once and
-    CPU block 1 still holds 0.0 (the copy would then read whatever the reuse writes)."""
+@pytest.mark.parametrize("race", ASYNC_RACES)
+def test_async_race(race, device, path, monkeypatch):
+    """The worker wins each race of ASYNC_RACES (its scenario's docstring derives the values),
+    on each copy path; each planted bug loses it, with the value the table gives."""
     force_path(monkeypatch, path)
-    assert bool((_preempt_while_a_store_is_in_flight(device, ko.SimpleCPUOffloadWorker)
-                 == 7.0).all())
-    assert bool((_preempt_while_a_store_is_in_flight(device, _NoPreemptionWait) == 0.0).all())
+    scenario, right, bugs = ASYNC_RACES[race]
+    for worker_cls, expected in {ko.SimpleCPUOffloadWorker: right, **bugs}.items():
+        observed = torch.as_tensor(scenario(device, worker_cls))
+        assert bool((observed == expected).all()), (worker_cls.__name__, observed)
 
 
 def _one_of_two_workers_reports(plant_bug: bool) -> str | None:
@@ -1691,8 +1678,8 @@ class Harness:
 
     def state(self):
         """Both pools and the manager, but for the GPU hits it remembers to refresh on CPU."""
-        return dict(cpu=pool_state(self.cpu), gpu=pool_state(self.gpu),
-                    manager=manager_state(self.sched, local_hits=False))
+        return dict(cpu=snapshot(self.cpu), gpu=snapshot(self.gpu),
+                    manager=snapshot(self.sched, local_hits=False))
 
 
 # ---- 1.7 Manager: store -> lookup -> load --------------------------------------------------------
@@ -2697,7 +2684,7 @@ def test_repeated_prompt_end_to_end(device, variant):
     assert a.output_token_ids == b.output_token_ids and len(b.output_token_ids) == 1
     # captured KV is on CPU: compare on one device
     assert torch.equal(b.kv, model.expected_kv(prompt).cpu()) and torch.equal(a.kv, b.kv)
-    _assert_all_free(eng, conn)
+    check_idle(eng)
 
 
 def test_shared_prefix_decode_and_gpu_hits():
@@ -2717,7 +2704,7 @@ def test_shared_prefix_decode_and_gpu_hits():
     stats = eng.run()
     assert (stats["r1"].gpu_hit_tokens, stats["r1"].cpu_hit_tokens) == (992, 0)
     assert (stats["r2"].gpu_hit_tokens, stats["r2"].cpu_hit_tokens) == (0, 992)
-    _assert_all_free(eng, conn)
+    check_idle(eng)
 
 
 @pytest.mark.parametrize("device", ["cpu", "deferred"])
@@ -2732,7 +2719,7 @@ def test_gpu_preemption_recomputes_and_stays_exact(device):
     assert sum(s.computed_tokens for s in stats.values()) > 3 * 602   # something was recomputed
     for i, p in enumerate(prompts):
         assert torch.equal(stats[f"r{i}"].kv, model.expected_kv(p))
-    _assert_all_free(eng, conn)
+    check_idle(eng)
 
 
 def test_engine_lists_new_and_resumed_requests_before_running_ones():
@@ -2798,7 +2785,7 @@ def test_two_workers_world_size_2(device):
     stats = _run_a_then_b(eng, prompt)
     assert stats["B"].cpu_hit_tokens == 992
     assert torch.equal(stats["B"].kv, model.expected_kv(prompt).cpu())
-    _assert_all_free(eng, conn)
+    check_idle(eng)
     for w in eng.workers:  # rank 1's forwards may still be queued: nothing read its KV
         finish_copies(w)
     rank0, rank1 = eng.rank_kv_caches
@@ -2852,9 +2839,8 @@ def test_engine_preempted_request_resumes_as_vllm_does():
     """Preemption in vLLM's states. 9 usable GPU blocks of 4 tokens, budget 8: r1 (12-token
     prompt) and r2 (20 tokens) decode until, at step 6, r1 needs a 5th block and none is free:
     the last running request, r2, is PREEMPTED (num_preemptions 1, no blocks, first in the
-    waiting queue). It is RUNNING again two steps later (its own freed blocks are a GPU prefix
-    hit), keeps the hit counts of its first admission (0), and produces the same tokens as a
-    run in a pool large enough that nobody is preempted."""
+    waiting queue). It is RUNNING again two steps later (its freed blocks: a GPU prefix hit),
+    keeps its first admission's hit counts (0) and yields an unpreempted run's tokens."""
     statuses = ko.RequestStatus
 
     def run(num_gpu_blocks):
@@ -2928,11 +2914,10 @@ def _pytest_here(*args, env=None) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _collect_cuda_cases() -> str:
-    """`--collect-only -k cuda` under KV_OFFLOAD_REQUIRE_CUDA, one pytest process for two tests:
-    the CUDA cases it lists (test_gpu_check_selects_every_gpu_case) and, in its closing
-    "<selected>/<all> tests collected", the file's count (test_readme_numbers_match_the_code): -k
-    deselects after collecting, and the variable only turns the CUDA cases' skip into a failure
-    when they run, so what is collected is the same as without either."""
+    """`--collect-only -k cuda` under KV_OFFLOAD_REQUIRE_CUDA, one process for two tests: the
+    CUDA cases it lists (test_gpu_check_selects_every_gpu_case), and the file's count in its
+    "<selected>/<all> tests collected" (test_readme_numbers_match_the_code): -k deselects
+    after collecting; the variable only turns a CUDA case's skip into a failure as it runs."""
     env = dict(os.environ, KV_OFFLOAD_REQUIRE_CUDA="1")
     return _pytest_here("--collect-only", "-k", "cuda", env=env)
 
@@ -3061,7 +3046,7 @@ def test_demo_story_and_engine_exact_on_each_path(path, monkeypatch):
     prompt = _prompt(1000)
     b = _run_a_then_b(eng, prompt)["B"]
     assert b.cpu_hit_tokens == 992 and torch.equal(b.kv, model.expected_kv(prompt))
-    _assert_all_free(eng, conn)
+    check_idle(eng)
 
 
 def test_bench_rows_agree_with_their_columns():
@@ -3113,12 +3098,7 @@ def test_batched_dma_descriptors_address_the_right_blocks():
                 _fill_random(r, 4)
         before = {k: bits(v) for k, v in dst.items()}
         ko._batched_dma(stand_in, src, dst, s_ids, d_ids, is_store, SimpleNamespace(cuda_stream=0))
-        for k in src:
-            for s_id, d_id in zip(s_ids, d_ids):
-                assert torch.equal(bits(dst[k][d_id]), bits(src[k][s_id]))
-            untouched = [i for i in range(dst[k].shape[0]) if i not in d_ids]
-            assert torch.equal(bits(dst[k][untouched]), bits(before[k].view(dst[k].dtype)[
-                untouched]))
+        assert_copied(src, dst, s_ids, d_ids, before)
     assert calls == [4 * 5, 4 * 5]  # one call a launch: 4 regions (2 layers, K and V) x 5 blocks
 
 
@@ -3188,15 +3168,12 @@ def test_gpu_check_selects_every_gpu_case():
             "test_abort_while_its_load_is_in_flight",
             "test_reset_while_a_store_and_a_load_are_in_flight",
             "test_world_size_2_one_worker_lags",
-            "test_async_store_right_after_a_forward_copies_the_written_bytes",
-            "test_async_load_does_not_land_in_a_block_a_running_forward_reads",
-            "test_issue_and_poll_never_block",
-            "test_handle_preemptions_waits_for_an_in_flight_store",
-            "test_async_every_store_waits_for_its_forward",
-            "test_async_every_load_waits_for_the_forwards_before_it",
+            "test_async_race",
             "test_unpinned_mirror_fails_registration",
             "test_copy_calls_per_block_of_the_story"} <= names
     assert all("cuda" in i.split("[")[1] for i in ids), ids
+    races = {i.split("[")[1].split("-")[0] for i in ids if "::test_async_race[" in i}
+    assert races == set(ASYNC_RACES), races
     if not torch.cuda.is_available():
         one = _pytest_here("-k", "cuda and worker_copies and flash and contiguous and gather",
                            env=env)
@@ -3249,7 +3226,6 @@ def pr_53532_tests() -> dict:
 
 def failing_pr_tests(cls) -> dict[str, str]:
     """PR #53532's seven tests run on `cls` in the fix's place: {name: why it failed}."""
-    from unittest import mock
     failed = {}
     with mock.patch.object(ko, "SimpleCPUOffloadScheduler", cls):
         for name, test in pr_53532_tests().items():
@@ -3275,8 +3251,6 @@ class _TrapOnly(ko.PreFixCPUOffloadScheduler):
 
 def _without_reset_hash(cls):
     """`cls` whose store completion runs with reset_hash() a no-op (the fix's line removed)."""
-    from unittest import mock
-
     class WithoutResetHash(cls):
         def _process_store_completion(self, gpu_block_ids, cpu_block_ids):
             with mock.patch.object(ko.KVCacheBlock, "reset_hash", lambda block: None):
@@ -3688,8 +3662,6 @@ def _notebook_prerequisites():
 
 def _start_notebook(with_changed_parameters: bool = False):
     """The notebook's process (started on the first call): (Popen, folder of its output)."""
-    import copy
-    import tempfile
     import nbformat
     if not _notebook_runs:
         folder = pathlib.Path(tempfile.mkdtemp(prefix="kv_offload_notebook_"))
@@ -3715,8 +3687,6 @@ def _start_notebook(with_changed_parameters: bool = False):
 def _notebook_in_background(request):
     """Starts the notebook as the module's first test starts, when a selected test needs it;
     stops it at the module's end if no test waited for it (-x, say)."""
-    import importlib.util
-    import shutil
     items = request.session.items
     if (any("executed_notebook" in getattr(item, "fixturenames", ()) for item in items)
             and NOTEBOOK.exists()
@@ -3818,14 +3788,14 @@ def test_notebook_pictures_survive_changed_parameters(executed_notebook,
 
 # Numbers the prose quotes instead of measuring (where each comes from); every other number in
 # the prose must be in the outputs or the code of its own step (test_notebook_claims_in_its_outputs)
-_PROSE_QUOTED = {
+_REPORT_QUOTED = {  # quoted by the notebook's prose and the README alike
     "53498": "vLLM issue #53498", "53532": "vLLM PR #53532",
     "0.29": "a vLLM release", "0.30": "a vLLM release",
     "40": "the PR's write-up: a repeated 40K-token prompt",
     "27": "the PR's write-up: 27 s before the fix", "1.8": "the PR's write-up: 1.8 s after it",
     "112": "the report: '112 of 217' blocks on CPU", "217": "the report: '112 of 217'",
-    "105": "217 - 112",
 }
+_PROSE_QUOTED = {**_REPORT_QUOTED, "105": "217 - 112"}
 _NUMBER = re.compile(r"(?<![\w.,])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 _STEP_REFERENCE = re.compile(
     r"\b([Ss]teps?|[Ee]xercises?|[Bb]ugs?) (\d+(?:(?:, | to | and |-)\d+)*)")
@@ -3838,8 +3808,6 @@ def _numbers(text: str) -> set[str]:
 def _code_numbers(source: str) -> set[str]:
     """The numbers a code cell states for a reader: in its comments, and in its top-level
     assignments of literals (`budget_blocks = 7`), not a plot's coordinates or a call's args."""
-    import io
-    import tokenize
     source = "\n".join(line for line in source.splitlines() if not line.startswith("%"))
     found = set()
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
@@ -3999,8 +3967,6 @@ def _memoize_toy_model(monkeypatch) -> None:
 @functools.lru_cache(maxsize=None)
 def _demo_table() -> str:
     """What `python kv_offload.py` prints, made once (the model memoized)."""
-    import contextlib
-    import io
     out = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
         _memoize_toy_model(mp)
@@ -4012,11 +3978,7 @@ def _demo_table() -> str:
 # function or table of the tests says that it holds the number (the vLLM rows: Part 3 asserts them
 # against vLLM's own scheduler, where vLLM imports).
 _README_QUOTED = {
-    "53498": "vLLM issue #53498", "53532": "vLLM PR #53532",
-    "0.29": "a vLLM release", "0.30": "a vLLM release", "0.34": "a vLLM release",
-    "40": "the PR's write-up: a repeated 40K-token prompt",
-    "27": "the PR's write-up: 27 s before the fix", "1.8": "the PR's write-up: 1.8 s after it",
-    "112": "the report: '112 of 217' blocks on CPU", "217": "the report: '112 of 217'",
+    **_REPORT_QUOTED, "0.34": "a vLLM release",
     # a full run on the development machine (no GPU, no vLLM): pytest's last line and -rs;
     # test_readme_numbers_match_the_code derives the collected total and the GPU count
     "339": "passed", "161": "skipped", "129": "vLLM's", "126": "No module named vllm",
@@ -4048,8 +4010,6 @@ def test_readme_numbers_match_the_code(executed_notebook):
     with its source (_README_QUOTED, the vLLM tests in _README_SOURCES); every section, step or
     exercise it names exists; the demo's table is the demo's, row by row; and the skip counts add
     up to the tests collected."""
-    import contextlib
-    import io
     text = README.read_text()
     demo = _demo_table()
     table = [line for line in demo.splitlines() if re.search(r"\d / \d", line)]
@@ -4165,8 +4125,6 @@ def test_no_package_index_address():
 def module_shape(src: str) -> dict:
     """Statements per section (ast statements, imports and docstrings left out), comments at line
     ends among all comments, lines within 5 characters of the 100 limit, the docstring's lines."""
-    import io
-    import tokenize
     lines = src.splitlines()
     sections = [(i + 1, int(m.group(1))) for i, line in enumerate(lines)
                 if (m := re.match(r"# (\d+)\. ", line))]
@@ -4267,8 +4225,7 @@ def test_notebook_is_committed_with_outputs():
 #   RB-8 the worker reported a rejected copy as complete once a later copy finished
 # Issue 13 (an adversarial pass of 63 bad calls): every case is a row of the bad-input catalogue
 # (BAD_CALLS), plus test_report_of_an_unissued_store_event_is_refused, the stale finish in
-# test_reused_request_id_is_stored, and
-# test_refused_reset_is_retried_and_serves_no_stale_hit.
+# test_reused_request_id_is_stored, and test_refused_reset_is_retried_and_serves_no_stale_hit.
 
 FUZZ_BS = 4  # tokens per block in every schedule: prompts of tens of tokens span a few blocks
 
@@ -4683,6 +4640,13 @@ class FaultyWorker(FaultProxy):
 
     def reports_held(self) -> bool:
         return bool(self._rel_recv or self._rel_stores)
+
+
+def late_reports(num_cpu_blocks: int, **delays) -> FaultyWorker:
+    """A worker that hands each load (store) report over exactly load_delay (store_delay) steps
+    after its copy ran."""
+    worker = ko.SimpleCPUOffloadWorker(num_cpu_blocks)
+    return FaultyWorker(worker, Faults(exact=True, **delays), random.Random(0), RunLog(), 1)
 
 
 class FaultyConnector(FaultProxy):
@@ -5545,39 +5509,6 @@ def test_rb1_minimal_engine_run_finishes():
 # calls keeps vLLM's contract (a trusted caller); misuse that would corrupt KV silently or leak
 # fails one of vLLM-style asserts, with a message naming the likely bug.
 
-def plain_state(x):
-    """A comparable, plain copy of (nested) state: tensors as bytes, blocks and requests by their
-    defining fields, dicts in insertion order, sets sorted."""
-    if isinstance(x, torch.Tensor):
-        t = x.detach().cpu().contiguous()
-        return ("tensor", str(t.dtype), tuple(t.shape),
-                t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    if isinstance(x, ko.KVCacheBlock):
-        return ("block", x.block_id, x.ref_cnt, x.block_hash)
-    if isinstance(x, ko.Request):
-        return ("request", x.request_id, x.num_computed_tokens, tuple(x.all_token_ids),
-                len(x.block_hashes))
-    if isinstance(x, (ko.BlockPool, FaultProxy, ko.SimpleCPUOffloadScheduler,
-                      ko.SimpleCPUOffloadWorker, ko.MiniEngine, ko.ToyModel)):
-        return (type(x).__name__, id(x))  # snapshotted on their own
-    if isinstance(x, DeferredCopyEngine):  # queued copies and the random state that runs them
-        return ("copy engine", x.rng.getstate(), tuple((len(s.ops), s.num_done) for s in x.streams))
-    if is_dataclass(x) and not isinstance(x, type):
-        return (type(x).__name__,
-                tuple((f.name, plain_state(getattr(x, f.name))) for f in fields(x)))
-    if isinstance(x, dict):
-        return ("dict", tuple((plain_state(k), plain_state(v)) for k, v in x.items()))
-    if isinstance(x, (list, tuple)):
-        return (type(x).__name__, tuple(plain_state(v) for v in x))
-    if isinstance(x, (set, frozenset)):
-        return ("set", tuple(sorted((plain_state(v) for v in x), key=repr)))
-    if x is None or isinstance(x, (bool, int, float, str, bytes)):
-        return x
-    if isinstance(x, (torch.device, torch.dtype)):
-        return str(x)
-    return ("opaque", type(x).__name__)  # streams, events
-
-
 def world_snapshot(world) -> dict:
     """Everything a bad call could change: both pools, the KV caches and CPU mirrors, every
     attribute of the connector, the worker and the engine, the requests, and the spare
@@ -5588,18 +5519,18 @@ def world_snapshot(world) -> dict:
                        == eng.kv_caches[n][i].data_ptr()
                        for n in eng.kv_caches for i, kv in enumerate("kv"))
     return {
-        "gpu": pool_state(eng.gpu_block_pool),
-        "cpu": pool_state(conn.cpu_block_pool),
-        "kv": plain_state(eng.kv_caches),
-        "connector": plain_state({k: v for k, v in vars(conn).items()
+        "gpu": snapshot(eng.gpu_block_pool),
+        "cpu": snapshot(conn.cpu_block_pool),
+        "kv": snapshot(eng.kv_caches),
+        "connector": snapshot({k: v for k, v in vars(conn).items()
                                 if k not in ("cpu_block_pool", "_gpu_block_pool")}),
         "connector binding": conn._gpu_block_pool is eng.gpu_block_pool,
-        "worker": plain_state({k: v for k, v in vars(worker).items() if k != "gpu_kv_caches"}),
+        "worker": snapshot({k: v for k, v in vars(worker).items() if k != "gpu_kv_caches"}),
         "worker binding": worker_bound,
-        "engine": plain_state({k: v for k, v in vars(eng).items() if k not in skip_engine}),
-        "requests": plain_state(world.requests),
-        "spares": (plain_state(vars(world.spare_conn)), pool_state(world.spare_conn.cpu_block_pool),
-                   plain_state(vars(world.spare_worker))),
+        "engine": snapshot({k: v for k, v in vars(eng).items() if k not in skip_engine}),
+        "requests": snapshot(world.requests),
+        "spares": (snapshot(vars(world.spare_conn)), snapshot(world.spare_conn.cpu_block_pool),
+                   snapshot(vars(world.spare_worker))),
     }
 
 
@@ -5890,16 +5821,11 @@ def test_bad_call_catalogue_covers_every_layer():
 
 # ---- 2.7 Module bugs found here, now fixed (see the RB-n legend in Part 2) -----------------------
 
-def fault_harness(world_size=1) -> Harness:
-    """The manager harness of Part 1 with blocks of FUZZ_BS tokens, 19 GPU and 9 CPU blocks."""
-    return Harness(num_cpu_blocks=10, num_gpu_blocks=20, block_size=FUZZ_BS, world_size=world_size)
-
-
 def test_repeated_report_of_a_finished_store_is_kept_until_reset():  # RB-3: vLLM parity
     """world_size 2: a late repeat of an already completed store event is counted and kept, as
     vLLM 0.34 keeps it (update_connector_output sums counts per event id, and event ids are never
     reused, so it can never complete anything); reset() drops it. Nothing is cached twice."""
-    h = fault_harness(world_size=2)
+    h = Harness(num_cpu_blocks=10, num_gpu_blocks=20, block_size=FUZZ_BS, world_size=2)
     req = h.request(tokens=list(range(8)) + [99], rid="a")
     _, (table,) = h.schedule((req, 9), confirmed=False, lookup=True)
     event = h.step({"a": 1}).store_event
@@ -5984,21 +5910,6 @@ def test_engine_protocol_raises_only_vllms_errors(cls, name):
         assert not raises, raises
 
 
-class _LateLoadReports(ko.SimpleCPUOffloadWorker):
-    """A worker that hands each load report to the engine `delay` steps after its copy ran."""
-
-    def __init__(self, num_cpu_blocks: int, delay: int):
-        super().__init__(num_cpu_blocks)
-        self.delay = delay
-        self.reports: list[set[str]] = []
-
-    def get_finished(self, finished_req_ids):
-        _, finished_recving = super().get_finished(finished_req_ids)
-        self.reports.append(finished_recving or set())
-        due = self.reports.pop(0) if len(self.reports) > self.delay else set()
-        return None, due or None
-
-
 def test_engine_admission_never_stalls():
     """The stall the issue found, with load reports 4 steps late. GPU pool: 7 usable blocks of 2
     tokens. x's first 6 tokens are stored (3 CPU blocks), the GPU cache is dropped; r1 (1 token,
@@ -6009,7 +5920,7 @@ def test_engine_admission_never_stalls():
     not fit no longer stops the queue: every request finishes, x's KV is exact."""
     model = ko.ToyModel(1, 1, 2)
     conn = ko.SimpleCPUOffloadScheduler(200, 2)
-    eng = ko.MiniEngine(8, 2, 5, model, conn, _LateLoadReports(200, delay=4), capture_kv=True)
+    eng = ko.MiniEngine(8, 2, 5, model, conn, late_reports(200, load_delay=4), capture_kv=True)
     x = list(range(1000, 1011))
     eng.add_request(ko.Request("x0", x[:6], 2))
     eng.run()
@@ -6254,19 +6165,6 @@ class SyncSiblingEngine(ko.MiniEngine):
                 OutputWithInvalidBlocks(invalid_block_ids=invalid_block_ids))
 
 
-class _LateStoreReports(ko.SimpleCPUOffloadWorker):
-    """A worker that reports each completed store one step after its copy ran."""
-
-    def __init__(self, num_cpu_blocks: int):
-        super().__init__(num_cpu_blocks)
-        self.held = None
-
-    def build_connector_worker_meta(self):
-        due = self.held
-        self.held = super().build_connector_worker_meta()
-        return due
-
-
 def cpu_copy_of(eng, req, index: int):
     """[L, 2, block_size, H, D]: the CPU copy under req's block `index`'s key, or None."""
     conn = eng.connector
@@ -6287,7 +6185,7 @@ def run_failed_sync_load(policy: str, connector_cls, late: bool = False,
     prompt, runs."""
     model = ko.ToyModel(**FUZZ_MODEL)
     conn = connector_cls(16, 16)
-    worker = (_LateStoreReports if late else ko.SimpleCPUOffloadWorker)(16)
+    worker = late_reports(16, store_delay=1) if late else ko.SimpleCPUOffloadWorker(16)
     eng = SyncSiblingEngine(16, 16, 512, model, conn, worker, capture_kv=True, policy=policy,
                             sibling_hits={"A": (sibling_tokens, 1)})
     prompt = _prompt(64, seed=34)
@@ -6752,7 +6650,7 @@ class PoolPair:
         self.vllm = VBlockPool(n, caching, hbs)
 
     def check(self, what: str) -> None:
-        assert_same(pool_state(self.ours), pool_state(self.vllm), what)
+        assert_same(snapshot(self.ours), snapshot(self.vllm), what)
 
     def ob(self, ids):
         return [self.ours.blocks[i] for i in ids]
@@ -7147,6 +7045,8 @@ class ManagerTrace:
             world_size=world_size, **ours_kwargs)
         self.vllm = make_vllm_scheduler(num_gpu_blocks, num_cpu_blocks, block_size, hash_block_size,
                                         group_block_sizes, world_size)
+        if V_IS_029:  # the pre-fix release, neutralised as 3.7 says
+            neutralise_vllm_029(self.vllm)
         self.gpu = PoolPair(num_gpu_blocks, True, hash_block_size)
         self.ours.bind_gpu_block_pool(self.gpu.ours)
         self.vllm.bind_gpu_block_pool(self.gpu.vllm)
@@ -7172,15 +7072,15 @@ class ManagerTrace:
     def what(self, op):
         return f"manager {self.cfg} step={self.step_no} call#{self.calls} {op}"
 
-    def ours_manager_state(self) -> dict:
-        """Our manager's state as vLLM's side shows it (ManagerTrace029 adapts it to 0.29)."""
-        return manager_state(self.ours, V_REMEMBERS_LOCAL_HITS)
-
     def check(self, op):
         w = self.what(op)
-        theirs = manager_state(self.vllm, V_REMEMBERS_LOCAL_HITS)
-        assert_same(self.ours_manager_state(), theirs, w + " [manager state]")
-        assert_same(pool_state(self.ours.cpu_block_pool), pool_state(self.vllm.cpu_block_pool),
+        ours = snapshot(self.ours, V_REMEMBERS_LOCAL_HITS)
+        # 0.29's pending CPU hit is (blocks, hit_length); 0.30 added num_computed_tokens
+        if V_IS_029:
+            ours["pending_cpu_hits"] = [(k, v[:2]) for k, v in ours["pending_cpu_hits"]]
+        theirs = snapshot(self.vllm, V_REMEMBERS_LOCAL_HITS)
+        assert_same(ours, theirs, w + " [manager state]")
+        assert_same(snapshot(self.ours.cpu_block_pool), snapshot(self.vllm.cpu_block_pool),
                     w + " [CPU pool]")
         self.gpu.check(w + " [GPU pool]")
 
@@ -7575,11 +7475,12 @@ MANAGER_CONFIGS = [
 
 
 @functools.cache
-def manager_trace_stats(seed, gpu, cpu, bs, hbs, sizes, world) -> dict[str, int]:
+def manager_trace_stats(seed, gpu, cpu, bs, hbs, sizes, world, seed_factor=104729,
+                        ours_cls=None) -> dict[str, int]:
     """Run one lockstep manager trace (any divergence raises) and return what it went through;
     cached, so the coverage test reuses the traces test_manager_differential ran."""
-    trace = ManagerTrace(seed * 104729 + gpu + cpu, gpu, cpu, bs, hbs, list(sizes),
-                         world_size=world)
+    trace = ManagerTrace(seed * seed_factor + gpu + cpu, gpu, cpu, bs, hbs, list(sizes),
+                         world_size=world, ours_cls=ours_cls)
     trace.run(100)
     assert trace.finished_total > 0 and trace.stats["stores"] > 0, trace.stats
     return dict(trace.stats, calls=trace.calls)
@@ -7612,22 +7513,28 @@ def test_manager_traces_cover_the_paths():
 
 # ---- 3.6 The pre-fix variant: the differential sees each bug, and nothing else -------------------
 
+def diverging_traces(cfg, seed_factor: int, **kwargs) -> list[str]:
+    """Three lockstep traces of `cfg` with PreFixCPUOffloadScheduler(**kwargs) against the vLLM
+    that imports: the first line of each divergence."""
+    diverged = []
+    for seed in range(3):
+        trace = ManagerTrace(seed * seed_factor + cfg[0] + cfg[1], *cfg[:5], world_size=cfg[5],
+                             ours_cls=ko.PreFixCPUOffloadScheduler, **kwargs)
+        try:
+            trace.run(100)
+        except AssertionError as e:
+            diverged.append(str(e).splitlines()[0])
+    return diverged
+
+
 @needs_vllm
 @pytest.mark.parametrize("registration_bug,flush_bug",
                          [(False, False), (True, False), (False, True)])
 def test_pre_fix_variant_diverges_exactly_by_its_bugs(registration_bug, flush_bug):
     """With both flags off, PreFixCPUOffloadScheduler is the fixed manager and matches vLLM; with
     either bug on, the lockstep comparison catches it (vLLM 0.34 has both fixes)."""
-    cfg = MANAGER_CONFIGS[2]
-    diverged = []
-    for seed in range(3):
-        trace = ManagerTrace(seed * 104729 + cfg[0] + cfg[1], *cfg[:5], world_size=cfg[5],
-                             ours_cls=ko.PreFixCPUOffloadScheduler,
-                             registration_bug=registration_bug, flush_bug=flush_bug)
-        try:
-            trace.run(100)
-        except AssertionError as e:
-            diverged.append(str(e).splitlines()[0])
+    diverged = diverging_traces(MANAGER_CONFIGS[2], 104729, registration_bug=registration_bug,
+                                flush_bug=flush_bug)
     if registration_bug or flush_bug:
         assert len(diverged) == 3, diverged
     else:
@@ -7685,8 +7592,7 @@ def neutralise_vllm_029(v) -> None:
         return finished(request, block_ids)
 
     def reset_releasing_lookup_pins():
-        # vLLM 0.32: reset() also drops the pins of lookups not yet
-        # followed by an allocation
+        # vLLM 0.32: reset() also drops the pins of lookups not yet followed by an allocation
         # (0.29 kept them until the request's next lookup or its finish); 0.34 forgets local hits
         for pending in v._pending_cpu_hits.values():
             v._free_pending_cpu_hit(pending)
@@ -7695,8 +7601,7 @@ def neutralise_vllm_029(v) -> None:
         return reset()
 
     def build_connector_meta_resetting_preempted(scheduler_output):
-        # vLLM 0.32: a preempted request's store state (table and cursor)
-        # is cleared in the
+        # vLLM 0.32: a preempted request's store state (table and cursor) is cleared in the
         # step that preempts it; 0.29 cleared it only when the request resumed
         for req_id in scheduler_output.preempted_req_ids:
             if (state := v._reqs_to_store.get(req_id)) is not None:
@@ -7713,30 +7618,14 @@ def neutralise_vllm_029(v) -> None:
     v._pending_finished_stores = []
 
 
-class ManagerTrace029(ManagerTrace):
-    """ManagerTrace with vLLM 0.29's manager (neutralised as above) on the vLLM side."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        neutralise_vllm_029(self.vllm)
-
-    def ours_manager_state(self) -> dict:
-        state = manager_state(self.ours, V_REMEMBERS_LOCAL_HITS)
-        # 0.29's pending CPU hit is (blocks, hit_length); 0.30 added num_computed_tokens
-        state["pending_cpu_hits"] = [(k, v[:2]) for k, v in state["pending_cpu_hits"]]
-        return state
-
-
 @needs_vllm_029
 @pytest.mark.parametrize("gpu,cpu,bs,hbs,sizes,world", MANAGER_CONFIGS)
 @pytest.mark.parametrize("seed", range(int(os.environ.get("KV_OFFLOAD_029_SEEDS", "4"))))
 def test_pre_fix_variant_matches_vllm_029(seed, gpu, cpu, bs, hbs, sizes, world):
     """PreFixCPUOffloadScheduler with both bugs, step for step against vLLM 0.29's own manager:
     every return value, metadata field, bookkeeping table and both pools after every call."""
-    trace = ManagerTrace029(seed * 7919 + gpu + cpu, gpu, cpu, bs, hbs, sizes, world_size=world,
-                            ours_cls=ko.PreFixCPUOffloadScheduler)
-    trace.run(100)
-    assert trace.finished_total > 0 and trace.stats["stores"] > 0, trace.stats
+    manager_trace_stats(seed, gpu, cpu, bs, hbs, tuple(sizes), world, 7919,
+                        ko.PreFixCPUOffloadScheduler)
 
 
 @needs_vllm_029
@@ -7746,16 +7635,8 @@ def test_pre_fix_variant_matches_vllm_029(seed, gpu, cpu, bs, hbs, sizes, world)
 def test_vllm_029_differential_sees_each_fix(kwargs):
     """The comparison above can fail: take away either bug (or swap the registration for the
     reset_hash trap) and our manager no longer behaves like vLLM 0.29."""
-    cfg = MANAGER_CONFIGS[4]  # hbs < block size: the registration bug shows in secondary keys
-    diverged = 0
-    for seed in range(3):
-        trace = ManagerTrace029(seed * 7919 + cfg[0] + cfg[1], *cfg[:5], world_size=cfg[5],
-                                ours_cls=ko.PreFixCPUOffloadScheduler, **kwargs)
-        try:
-            trace.run(100)
-        except AssertionError:
-            diverged += 1
-    assert diverged == 3
+    # MANAGER_CONFIGS[4]: hbs < block size: the registration bug shows in secondary keys
+    assert len(diverging_traces(MANAGER_CONFIGS[4], 7919, **kwargs)) == 3
 
 
 # ---- 3.8 Where "every lookup misses" comes from: vLLM's own Scheduler ----------------------------
@@ -7805,13 +7686,10 @@ def make_vllm_engine_scheduler(kind: str, bs: int, budget: int, max_model_len: i
                                nb: int, cpu_blocks: int | None = None,
                                sibling: tuple[str, str] | None = None,
                                kv_load_failure_policy: str = "fail"):
-    """vLLM's own engine Scheduler with SimpleCPUOffloadConnector (eager) on CPU, nb GPU
-    blocks. `kind`: "fa" (full attention), "fa_mamba" (+ a Mamba group,
-    mamba_cache_mode="align", its page equal to the attention page) or "fa_sw" (+ a sliding
-    window of 2 blocks). `sibling` (class name, module path): a MultiConnector with that
-    connector first, the simple one second."""
-    import tempfile
-
+    """vLLM's engine Scheduler with SimpleCPUOffloadConnector (eager) on CPU, nb GPU blocks.
+    `kind`: "fa" (full attention), "fa_mamba" (+ a Mamba group, mamba_cache_mode="align", its
+    page equal to the attention page) or "fa_sw" (+ a sliding window of 2 blocks); `sibling`
+    (class name, module path): a MultiConnector of that connector, then the simple one."""
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
                              SchedulerConfig, VllmConfig)
     from vllm.utils.hashing import sha256
@@ -8082,7 +7960,6 @@ def bench_trace(mgr, gpu, req_a, req_b, side) -> tuple[float, float, int, int]:
     then B, the same prompt, looked up, allocated, one step, its load's completion. Returns
     (store µs/block, hit µs/block, blocks stored, blocks loaded). The garbage collector is off
     while it runs."""
-    import time
     bs, chunk, prompt_tokens = BENCH_BLOCK_SIZE, BENCH_CHUNK, BENCH_PROMPT_TOKENS
     num_blocks, per_step = prompt_tokens // bs, chunk // bs
     steps = num_blocks // per_step + 1  # one more: A finished, flush its last chunk
@@ -8163,7 +8040,6 @@ def speed_lines(samples: dict[str, list], names: tuple[str, str], paired: bool =
                 ) -> list[str]:
     """min and median µs/block per phase of two runners, and their ratios (a / b): of the minima,
     of the medians and, if `paired`, the median of the per-round ratios."""
-    import statistics
     a, b = names
     lines = [f"{'phase':8}{a + ' min':>14}{a + ' med':>14}{b + ' min':>14}{b + ' med':>14}"
              f"{'ratio min':>11}{'ratio med':>11}" + (f"{'paired med':>12}" if paired else "")]
@@ -8775,8 +8651,6 @@ def vllm_sync_sibling(monkeypatch, hits: dict[str, int]) -> tuple[str, str]:
     that holds `hits[req_id]` tokens and loads them synchronously, as MooncakeStoreConnector
     with load_async: false does; its worker (simulated by the test) reports failed blocks in
     invalid_block_ids."""
-    import types
-
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                    KVConnectorMetadata,
                                                                    SupportsHMA)
