@@ -2240,7 +2240,7 @@ class SimpleCPUOffloadWorker:
     TorchCopyBackend, and a load waits for the compute stream. Two copy paths, one rule: a
     launch whose slice copies (a run of ids consecutive on both sides, per region) would move
     _GATHER_BELOW_BYTES (1 MiB) or more on average is copied run by run with copy_; any other
-    is gathered and scattered, two kernels per region, over zero-copy views of the pinned mirrors.
+    is gathered and scattered (two kernels per region) over zero-copy views of the mirrors.
     CUDA: loads (CPU->GPU) run on `load_stream`, stores (GPU->CPU) on `store_stream`, both at
     torch.cuda.Stream.priority_range()[0] as in vLLM: the lowest, also the default stream's
     (0), so they do not yield to compute on it. A store waits on a compute-done event recorded
@@ -2533,9 +2533,10 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
     between its last two (in ticks, scheduler steps that select stores; one at least); a
     chain's, by its evicted key's gap (a short memory of evicted keys, twice the pool), else by
     its cached parent's. So prompts in rotation keep a share each where LRU keeps little or
-    none. Limits (workload_table measures them): a chain never reused is stored as by LRU;
-    sibling branches and a lookup after a GPU hit (it pins a child, not its parent) can still
-    put a parent first; a prediction made on one reuse can keep a block never used again."""
+    none. Limits (workload_table and the fuzz measure them): a chain never reused is stored as
+    by LRU; sibling branches and a lookup after a GPU hit (it pins a child, not its parent) can
+    still put a parent first; a prediction made on one reuse can keep a block never used again.
+    Besides the hooks, build_connector_meta starts a step (a tick)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -2543,7 +2544,7 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         self._cpu_parent_keys: list[bytes | None] = [None] * self.num_cpu_blocks
         # CPU block id -> the roots of runs freed while it was in use: they wait for it
         self._waiting_runs: dict[int, list[KVCacheBlock]] = {}
-        # the clock: one tick per store selection (a request's step); CPU block id -> the tick
+        # the clock: one tick per scheduler step that selects stores; CPU block id -> the tick
         # of its last use (-1 - tick: stored at tick, not registered yet) and the ticks between
         # its last two uses (None: used once); evicted keys -> their last use, oldest first
         self._clock = 0
@@ -2615,7 +2616,7 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         """The free queue's front up to the first block to keep: one of the request's own chain,
         wherever its cursor is (evicting it would strand this store's copies), the parent of a
         copy in flight, or one due again before the chain stored; no further than it could take.
-        Ticks the clock when the selection turns to another request."""
+        The step's first selection ticks the clock."""
         request = state.request
         block_hashes = request.block_hashes
         cursors = zip(state.block_ids, state.num_stored_blocks)
@@ -2650,8 +2651,9 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
 
     def _predicted_reuse(self, state: StoreRequestState) -> int | None:
         """The tick at which the chain `state` stores is predicted to be used again: by the
-        gap since its first uncached block was evicted, else by the reuse gap of the cached
-        block before it; None when neither was ever reused (a new chain: stored as by LRU)."""
+        gap since its first uncached block's last use (remembered when it was evicted), else by
+        the reuse gap of the cached block before it; None when neither was ever reused (a new
+        chain: stored as by LRU)."""
         request = state.request
         scale = self.group_block_sizes[0] // self.hash_block_size
         num_blocks = len(request.block_hashes) // scale
@@ -3524,7 +3526,7 @@ def workload_table(families: Sequence[str] = WORKLOAD_FAMILIES,
             verdict = "goal met" if row["goal"] else "gap"
             print(f"{family:9}{concurrency:>6}{num_cpu_blocks:>6}{row['lru']:>8.1f}"
                   f"{row['policy']:>8.1f}{row['optimum']:>9.1f}{row['reusable']:>10.1f}"
-                  f"  {share:.0%} {verdict}", flush=True)
+                  f"  {share:.1%} {verdict}", flush=True)
             rows.append(row)
     return rows
 
