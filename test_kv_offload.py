@@ -3164,16 +3164,15 @@ def test_gpu_check_selects_every_gpu_case():
     names = {i.split("::")[1].split("[")[0] for i in ids}
     assert {"test_worker_copies_exact_blocks_both_directions", "test_repeated_prompt_end_to_end",
             "test_two_workers_world_size_2", "test_fuzz_random_schedules",
-            "test_worker_step_has_no_hidden_sync",
-            "test_abort_while_its_load_is_in_flight",
-            "test_reset_while_a_store_and_a_load_are_in_flight",
-            "test_world_size_2_one_worker_lags",
+            "test_worker_step_has_no_hidden_sync", "test_scripted_interleaving",
             "test_async_race",
             "test_unpinned_mirror_fails_registration",
             "test_copy_calls_per_block_of_the_story"} <= names
     assert all("cuda" in i.split("[")[1] for i in ids), ids
     races = {i.split("[")[1].split("-")[0] for i in ids if "::test_async_race[" in i}
     assert races == set(ASYNC_RACES), races
+    scripted = {i.split("[")[1].split("-")[0] for i in ids if "::test_scripted_interleaving[" in i}
+    assert scripted == {name for name, row in INTERLEAVINGS.items() if "cuda" in row[0]}, scripted
     if not torch.cuda.is_available():
         one = _pytest_here("-k", "cuda and worker_copies and flash and contiguous and gather",
                            env=env)
@@ -4223,9 +4222,8 @@ def test_notebook_is_committed_with_outputs():
 #   RB-6 register_kv_caches raised IndexError on 0/1-dim tensors
 #   RB-7 a request larger than the GPU pool was accepted and run() spun forever
 #   RB-8 the worker reported a rejected copy as complete once a later copy finished
-# Issue 13 (an adversarial pass of 63 bad calls): every case is a row of the bad-input catalogue
-# (BAD_CALLS), plus test_report_of_an_unissued_store_event_is_refused, the stale finish in
-# test_reused_request_id_is_stored, and test_refused_reset_is_retried_and_serves_no_stale_hit.
+# Issue 13 (an adversarial pass of 63 bad calls): every case is a row of the bad-input catalogues
+# (BAD_CALLS, BAD_ENGINE_CALLS) or a refused reset of 2.4 (test_scripted_interleaving).
 
 FUZZ_BS = 4  # tokens per block in every schedule: prompts of tens of tokens span a few blocks
 
@@ -5286,12 +5284,13 @@ def test_fuzz_random_schedules(device, pytestconfig):
 
 
 # ---- 2.4 Scripted interleavings (each reached on every run, not by chance) -----------------------
-
-FUZZ_DEVICES = DEVICES
-# 20 tokens: 5 blocks, 4 of them a CPU hit (cap: num_tokens - 1)
-FUZZ_BASE_A = tuple(range(1, 21))
-FUZZ_BASE_B = tuple(range(100, 116))     # 16 tokens, shares nothing with A
+# Bases that share no token: A, 20 tokens (5 blocks, 4 of them a CPU hit: cap num_tokens - 1);
+# B, 16; C, 12. Each row of INTERLEAVINGS: the devices, the schedule, and what its run must
+# reach, exactly and at least: RunLog counts, a request's CPU hit tokens ("r1"), and the hit of
+# a probe of a base once the engine is idle ("probe A"). run_plan checks everything else.
+FUZZ_BASES = (tuple(range(1, 21)), tuple(range(100, 116)), tuple(range(200, 212)))
 FUZZ_FULL_A, FUZZ_FULL_B = ("add", 0, 20, (), 1), ("add", 1, 16, (), 1)
+ON_EVERY_DEVICE = ("cpu", "deferred", "cuda")
 
 
 def probe_lookup(run, tokens) -> int:
@@ -5303,137 +5302,107 @@ def probe_lookup(run, tokens) -> int:
 
 
 def plan_of(*ops, **kw) -> Plan:
-    kw.setdefault("bases", (FUZZ_BASE_A, FUZZ_BASE_B))
+    kw.setdefault("bases", FUZZ_BASES)
     kw.setdefault("num_gpu_blocks", 16)
     kw.setdefault("num_cpu_blocks", 8)
     kw.setdefault("budget", 8)
     return Plan(ops=ops, **kw)
 
 
-@pytest.mark.parametrize("device", FUZZ_DEVICES)
-def test_abort_while_its_load_is_in_flight(device):
-    """A is stored; the GPU cache is dropped; B (A's prompt) hits 16 tokens on CPU and is aborted
-    while its load report is still on the way. The load's pins (both pools) must stay until the
-    report, then go; nothing else may leak."""
-    plan = plan_of(FUZZ_FULL_A, ("drain",), ("reset_gpu",), FUZZ_FULL_A, ("step", 1),
-                   ("abort", "r1"), faults=Faults(load_delay=3, exact=True), device=device)
-    run = run_plan(plan)
-    assert run.log.aborts_while_loading == 1 and run.engine.stats["r1"].cpu_hit_tokens == 16
+# A and B stored, the GPU cache dropped, C's store in flight (worker 0 holds its report)
+_C_STORING = (FUZZ_FULL_A, FUZZ_FULL_B, ("drain",), ("reset_gpu",), ("hold", 0),
+              ("add", 2, 12, (), 1), ("step", 2))
+# A stored, the GPU cache dropped; B (16 tokens, then decodes) holds 5 of 7 usable GPU blocks;
+# A again: its CPU hit of 16 tokens needs 4 blocks, 2 are free: it waits, holding its lookup pin
+_A_PINNED = (FUZZ_FULL_A, ("drain",), ("reset_gpu",), ("add", 1, 16, (), 8), ("step", 2),
+             FUZZ_FULL_A, ("step", 1))
+INTERLEAVINGS = {
+    # A is stored; the GPU cache is dropped; r1 (A's prompt) hits 16 tokens on CPU and is
+    # aborted while its load report is on the way: the load's pins (both pools) stay until the
+    # report, then go; nothing else leaks
+    "abort_while_its_load_is_in_flight": (ON_EVERY_DEVICE, plan_of(
+        FUZZ_FULL_A, ("drain",), ("reset_gpu",), FUZZ_FULL_A, ("step", 1), ("abort", "r1"),
+        faults=Faults(load_delay=3, exact=True)), {"aborts_while_loading": 1, "r1": 16}, {}),
+    # A's first blocks are being stored (reports held) when A is aborted after 16 of its 20
+    # tokens: the copies keep their pins and complete, the abort flushes the other confirmed
+    # blocks, and A's prompt then finds all 16 confirmed tokens (4 blocks) on CPU
+    "abort_while_its_store_is_in_flight": (("cpu",), plan_of(
+        ("add", 0, 20, (), 4), ("hold", 0), ("step", 2), ("abort", "r0")),
+        {"aborts_while_storing": 1, "probe A": 16}, {}),
+    # A finishes in one step (20 tokens, budget 20): its flush is queued for the next
+    # build_connector_meta(); a reset now releases the flush's pins at once (no worker saw it)
+    "reset_while_a_finish_flush_is_queued": (("cpu",), plan_of(
+        FUZZ_FULL_A, ("step", 1), ("reset",), budget=20),
+        {"resets_with_queued_flush": 1, "resets_refused": 0}, {}),
+    # reset() with a sent store and a sent load: both are abandoned (reset returns False), their
+    # late reports release the pins and cache nothing; a later reset succeeds
+    "reset_while_a_store_and_a_load_are_in_flight": (ON_EVERY_DEVICE, plan_of(
+        FUZZ_FULL_A, ("drain",), ("reset_gpu",), FUZZ_FULL_B, ("step", 1), FUZZ_FULL_A,
+        ("step", 1), ("reset",), budget=12,
+        faults=Faults(load_delay=2, store_delay=2, exact=True, split=True)),
+        {"resets_refused": 1, "r2": 16}, {"stale_reports": 1}),
+    # _C_STORING, then the CPU cache is reset (refused: C's store abandoned), then A again,
+    # before the report. The engine's reset_connector_cache() looks nothing up while the reset
+    # is pending and retries it after every step: A computes its 20 tokens, and once the report
+    # lands the retry drops B's keys. vLLM 0.34's manager keeps serving its entries after a
+    # refused reset and leaves the retry to the caller: after a plain connector.reset() A again
+    # is served 16 stale tokens, and B's keys (a 12-token hit) outlive the run.
+    "refused_reset_is_retried_and_serves_no_stale_hit": (("cpu",), plan_of(
+        *_C_STORING, ("reset",), FUZZ_FULL_A, ("step", 2), ("release", 0), num_cpu_blocks=16),
+        {"resets_refused": 1, "r3": 0, "probe B": 0}, {}),
+    "refused_reset_connector_serves_stale_hits": (("cpu",), plan_of(
+        *_C_STORING, ("reset_connector",), FUZZ_FULL_A, ("step", 2), ("release", 0),
+        num_cpu_blocks=16), {"resets_refused": 1, "r3": 16, "probe B": 12}, {}),
+    # _A_PINNED, then a reset, or the abort of A again
+    "reset_while_a_lookup_pin_is_held": (("cpu",), plan_of(
+        *_A_PINNED, ("reset",), num_gpu_blocks=8, num_cpu_blocks=12),
+        {"resets_with_pins": 1}, {}),
+    "abort_while_a_lookup_pin_is_held": (("cpu",), plan_of(
+        *_A_PINNED, ("abort", "r2"), num_gpu_blocks=8, num_cpu_blocks=12),
+        {"aborts_with_pin": 1}, {}),
+    # three long decodes outgrow 7 GPU blocks: a request is preempted while its stores are still
+    # unreported; its blocks stay pinned by the stores (not reused by the others) until they
+    # complete
+    "preemption_while_stores_are_in_flight": (("cpu",), plan_of(
+        ("add", 0, 12, (), 10), ("add", 1, 12, (), 10), ("add", 0, 8, (7,), 10), ("step", 6),
+        faults=Faults(store_delay=2, load_delay=1, seed=1), num_gpu_blocks=8, budget=4),
+        {}, {"preempted_while_storing": 1}),
+    # worker 1 holds its store reports: every store event waits at a count of 1 of 2 until it
+    # catches up, across a reset too
+    "world_size_2_one_worker_lags": (ON_EVERY_DEVICE, plan_of(
+        ("hold", 1), FUZZ_FULL_A, ("step", 4), ("reset",), ("step", 1), ("release", 1),
+        FUZZ_FULL_A, world_size=2), {"resets_refused": 1},
+        {"partial_counts": 1, "stale_reports": 1}),
+    "duplicate_and_stale_reports_are_ignored": (("cpu",), plan_of(
+        FUZZ_FULL_A, ("step", 2), ("reset",), FUZZ_FULL_B, ("drain",), ("reset_gpu",),
+        FUZZ_FULL_A, faults=Faults(dup=True, store_delay=1, load_delay=1, seed=3)),
+        {}, {"duplicate_reports": 1, "ignored_reports": 1}),
+    # a CPU pool of one usable block: every store evicts the previous one; still exact
+    "one_block_cpu_pool": (("cpu",), plan_of(
+        FUZZ_FULL_A, FUZZ_FULL_B, ("drain",), ("reset_gpu",), FUZZ_FULL_A,
+        ("add", 0, 4, (9,), 2), num_cpu_blocks=2, faults=Faults(store_delay=1, seed=2)),
+        {}, {"cpu_evictions": 1}),
+}
 
 
-def test_abort_while_its_store_is_in_flight():
-    """A's first blocks are being stored (reports held) when A is aborted after 16 of its 20 tokens:
-    the copies keep their pins and complete, the abort flushes the other confirmed blocks, and a
-    later lookup of A's prompt finds all 16 confirmed tokens (4 blocks) on CPU."""
-    def stored(run):
-        assert probe_lookup(run, FUZZ_BASE_A) == 16
-    plan = plan_of(("add", 0, 20, (), 4), ("hold", 0), ("step", 2), ("abort", "r0"), budget=8)
-    run = run_plan(plan, before_reset=stored)
-    assert run.log.aborts_while_storing == 1
+@pytest.mark.parametrize("name, device", [
+    pytest.param(name, device, marks=CUDA.marks if device == "cuda" else ())
+    for name, (devices, *_) in INTERLEAVINGS.items() for device in devices])
+def test_scripted_interleaving(name, device):
+    """Each row of INTERLEAVINGS reaches its interleaving, as its comment says, and passes
+    every check of run_plan (invariants after each step, exact KV and outputs, all free)."""
+    _, plan, exactly, at_least = INTERLEAVINGS[name]
+    seen = {}
 
+    def probe_bases(run):
+        seen.update({f"probe {b}": probe_lookup(run, t) for b, t in zip("ABC", FUZZ_BASES)})
 
-def test_reset_while_a_finish_flush_is_queued():
-    """A finishes in one step (20 tokens, budget 20): its flush is queued for the next
-    build_connector_meta(); a reset now must release the flush's pins at once (no worker saw it)."""
-    plan = plan_of(FUZZ_FULL_A, ("step", 1), ("reset",), budget=20)
-    run = run_plan(plan)
-    assert run.log.resets_with_queued_flush == 1 and run.log.resets_refused == 0
-
-
-@pytest.mark.parametrize("device", FUZZ_DEVICES)
-def test_reset_while_a_store_and_a_load_are_in_flight(device):
-    """reset() with a sent store and a sent load: both are abandoned (reset returns False), their
-    late reports release the pins and cache nothing; a later reset succeeds."""
-    plan = plan_of(FUZZ_FULL_A, ("drain",), ("reset_gpu",), FUZZ_FULL_B, ("step", 1), FUZZ_FULL_A,
-                   ("step", 1), ("reset",),
-                   budget=12, device=device,
-                   faults=Faults(load_delay=2, store_delay=2, exact=True, split=True))
-    run = run_plan(plan)
-    assert run.log.resets_refused == 1
-    assert run.log.stale_reports >= 1
-    assert run.engine.stats["r2"].cpu_hit_tokens == 16
-
-
-FUZZ_BASE_C = tuple(range(200, 212))     # 12 tokens, shares nothing with A or B
-
-
-@pytest.mark.parametrize("reset", ["reset", "reset_connector"])
-def test_refused_reset_is_retried_and_serves_no_stale_hit(reset):
-    """A (20 tokens) and B (16) are stored; the GPU cache is dropped; C's store is in flight
-    (worker 0 holds its report) when the CPU cache is reset: refused, C's store abandoned. Then
-    A again, before the report. vLLM 0.34's manager keeps serving its entries after a refused
-    reset and leaves the retry to the caller: after a plain connector.reset() A again is served
-    16 stale tokens, and B's keys (a 12-token hit) outlive the run. The engine's
-    reset_connector_cache() looks nothing up while the reset is pending and retries it after
-    every step: A computes its 20 tokens, and once the report lands the retry drops B's keys."""
-    b_hits = []
-
-    def probe_b(run):
-        b_hits.append(probe_lookup(run, FUZZ_BASE_B))
-
-    plan = plan_of(FUZZ_FULL_A, FUZZ_FULL_B, ("drain",), ("reset_gpu",), ("hold", 0),
-                   ("add", 2, 12, (), 1), ("step", 2), (reset,), FUZZ_FULL_A, ("step", 2),
-                   ("release", 0),
-                   bases=(FUZZ_BASE_A, FUZZ_BASE_B, FUZZ_BASE_C), num_cpu_blocks=16)
-    run = run_plan(plan, before_reset=probe_b)
-    stale_hit, b_hit = (0, 0) if reset == "reset" else (16, 12)
-    assert run.log.resets_refused == 1
-    assert run.engine.stats["r3"].cpu_hit_tokens == stale_hit and b_hits == [b_hit]
-
-
-@pytest.mark.parametrize("last_op, reached", [
-    (("reset",), "resets_with_pins"),
-    (("abort", "r2"), "aborts_with_pin"),
-], ids=["reset", "abort"])
-def test_reset_or_abort_while_a_lookup_pin_is_held(last_op, reached):
-    """A stored; GPU cache dropped; B (16 tokens, then decodes) holds 5 of 7 usable GPU blocks;
-    A again: a CPU hit of 16 tokens needs 4 blocks, 2 are free -> it waits, holding its lookup
-    pin, when the reset (or the abort of A) comes."""
-    plan = plan_of(FUZZ_FULL_A, ("drain",), ("reset_gpu",), ("add", 1, 16, (), 8), ("step", 2),
-                   FUZZ_FULL_A, ("step", 1), last_op,
-                   num_gpu_blocks=8, num_cpu_blocks=12)
-    run = run_plan(plan)
-    assert getattr(run.log, reached) == 1
-
-
-def test_preemption_while_stores_are_in_flight():
-    """Three long decodes outgrow 7 GPU blocks: a request is preempted while its stores are still
-    unreported; its blocks stay pinned by the stores (not reused by the others) until they
-    complete."""
-    plan = plan_of(("add", 0, 12, (), 10), ("add", 1, 12, (), 10), ("add", 0, 8, (7,), 10),
-                   ("step", 6),
-                   faults=Faults(store_delay=2, load_delay=1, seed=1),
-                   num_gpu_blocks=8, budget=4)
-    run = run_plan(plan)
-    assert run.log.preempted_while_storing >= 1
-
-
-@pytest.mark.parametrize("device", FUZZ_DEVICES)
-def test_world_size_2_one_worker_lags(device):
-    """Worker 1 holds its store reports: every store event waits at a count of 1 of 2 until it
-    catches up, across a reset too."""
-    plan = plan_of(("hold", 1), FUZZ_FULL_A, ("step", 4), ("reset",), ("step", 1), ("release", 1),
-                   FUZZ_FULL_A, world_size=2, device=device)
-    run = run_plan(plan)
-    assert run.log.partial_counts >= 1
-    assert run.log.resets_refused == 1
-    assert run.log.stale_reports >= 1
-
-
-def test_duplicate_and_stale_reports_are_ignored():
-    plan = plan_of(FUZZ_FULL_A, ("step", 2), ("reset",), FUZZ_FULL_B, ("drain",), ("reset_gpu",),
-                   FUZZ_FULL_A, faults=Faults(dup=True, store_delay=1, load_delay=1, seed=3))
-    run = run_plan(plan)
-    assert run.log.duplicate_reports >= 1 and run.log.ignored_reports >= 1
-
-
-def test_one_block_cpu_pool():
-    """A CPU pool of one usable block: every store evicts the previous one; still exact."""
-    plan = plan_of(FUZZ_FULL_A, FUZZ_FULL_B, ("drain",), ("reset_gpu",), FUZZ_FULL_A,
-                   ("add", 0, 4, (9,), 2),
-                   num_cpu_blocks=2, faults=Faults(store_delay=1, seed=2))
-    run = run_plan(plan)
-    assert run.log.cpu_evictions >= 1
+    run = run_plan(dataclasses.replace(plan, device=device), before_reset=probe_bases)
+    seen.update({rid: stats.cpu_hit_tokens for rid, stats in run.engine.stats.items()})
+    seen.update(dataclasses.asdict(run.log))
+    assert {key: seen[key] for key in exactly} == exactly
+    short = {key: seen[key] for key, least in at_least.items() if seen[key] < least}
+    assert not short, short
 
 
 # ---- 2.5 Failures the generator found, kept as regression tests ----------------------------------
