@@ -1588,19 +1588,24 @@ class Harness:
             req.num_computed_tokens = num_tokens
         return tuple(table)
 
-    def step(self, sched_tokens=None, new_blocks=None, resumed=(), preempted=()):
-        """One build_connector_meta; `new_blocks` maps req_id -> table of KVCacheBlocks."""
+    def step(self, sched_tokens=None, new_blocks=None, resumed=(), preempted=(), complete=False):
+        """One build_connector_meta; `new_blocks` maps req_id -> table of KVCacheBlocks. With
+        `complete`, the step's store (if any) completes."""
         out = ko.SchedulerOutput(
             num_scheduled_tokens=dict(sched_tokens or {}),
             new_block_ids={rid: table_ids(t) for rid, t in (new_blocks or {}).items()},
             resumed_req_ids=set(resumed), preempted_req_ids=set(preempted))
-        return self.sched.build_connector_meta(out)
+        meta = self.sched.build_connector_meta(out)
+        if complete and meta.store_event >= 0:
+            self.complete_store(meta.store_event)
+        return meta
 
-    def schedule(self, *reqs_tokens, confirmed=True, lookup=False):
+    def schedule(self, *reqs_tokens, confirmed=True, lookup=False, complete=False):
         """One step that admits each (req, num_tokens) whole with no external hit (after a CPU
         lookup if asked): allocated and hashed, registered, then the step's metadata. With
         `confirmed` the tokens count as computed before the metadata is built (so this step
-        stores them); without, the forward pass confirms them after. Returns (meta, tables)."""
+        stores them); without, the forward pass confirms them after. `complete`: as step's.
+        Returns (meta, tables)."""
         tables = []
         for req, n in reqs_tokens:
             if lookup:
@@ -1608,7 +1613,8 @@ class Harness:
             tables.append(self.alloc(req, n, confirm=confirmed))
             self.sched.update_state_after_alloc(req, tables[-1], 0)
         meta = self.step({r.request_id: n for r, n in reqs_tokens},
-                         {r.request_id: t for (r, _), t in zip(reqs_tokens, tables)})
+                         {r.request_id: t for (r, _), t in zip(reqs_tokens, tables)},
+                         complete=complete)
         for req, n in reqs_tokens:
             req.num_computed_tokens = n
         return meta, tables
@@ -1616,10 +1622,7 @@ class Harness:
     def prefill(self, *reqs_tokens, complete=True):
         """schedule() with the tokens confirmed: one step that stores them; the store completes
         unless told not to. Returns (meta, tables)."""
-        meta, tables = self.schedule(*reqs_tokens)
-        if complete and meta.store_event >= 0:
-            self.complete_store(meta.store_event)
-        return meta, tables
+        return self.schedule(*reqs_tokens, complete=complete)
 
     def prefill_then_finish(self, *reqs_tokens):
         """Requests whose prefill ran in their last step (nothing confirmed was stored before
@@ -1842,14 +1845,11 @@ def test_prefix_aware_eviction_queue_order_by_hand(prefix_aware):
     table = h.alloc(a, 64, confirm=False)
     h.sched.update_state_after_alloc(a, table, 0)
     a.num_computed_tokens = 32  # the first chunk's forward pass ran
-    meta = h.step({a.request_id: 32}, {a.request_id: table})
+    meta = h.step({a.request_id: 32}, {a.request_id: table}, complete=True)
     assert meta.store_cpu_blocks == [1, 2]
-    h.complete_store(meta.store_event)
     assert free_ids(h.cpu) == ([3, 4, 2, 1] if prefix_aware else [3, 4, 1, 2])
     a.num_computed_tokens = 64
-    meta = h.step({a.request_id: 32})
-    assert meta.store_cpu_blocks == [3, 4]
-    h.complete_store(meta.store_event)
+    assert h.step({a.request_id: 32}, complete=True).store_cpu_blocks == [3, 4]
     assert free_ids(h.cpu) == ([4, 3, 2, 1] if prefix_aware else [1, 2, 3, 4])
     c = h.request(16)
     meta, _ = h.prefill((c, 16))
@@ -1871,14 +1871,10 @@ def test_prefix_aware_store_never_evicts_its_own_prefix():
         new_blocks = {a.request_id: table}
         for tokens in (32, 64, 96, 112):
             a.num_computed_tokens = tokens
-            meta = h.step({a.request_id: 32}, new_blocks)
+            h.step({a.request_id: 32}, new_blocks, complete=True)
             new_blocks = None
-            if meta.store_event >= 0:
-                h.complete_store(meta.store_event)
         h.finish(a, table)
-        meta = h.step()
-        if meta.store_event >= 0:
-            h.complete_store(meta.store_event)
+        h.step(complete=True)
         hits[prefix_aware] = h.probe(a)
         assert h.cpu.get_num_free_blocks() == 5
     assert hits == {False: 0, True: 5 * BS}
@@ -2561,9 +2557,7 @@ def test_finished_eager_store_caches_all_groups(variant):
     g0, g1 = table_ids(t)
     # confirmed 65: group 16 -> 4 full blocks, group 32 -> 2 full blocks = 6 (of 7 usable)
     queued = sorted(h.queued_flush_gpu_ids())
-    meta = h.step()
-    if meta.store_event >= 0:
-        h.complete_store(meta.store_event)
+    h.step(complete=True)
     assert_variant(variant, (queued, h.probe(a)), (sorted(g0[:4] + g1[:2]), 64),
                    skip_reset_hash=(sorted(g0[:4] + g1[:2]), 0), flush_bug=([], 0))
 
