@@ -1624,6 +1624,13 @@ class Harness:
         unless told not to. Returns (meta, tables)."""
         return self.schedule(*reqs_tokens, complete=complete)
 
+    def prefilled(self, num_tokens, computed=None, complete=True):
+        """A new request of `num_tokens`, its first `computed` (default: all) prefilled in one
+        step (prefill()). Returns (request, the step's meta, its table)."""
+        req = self.request(num_tokens)
+        meta, (table,) = self.prefill((req, computed or num_tokens), complete=complete)
+        return req, meta, table
+
     def prefill_then_finish(self, *reqs_tokens):
         """Requests whose prefill ran in their last step (nothing confirmed was stored before
         they finish): schedule(), the forward pass, then each finishes. Returns the tables."""
@@ -1694,8 +1701,7 @@ def test_store_lookup_load_roundtrip(variant):
     inserted the stamped primary keys directly, so whole-block hits worked there; the reset_hash
     trap registers none of them (hit 0)."""
     h = Harness(variant)
-    req = h.request(2 * BS + 1)  # 33 tokens: 2 full blocks + 1
-    meta, (table,) = h.prefill((req, 33))
+    req, meta, table = h.prefilled(2 * BS + 1)  # 33 tokens: 2 full blocks + 1
     # fresh CPU pool: free queue [1..7]; the two stored blocks land in CPU blocks 1 and 2
     assert (meta.store_gpu_blocks, meta.store_cpu_blocks) == (table_ids(table)[0][:2], [1, 2])
     # registration: both keys in the CPU map. Cap 33-1=32 keeps both blocks: hit 32.
@@ -1722,8 +1728,7 @@ def test_hit_capped_at_num_tokens_minus_one(extra, expected_hit):
     """The `num_tokens - 1` cap drops an exactly aligned last block:
     32 tokens -> cap 31 -> 1 block."""
     h = Harness()
-    req = h.request(2 * BS + extra)
-    h.prefill((req, 2 * BS + extra))
+    req, _, _ = h.prefilled(2 * BS + extra)
     assert h.in_cpu(req) == [True, True]  # both blocks stored either way
     # cap = 31 + extra; whole 16-blocks under it, at most 2: extra 0 -> 16, 1 -> 32, 15 -> 32
     assert h.probe(req) == expected_hit
@@ -1732,8 +1737,7 @@ def test_hit_capped_at_num_tokens_minus_one(extra, expected_hit):
 def test_lookup_starts_after_local_hit():
     """The CPU lookup starts at the local hit: CPU needs no copy of the GPU-hit prefix."""
     h = Harness(num_cpu_blocks=5)  # 4 usable
-    req = h.request(4 * BS + 1)  # 65 tokens
-    h.prefill((req, 64))  # blocks 0..3 -> CPU 1..4
+    req, _, _ = h.prefilled(4 * BS + 1, 64)  # 65 tokens; blocks 0..3 -> CPU 1..4
     h.prefill((h.request(33), 33))  # 2 more blocks pop CPU 1, 2: req's blocks 0, 1 evicted
     assert h.in_cpu(req) == [False, False, True, True]
     # from 0: block 0 misses -> 0. From 32: hashes [2:] hit, cap 65-1-32 = 32 -> 32
@@ -1743,8 +1747,7 @@ def test_lookup_starts_after_local_hit():
 def test_unaligned_local_hit_gets_no_cpu_hit():
     """A local hit that is not a whole number of scheduler blocks gets (0, False), pins nothing."""
     h = Harness(block_size=32, hash_block_size=16)
-    req = h.request(4 * 16 + 1)
-    h.prefill((req, 64))
+    req, _, _ = h.prefilled(4 * 16 + 1, 64)
     before = h.state()
     assert h.sched.get_num_new_matched_tokens(h.twin(req), 16) == (0, False)
     assert h.state() == before
@@ -1753,8 +1756,7 @@ def test_unaligned_local_hit_gets_no_cpu_hit():
 def test_partial_gpu_prefix_plus_cpu_load():
     """GPU hit [0,2) + CPU hit [2,6), scheduler accepts only [2,4): load exactly blocks 2,3."""
     h = Harness()
-    req = h.request(6 * BS + 1)  # 97 tokens, 6 full blocks
-    meta, _ = h.prefill((req, 97))
+    req, meta, _ = h.prefilled(6 * BS + 1)  # 97 tokens, 6 full blocks
     cpu_of = meta.store_cpu_blocks  # CPU block holding each of the 6 blocks: [1..6]
     assert cpu_of == [1, 2, 3, 4, 5, 6]
     req2 = h.twin(req)
@@ -1774,8 +1776,7 @@ def test_partial_gpu_prefix_plus_cpu_load():
 def test_load_event_to_reqs_lists_every_outstanding_load():
     """Each step sends at most one load event; load_event_to_reqs lists all that are in flight."""
     h = Harness()
-    req = h.request(2 * BS + 1)
-    h.prefill((req, 33))
+    req, _, _ = h.prefilled(2 * BS + 1)
     metas, twins = [], []
     for _ in range(2):
         twin = h.twin(req)
@@ -1807,8 +1808,7 @@ def _fill_four():
 def test_lru_eviction_order():
     """With the CPU pool full, a new store evicts the least recently used blocks (a's)."""
     h, a, b = _fill_four()
-    c = h.request(33)
-    meta, _ = h.prefill((c, 33))
+    c, meta, _ = h.prefilled(33)
     assert meta.store_cpu_blocks == [1, 2]  # popped from the LRU front: a's blocks
     assert (h.in_cpu(a), h.in_cpu(b), h.in_cpu(c)) == ([False] * 2, [True] * 2, [True] * 2)
     assert free_ids(h.cpu) == [3, 4, 1, 2]
@@ -1822,8 +1822,7 @@ def test_touched_blocks_survive_eviction():
         h.cpu.touch([h.cpu.blocks[i]])
         h.cpu.free_blocks([h.cpu.blocks[i]])
     assert free_ids(h.cpu) == [3, 4, 1, 2]
-    c = h.request(33)
-    meta, _ = h.prefill((c, 33))
+    c, meta, _ = h.prefilled(33)
     assert meta.store_cpu_blocks == [3, 4]
     assert (h.in_cpu(a), h.in_cpu(b), h.in_cpu(c)) == ([True] * 2, [False] * 2, [True] * 2)
 
@@ -1851,8 +1850,7 @@ def test_prefix_aware_eviction_queue_order_by_hand(prefix_aware):
     a.num_computed_tokens = 64
     assert h.step({a.request_id: 32}, complete=True).store_cpu_blocks == [3, 4]
     assert free_ids(h.cpu) == ([4, 3, 2, 1] if prefix_aware else [1, 2, 3, 4])
-    c = h.request(16)
-    meta, _ = h.prefill((c, 16))
+    c, meta, _ = h.prefilled(16)
     assert meta.store_cpu_blocks == ([4] if prefix_aware else [1])
     assert h.probe(a) == (48 if prefix_aware else 0)
 
@@ -2005,8 +2003,7 @@ def test_prefix_aware_run_freed_under_a_pinned_parent_waits_for_it(prefix_aware)
     a2 stayed cached (found while reading a long-fuzz failure). vLLM's LRU: [4, 5, 1, 3], then
     [4, 5, 1, 3, 2]."""
     h = Harness("prefix_aware" if prefix_aware else "fixed", num_cpu_blocks=6)
-    a = h.request(49)  # 3 full blocks + 1 token
-    h.prefill((a, 32))
+    a, _, _ = h.prefilled(49, 32)  # 3 full blocks + 1 token
     x, y = h.twin(a), h.twin(a)
     assert h.sched.get_num_new_matched_tokens(x, 16) == (16, True)  # a1 only: x's GPU has a0
     h.prefill((y, 48))  # stores a2 alone: a0 and a1 are on CPU already
@@ -2037,8 +2034,7 @@ def test_gpu_prefix_hit_refreshes_cpu_lru(variant, monkeypatch):
     assert h.sched._pending_local_hits == {}
     assert_variant(variant, free_ids(h.cpu), [3, 4, 2, 1], no_refresh=[1, 2, 3, 4])
     assert [blk.ref_cnt for blk in h.cpu.blocks[1:]] == [0] * 4  # touched and freed: no ref left
-    c = h.request(33)
-    meta, _ = h.prefill((c, 33))
+    c, meta, _ = h.prefilled(33)
     assert_variant(variant, meta.store_cpu_blocks, [3, 4], no_refresh=[1, 2])
     assert_variant(variant, (h.in_cpu(a), h.in_cpu(b)), ([True] * 2, [False] * 2),
                    no_refresh=([False] * 2, [True] * 2))
@@ -2082,8 +2078,7 @@ def test_local_hit_refresh_lifecycle():
 def test_duplicate_store_skipped(variant):
     """A second request with the same prefix stores nothing new (the trap: stores it again)."""
     h = Harness(variant)
-    req = h.request(33)
-    h.prefill((req, 33))
+    req, _, _ = h.prefilled(33)
     meta2, _ = h.prefill((h.twin(req), 33))  # fresh GPU blocks, same hashes
     # fixed: both keys already in the CPU map -> no store event.
     # vLLM 0.29 found the primaries (inserted directly) and skipped them too. The trap: the
@@ -2096,8 +2091,7 @@ def test_duplicate_store_skipped(variant):
 def test_in_flight_store_dedup_across_steps():
     """GPU blocks whose store is in flight are not stored again by a request sharing them."""
     h = Harness()
-    req = h.request(33)
-    meta1, (table,) = h.prefill((req, 33), complete=False)
+    req, meta1, table = h.prefilled(33, complete=False)
     assert set(h.sched._in_flight_store_gpu_blocks) == set(table_ids(table)[0][:2])
     assert [b.ref_cnt for b in table[0][:2]] == [2, 2]  # request + store pin
     twin = h.twin(req)  # GPU prefix hit: reuses the same GPU blocks
@@ -2118,8 +2112,7 @@ def test_in_flight_store_dedup_across_steps():
 def test_finish_during_load_defers_cleanup():
     """request_finished while the load is in flight keeps the pins until finished_recving."""
     h = Harness()
-    req = h.request(33)
-    meta, _ = h.prefill((req, 33))
+    req, meta, _ = h.prefilled(33)
     twin = h.twin(req)
     table, _ = h.start_load(twin)
     assert h.sched.request_finished(twin, []) == (False, None)
@@ -2136,8 +2129,7 @@ def test_finish_during_load_defers_cleanup():
 def test_finish_during_store_defers_cleanup():
     """request_finished while its store is in flight: state kept until the store completes."""
     h = Harness()
-    req = h.request(33)
-    meta, (table,) = h.prefill((req, 33), complete=False)
+    req, meta, table = h.prefilled(33, complete=False)
     assert h.sched.request_finished(req, []) == (False, None)
     h.gpu.free_blocks(table[0])
     assert req.request_id in h.sched._reqs_to_store
@@ -2151,8 +2143,7 @@ def test_finish_during_store_defers_cleanup():
 def test_lookup_pin_survives_eviction_pressure():
     """A hit pinned by get_num_new_matched_tokens is not evicted before update_state_after_alloc."""
     h = Harness(num_cpu_blocks=5)  # 4 usable
-    a = h.request(33)
-    h.prefill((a, 33))  # a -> CPU 1, 2
+    a, _, _ = h.prefilled(33)  # a -> CPU 1, 2
     b = h.twin(a)
     assert h.sched.get_num_new_matched_tokens(b, 0) == (32, True)
     assert [h.cpu.blocks[i].ref_cnt for i in (1, 2)] == [1, 1]
@@ -2171,8 +2162,7 @@ def test_lookup_pin_released_by_relookup_zero_alloc_and_finish():
     """The lookup pin is one ref:
     a repeated lookup, 0 external tokens or request_finished drop it."""
     h = Harness()
-    req = h.request(33)
-    h.prefill((req, 33))
+    req, _, _ = h.prefilled(33)
     refs = lambda: [h.cpu.blocks[i].ref_cnt for i in (1, 2)]  # noqa: E731
     twin = h.twin(req)
     h.sched.get_num_new_matched_tokens(twin, 0)
@@ -2191,8 +2181,7 @@ def test_lookup_pin_released_by_relookup_zero_alloc_and_finish():
 def test_store_completes_after_world_size_reports(aggregate):
     """With world_size=2 a store completes only when both workers reported it."""
     h = Harness(world_size=2)
-    req = h.request(33)
-    meta, (table,) = h.prefill((req, 33), complete=False)
+    req, meta, table = h.prefilled(33, complete=False)
     one = ko.SimpleCPUOffloadWorkerMetadata(completed_store_events={meta.store_event: 1})
     if aggregate:  # both workers' reports merged within a step
         other = ko.SimpleCPUOffloadWorkerMetadata(completed_store_events={meta.store_event: 1})
@@ -2254,14 +2243,13 @@ def test_chunked_prefill_reads_live_block_ids():
 def test_preemption_resets_table_and_cursor():
     """A preempted request resumes with a new full table and its store cursor back at 0."""
     h = Harness(num_cpu_blocks=4)  # 3 usable CPU blocks
-    req = h.request(3 * BS + 1)  # 49 tokens
-    meta1, (t1,) = h.prefill((req, 2 * BS))  # blocks 0,1 -> CPU 1,2; cursor = 2
+    # 49 tokens; blocks 0,1 -> CPU 1,2; cursor = 2
+    req, meta1, t1 = h.prefilled(3 * BS + 1, 2 * BS)
     assert meta1.store_cpu_blocks == [1, 2]
     meta_p = h.step(preempted={req.request_id})
     assert meta_p.need_flush
     h.gpu.free_blocks(t1[0])
-    x = h.request(49)
-    meta_x, _ = h.prefill((x, 48))  # 3 blocks pop CPU 3,1,2: req's two blocks are evicted
+    x, meta_x, _ = h.prefilled(49, 48)  # 3 blocks pop CPU 3,1,2: req's two blocks are evicted
     assert meta_x.store_cpu_blocks == [3, 1, 2]
     assert h.in_cpu(req) == [False, False, False]
     t2 = h.alloc(req, 3 * BS)  # resumed: fresh GPU blocks, 48 tokens recomputed
@@ -2273,8 +2261,8 @@ def test_preemption_resets_table_and_cursor():
 def test_resumed_table_replaces_old_block_ids():
     """A resumed request's new_block_ids are its whole table: they replace the old ids."""
     h = Harness()
-    req = h.request(3 * BS + 1)
-    meta1, (t1,) = h.prefill((req, 2 * BS))  # blocks 0,1 stored; table [g0, g1], cursor 2
+    # blocks 0,1 stored; table [g0, g1], cursor 2
+    req, meta1, t1 = h.prefilled(3 * BS + 1, 2 * BS)
     h.gpu.free_blocks(t1[0])
     t2 = h.alloc(req, 3 * BS)  # resumed with fresh blocks n0..n2, 48 tokens confirmed
     meta2 = h.step({req.request_id: 1}, {req.request_id: t2}, resumed={req.request_id})
@@ -2289,8 +2277,7 @@ def test_resumed_table_replaces_old_block_ids():
 def test_two_groups_same_size_store_and_load():
     """Two 16-token groups: every block of both groups is stored, hit, and loaded in pairs."""
     h = Harness(group_block_sizes=[BS, BS])
-    req = h.request(33)
-    meta, (table,) = h.prefill((req, 33))
+    req, meta, table = h.prefilled(33)
     g0, g1 = table_ids(table)
     assert sorted(meta.store_gpu_blocks) == sorted(g0[:2] + g1[:2])
     assert (h.in_cpu(req, 0), h.in_cpu(req, 1)) == ([True] * 2, [True] * 2)
@@ -2318,8 +2305,7 @@ def test_hit_must_hold_in_every_group():
 def test_groups_of_different_sizes(num_tokens, expected_hit):
     """Groups of 16 and 32 tokens (block 32, hash 16): the hit is what both groups agree on."""
     h = Harness(num_cpu_blocks=8, block_size=32, hash_block_size=16, group_block_sizes=[16, 32])
-    req = h.request(num_tokens)
-    meta, _ = h.prefill((req, num_tokens))
+    req, meta, _ = h.prefilled(num_tokens)
     assert len(meta.store_gpu_blocks) == 4 + 2  # 64 computed tokens: 4 x 16 + 2 x 32
     # 65 tokens: cap 64 -> group 16: 4 blocks (64), group 32: 2 blocks (64) -> 64.
     # 64 tokens: cap 63 -> group 16: 3 blocks (48), group 32: 1 block (32); 16-group again
@@ -2331,8 +2317,7 @@ def test_groups_store_only_scheduler_block_aligned_prefix():
     """With several groups only the block_size-aligned confirmed prefix is stored
     (as in vLLM's hybrid coordinator)."""
     h = Harness(block_size=32, hash_block_size=16, group_block_sizes=[16, 32])
-    req = h.request(65)
-    meta, (table,) = h.prefill((req, 49))
+    req, meta, table = h.prefilled(65, 49)
     # 49 confirmed -> round down to 32 (vLLM HybridKVCacheCoordinator._align_cacheable):
     # group 16 stores blocks 0,1 (not 2), group 32 stores block 0
     ids = table_ids(table)
@@ -2345,8 +2330,7 @@ def test_groups_store_only_scheduler_block_aligned_prefix():
 def test_reset_waits_for_sent_store():
     """A sent store is abandoned: reset() is False until it completes, and it caches nothing."""
     h = Harness(num_gpu_blocks=16)
-    req = h.request(33)
-    meta, (table,) = h.prefill((req, 33), complete=False)
+    req, meta, table = h.prefilled(33, complete=False)
     h.gpu.free_blocks(table[0])  # preempted/finished by the engine: the store pin remains
     assert h.sched.reset() is False
     assert [b.ref_cnt for b in table[0]] == [1, 1, 0]  # DMA may still read these
@@ -2364,8 +2348,7 @@ def test_reset_waits_for_sent_load_and_releases_unsent_pins():
     """A sent load keeps its pins until finished_recving;
     an unsent load and a lookup pin go at once."""
     h = Harness(num_gpu_blocks=16)
-    req = h.request(33)
-    h.prefill((req, 33))
+    req, _, _ = h.prefilled(33)
     sent = h.twin(req)
     t_sent, _ = h.start_load(sent)
     t_unsent, _ = h.start_load(h.twin(req), send=False)  # load prepared, never sent
@@ -2387,8 +2370,7 @@ def test_stale_completions_after_reset_are_ignored():
     """Repeated or unknown completions change nothing; event ids keep growing across reset().
     (A report of a store event never issued is a ValueError: the bad-input catalogue.)"""
     h = Harness(num_gpu_blocks=16)
-    req = h.request(33)
-    meta, (table,) = h.prefill((req, 33), complete=False)
+    req, meta, table = h.prefilled(33, complete=False)
     h.sched.reset()
     h.complete_store(meta.store_event)  # releases the abandoned store's pins
     before = h.state()
@@ -2396,8 +2378,7 @@ def test_stale_completions_after_reset_are_ignored():
     h.complete_load("no-such-request")
     assert h.state() == before
     assert [b.ref_cnt for b in table[0]] == [1, 1, 1]  # only the request's own refs
-    x = h.request(33)
-    meta2, _ = h.prefill((x, 33))
+    x, meta2, _ = h.prefilled(33)
     assert meta2.store_event > meta.store_event
     assert h.in_cpu(x) == [True, True]
 
@@ -2469,8 +2450,7 @@ def test_finished_eager_store_skips_existing_cpu_cache_entries(variant):
     """The flush skips blocks already in the CPU cache
     (the trap: the empty map makes it copy them again)."""
     h = Harness(variant)
-    x = h.request(33)
-    h.prefill((x, 33))  # x's blocks 0,1 on CPU (1, 2)
+    x, _, _ = h.prefilled(33)  # x's blocks 0,1 on CPU (1, 2)
     a = h.request(tokens=x.all_token_ids[:32] + list(range(5, 22)))  # 49 tokens, shares 2 blocks
     (ta,) = h.prefill_then_finish((a, 49))
     g = table_ids(ta)[0]
@@ -2485,8 +2465,7 @@ def test_finished_eager_store_skips_existing_cpu_cache_entries(variant):
 def test_finished_eager_store_skips_in_flight_blocks(variant):
     """The flush skips GPU blocks whose store is already in flight."""
     h = Harness(variant)
-    x = h.request(33)
-    meta_x, (tx,) = h.prefill((x, 33), complete=False)  # x's blocks 0,1 in flight
+    x, meta_x, tx = h.prefilled(33, complete=False)  # x's blocks 0,1 in flight
     a = h.twin(x)
     a.append_output_token_ids(list(range(5, 21)))  # grows to 49 tokens: 3 full blocks
     h.gpu.touch(tx[0][:2])  # GPU prefix hit on x's two blocks
@@ -2520,8 +2499,7 @@ def test_registration_survives_stamped_destination(variant):
     """A CPU block already carrying its key as primary is still registered (reset_hash() first).
     vLLM 0.29's direct insert registered it too; the fix without reset_hash() does not."""
     h = Harness(variant)
-    req = h.request(33)
-    meta, _ = h.prefill((req, 33), complete=False)
+    req, meta, _ = h.prefilled(33, complete=False)
     for g, c in zip(meta.store_gpu_blocks, meta.store_cpu_blocks):  # vLLM 0.29's stamp
         h.cpu.blocks[c].block_hash = h.gpu.blocks[g].block_hash
     h.complete_store(meta.store_event)
