@@ -2914,19 +2914,17 @@ def _story_with_sync_check(device, set_mode=None, plant_sync=False, worker_cls=N
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_copy_calls_per_block_of_the_story(device, pytestconfig):
-    """How the worker copies the demo's 8192-token story (block 16, chunks of 1024, 4 layers: 8
-    regions, K and V, of 8 KiB rows). A run of ids consecutive on both sides is one slice copy_
-    per region on the copy_ path. A is stored chunk by chunk: 8 chunks of 64 blocks, each a run
-    (GPU and CPU ids both ascending) -> 8 runs for 512 blocks. B's table: the GPU free queue after
-    A holds the 63 blocks A never used (513 is A's partial last block, prepended; 514-575), then
-    A's blocks tail first (vLLM's free order), except those of A's last two chunks, which their
-    stores still pinned when A finished (the step-late store, then the final flush) and which
-    rejoin ascending as the stores complete: 513-575, 384 down to 1, 385-448
-    (ko.story_load_ids()). Against CPU sources 1-511 ascending: a run of 63, 384 single blocks,
-    a run of 64 -> 386 runs: 3,088 copy_ calls for 511 blocks on the copy_ path (10.6 KiB each),
-    so the rule takes the gather/scatter path: 8 index_select + 8 index_copy_. Each store
-    (64 blocks, 512 KiB per region) is gathered too. On CUDA it prints the load's GB/s, timed
-    by CUDA events, and the host µs to issue it."""
+    """How the worker copies the demo's 8192-token story (block 16, chunks of 1024, 4 layers:
+    8 regions, K and V, of 8 KiB rows). A run of ids consecutive on both sides is one slice
+    copy_ per region on the copy_ path. A is stored in 8 chunks of 64 blocks, each a run (both
+    sides ascending): 8 runs for 512 blocks. B's table: the GPU free queue after A holds the
+    63 blocks A never used (513, A's partial last block, prepended; 514-575), then A's blocks
+    tail first (vLLM's free order), but for those of A's last two chunks, pinned by their
+    stores when A finished (the step-late store, the final flush), which rejoin ascending:
+    513-575, 384 down to 1, 385-448 (ko.story_load_ids()). Against CPU 1-511 ascending: runs
+    of 63, 1 (384 times) and 64 -> 386 runs, 3,088 copy_ calls of 10.6 KiB: the rule gathers
+    (8 index_select + 8 index_copy_); each store (512 KiB per region) too. On CUDA it prints
+    the load's GB/s (CUDA events) and the host µs to issue it."""
     launches, timings = [], []
     launch = ko.TorchCopyBackend.launch_copy
 
@@ -6148,16 +6146,14 @@ def run_failed_sync_load(policy: str, connector_cls, late: bool = False,
 @pytest.mark.parametrize("late", [False, True], ids=["same-step", "late-report"])
 def test_failed_sync_load_policy_fail_crashes_the_store_completion(late, sibling_tokens):
     """Policy "fail", by hand. A's table is GPU blocks [1, 2, 3, 4] (block 16). Step 1: the
-    sibling's 32 tokens count as computed at scheduling, so build_connector_meta stores GPU
-    blocks 1 and 2 (the 32 confirmed tokens) and pins them; the sibling's load into block 2
-    fails; _handle_invalid_blocks evicts blocks 2, 3, 4 (block 2 loses its hash, pinned or
-    not); A finishes with an error. The store's completion (step 1, or step 2 when reported
-    late) reaches `assert primary_hash is not None` on block 2: the engine crashes. With the
-    proposed fix: block 1 (loaded fine) is registered, block 2's CPU block is freed
-    unregistered; every pool ends free; B hits block 1's copy on CPU (16 tokens) and its KV
-    is exact. With 48 tokens from the sibling, step 1 stores GPU block 3 too: loaded fine,
-    but evicted as one after the failed block, so it has no hash either, though no failure
-    names it."""
+    sibling's 32 tokens count as computed at scheduling, so build_connector_meta stores (and
+    pins) GPU blocks 1 and 2; the sibling's load into block 2 fails; _handle_invalid_blocks
+    evicts blocks 2-4 (block 2 loses its hash, pinned or not); A finishes with an error. The
+    store's completion (step 1, step 2 if reported late) reaches `assert primary_hash is not
+    None` on block 2: a crash. With the proposed fix: block 1 is registered, block 2's CPU
+    block freed unregistered; every pool ends free; B hits block 1's copy (16 tokens), KV
+    exact. With 48 sibling tokens step 1 stores GPU block 3 too, evicted after the failed
+    block: no hash either, though no failure names it."""
     with pytest.raises(AssertionError) as crash:
         run_failed_sync_load("fail", ko.SimpleCPUOffloadScheduler, late, sibling_tokens)
     assert crash.traceback[-1].name == "_process_store_completion"
@@ -6174,15 +6170,13 @@ def test_failed_sync_load_policy_fail_crashes_the_store_completion(late, sibling
 
 @pytest.mark.parametrize("late", [False, True], ids=["same-step", "late-report"])
 def test_failed_sync_load_policy_recompute_registers_a_copy_never_loaded(late):
-    """Policy "recompute", the same step 1; then _handle_invalid_blocks keeps the blocks and
-    cuts A back to 16 computed tokens. The store completes: the copy of GPU block 2 (which
-    the failed load never wrote: zeros) is registered under A's second block hash, a valid
-    one. Step 2 recomputes tokens 16-63 on GPU, but the store cursor is past that block (and
-    its key is on CPU already): the bad copy stays. Bytes: that CPU copy differs from
-    ToyModel.expected_kv (the other three equal it); B (same prompt, GPU cache dropped) hits
-    48 tokens on CPU (3 blocks, the last token recomputed), loads it, and its KV for tokens
-    16-31 is wrong. With the proposed fix: that block is never registered, B hits 16 tokens,
-    every pool ends free, all KV exact."""
+    """Policy "recompute", the same step 1; _handle_invalid_blocks keeps the blocks and cuts A
+    back to 16 computed tokens. The store completes: GPU block 2's copy (zeros: the failed
+    load never wrote it) is registered under A's second block hash. Step 2 recomputes tokens
+    16-63, but the store cursor is past that block (its key on CPU already): the copy stays,
+    unlike expected_kv (the other three equal it); B (same prompt, GPU cache dropped) hits 48
+    tokens (3 blocks), loads it, and its KV for tokens 16-31 is wrong. With the proposed fix
+    that block is never registered, B hits 16 tokens, every pool ends free, all KV exact."""
     r = run_failed_sync_load("recompute", ko.SimpleCPUOffloadScheduler, late)
     eng, model, prompt, b_stats = r["engine"], r["model"], r["prompt"], r["stats"]["B"]
     want = model.expected_kv(prompt)
@@ -7758,18 +7752,15 @@ def run_vllm_scheduler(kind: str, bs: int, prompt_len: int, budget: int, max_tok
 @pytest.mark.parametrize("prompt_len,budget,max_tokens,cpu_blocks,pre,post", VLLM_CPU_HIT_CASES)
 def test_real_vllm_scheduler_cpu_hits(prompt_len, budget, max_tokens, cpu_blocks, pre, post):
     """vLLM's own engine Scheduler + SimpleCPUOffloadConnector (eager, full attention, block 16):
-    A runs to completion, every store completes, the GPU prefix cache is reset, B (same prompt)
-    arrives; we check how many keys the CPU map holds and what B's CPU lookup returns.
-    0.29 (pre-fix) stores, in step k, only blocks confirmed by steps < k (build_connector_meta runs
-    before num_computed_tokens advances) and has no final flush, but registers what it stores:
-      512 / 128 / 1 token: 4 steps; the 8 blocks completed in the last step are never stored:
-        24 keys, B hits 24*16 = 384 (post-fix: 32 keys, B hits 31 blocks = 496, as the last
-        prompt token is always recomputed);
-      100 / 128 / 1 token: one step, so nothing is ever stored: 0 keys, B hits 0 -- the only way
-        to get 0 pre-fix hits here (post-fix: 6 full blocks, 96);
-      512 / 128 / 2 tokens, CPU pool 32 blocks (31 usable besides the null block): all 32 blocks
-        are stored, the 32nd evicts the LRU one, block 0, so the chain breaks at its head: 31 keys,
-        0 hits in BOTH versions (CPU capacity < prompt, not PR #53532)."""
+    A runs to completion, its stores complete, the GPU prefix cache is reset, B (same prompt)
+    arrives: the CPU map's keys and B's CPU hit. 0.29 (pre-fix) stores in step k only blocks
+    confirmed by steps < k (build_connector_meta runs before num_computed_tokens advances),
+    has no final flush, and registers what it stores (prompt / budget / max_tokens):
+      512 / 128 / 1: 4 steps, the last step's 8 blocks never stored: 24 keys, B hits 384
+        (post-fix: 32 keys, B hits 31 blocks = 496: the last token is always recomputed);
+      100 / 128 / 1: one step, nothing stored: 0 keys, B hits 0 (post-fix: 6 blocks, 96);
+      512 / 128 / 2, CPU pool 32 (31 usable): the 32nd block evicts the LRU one, block 0,
+        the chain's head: 31 keys, 0 hits in BOTH versions (CPU capacity, not PR #53532)."""
     version = vllm_version()
     r = run_vllm_scheduler("fa", 16, prompt_len, budget, max_tokens, cpu_blocks=cpu_blocks,
                            gpu_blocks=96)
@@ -8715,36 +8706,24 @@ def run_vllm_failed_sync_load(policy: str, late: bool, monkeypatch, manager_cls=
 @pytest.mark.parametrize("late", [False, True], ids=["same-step", "late-report"])
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_real_vllm_failed_sync_load(policy, late, sibling_tokens, monkeypatch, tmp_path):
-    """vLLM 0.34.0's own classes: engine Scheduler (16 GPU blocks of 16 tokens, prefix
-    caching, chunked prefill, budget 512), MultiConnector [a synchronous sibling,
-    SimpleCPUOffloadConnector eager with 15 usable CPU blocks], BlockPool; the model runner
-    and the workers simulated (each copy done within its step; with late-report, the store
-    is reported one step later). With 32 tokens from the sibling:
-    Step 1, schedule(): A (64 tokens) arrives; MultiConnector asks both children: the
-      sibling holds 32 tokens (sync), the simple connector 0; the sibling is chosen, the
-      simple one gets update_state_after_alloc(A, blocks, 0). A's table is GPU blocks
-      [1, 2, 3, 4], all four cached at allocation; A has 32 computed tokens and 32
-      scheduled. The simple connector's build_connector_meta sees 32 confirmed tokens:
-      store event 0 copies GPU blocks 1, 2 to CPU blocks 1, 2, pinning the GPU ones.
-    Step 1, the workers: the sibling loads A's blocks synchronously; its load into GPU
-      block 2 fails; the forward; the store copies GPU blocks 1, 2 (block 2 never loaded).
-    Step 1, update_from_output(): invalid_block_ids = {2}; _handle_invalid_blocks cuts A
-      back to 16 computed tokens, then
-      "fail":      evicts blocks 2, 3, 4 from the prefix cache (BlockPool.evict_blocks:
-                   block 2 loses its hash, though event 0 pins it) and finishes A
-                   (FINISHED_ERROR); then the connectors' output: event 0's completion
-                   reaches `assert primary_hash is not None` (in step 2 when reported
-                   late): the crash.
-      "recompute": keeps the blocks; event 0's completion registers CPU block 2 under A's
-                   second block hash. Step 2 recomputes tokens 16-63; the store cursor is
-                   past the block, so the copy stays. A finishes; its flush stores the rest.
-    Then the GPU prefix cache is reset and B (A's prompt) arrives: its CPU hit of 48 tokens
-    loads CPU block 2 (the bytes cannot be seen here, the workers being simulated; 2.10
-    shows them on the module's worker).
-    With 48 tokens from the sibling, event 0 copies GPU block 3 too (to CPU block 3): in
-    "fail" it loses its hash as well, though no failure names it.
-    With VLLM_034_FIX_DIFF applied to vLLM's manager.py: no crash; block 2's copy (and
-    block 3's in "fail") is freed unregistered; B hits 16 tokens; every pool ends free."""
+    """2.10's sequence on vLLM 0.34.0's own classes: engine Scheduler (16 GPU blocks of 16
+    tokens, prefix caching, chunked prefill, budget 512), MultiConnector [a synchronous
+    sibling, SimpleCPUOffloadConnector eager, 15 usable CPU blocks], BlockPool; the model
+    runner and workers simulated (copies done within the step; late-report: the store
+    reported a step later). With 32 tokens from the sibling, step 1: MultiConnector asks both
+    children and picks the sibling (32 tokens, sync); the simple one gets
+    update_state_after_alloc(A, blocks, 0). A's table: GPU blocks [1, 2, 3, 4], cached at
+    allocation, 32 tokens computed and 32 scheduled; store event 0 copies GPU blocks 1, 2 to
+    CPU 1, 2 (pinned). The sibling's load into block 2 fails; invalid_block_ids = {2};
+    _handle_invalid_blocks cuts A back to 16 computed tokens, then
+      "fail": evicts blocks 2-4 (block 2 loses its hash, though pinned), A FINISHED_ERROR;
+        event 0's completion reaches `assert primary_hash is not None` (step 2 if late).
+      "recompute": keeps them; event 0 registers CPU block 2 under A's second hash; step 2
+        recomputes tokens 16-63 past the store cursor: the copy stays; A's flush stores the
+        rest. B (A's prompt, GPU cache reset) hits 48 tokens, loads CPU 1-3 (bytes: 2.10).
+    With 48 sibling tokens event 0 copies GPU block 3 too, which "fail" also evicts unnamed.
+    With VLLM_034_FIX_DIFF applied to vLLM's manager.py: no crash; block 2's copy (and block
+    3's in "fail") is freed unregistered; B hits 16 tokens; every pool ends free."""
     vllm_version()
     bug = run_vllm_failed_sync_load(policy, late, monkeypatch, None, sibling_tokens)
     fix_cls = vllm_manager_with_the_fix(tmp_path, monkeypatch)
