@@ -1829,16 +1829,15 @@ def test_touched_blocks_survive_eviction():
 
 @pytest.mark.parametrize("prefix_aware", [False, True])
 def test_prefix_aware_eviction_queue_order_by_hand(prefix_aware):
-    """Not in vLLM (prefix_aware_eviction). CPU pool of 5 blocks (free queue [1, 2, 3, 4]); a's
-    4-block chain a0-a3 is stored over two steps, then c (1 block) needs one CPU block.
-    Step 1 stores a0, a1 into CPU 1, 2. Off (vLLM): completion appends them in prompt order ->
-    [3, 4, 1, 2]. On: freed in reverse -> [3, 4, 2, 1]; 2 (a1) is already right ahead of its
-    parent 1 (a0, a root).
-    Step 2 stores a2, a3 into CPU 3, 4 (the unhashed front). Off: appended -> [1, 2, 3, 4]. On:
-    appended in reverse [2, 1, 4, 3], then the run 4, 3 moves ahead of 3's parent 2 ->
-    [4, 3, 2, 1]: leaves first.
-    c's store pops the front: off CPU 1 (a0), and a twin of a (64 tokens, hit capped at 63)
-    then hits nothing; on CPU 4 (a3), and the twin hits a0-a2: 48 tokens."""
+    """Not in vLLM (prefix_aware_eviction). CPU pool of 5 blocks (free queue [1, 2, 3, 4]);
+    a's 4-block chain a0-a3 is stored over two steps, then c (1 block) needs one CPU block.
+    Step 1 stores a0, a1 into CPU 1, 2. Off (vLLM): completion appends them in prompt order:
+    [3, 4, 1, 2]. On: freed in reverse: [3, 4, 2, 1] (a1 right ahead of its parent a0, a
+    root). Step 2 stores a2, a3 into CPU 3, 4 (the unhashed front). Off: appended:
+    [1, 2, 3, 4]. On: appended in reverse [2, 1, 4, 3], then the run 4, 3 moves ahead of 3's
+    parent 2: [4, 3, 2, 1], leaves first. c's store pops the front: off CPU 1 (a0), and a twin
+    of a (64 tokens, hit capped at 63) hits nothing; on CPU 4 (a3), and the twin hits a0-a2:
+    48."""
     h = Harness("prefix_aware" if prefix_aware else "fixed", num_cpu_blocks=5)
     a = h.request(64)
     table = h.alloc(a, 64, confirm=False)
@@ -1891,14 +1890,13 @@ def test_prefix_aware_eviction_ramp_at_448_blocks():
 def test_prefix_aware_eviction_rotation():
     """Not in vLLM. 3 prompts of 64 blocks round-robin through a 160-block pool (159 usable;
     ideal 159 blocks a round = 2544 tokens). On, by hand for round 2: each request finds its
-    first 159 - 2 * 64 = 31 blocks (the other two prompts are whole: they were stored since),
-    loads them and stores its other 33 by evicting the tail of the least recently used chain
-    down to 31: 3 * 31 * 16 = 1488 tokens. Round 2's stores re-store evicted keys, so every
-    block now has a reuse gap (one round); from round 3 a store stops short of a block due
-    again before its own chain, and the pool keeps what the next requests load: 2512, then 2528
-    tokens (157 and 158 blocks, measured) of the ideal 2544. Off (vLLM), the rounds swing, and at least one
-    falls below half of the ideal. The rule's planted bug (stores never stop short) gives
-    round 2's 1488 in every round."""
+    first 159 - 2 * 64 = 31 blocks (the other two prompts are whole: stored since), loads them
+    and stores its other 33 by evicting the tail of the least recently used chain down to 31:
+    3 * 31 * 16 = 1488 tokens. Round 2 re-stores evicted keys, so every block now has a reuse
+    gap (a round); from round 3 a store stops short of a block due before its own chain, and
+    the pool keeps what the next requests load: 2512, then 2528 tokens (157 and 158 blocks,
+    measured). Off (vLLM) the rounds swing, at least one below half of the ideal. The rule's
+    planted bug (stores never stop short) gives round 2's 1488 in every round."""
     on = ko.run_rotation(num_prompts=3, prompt_blocks=64, num_cpu_blocks=160, rounds=4,
                          scheduler_cls=ko.PrefixAwareCPUOffloadScheduler)
     off = ko.run_rotation(num_prompts=3, prompt_blocks=64, num_cpu_blocks=160, rounds=4)
@@ -1943,15 +1941,14 @@ def _orphaned_cpu_blocks(conn) -> list[int]:
 
 @pytest.mark.parametrize("cls", [ko.PrefixAwareCPUOffloadScheduler, ko.SimpleCPUOffloadScheduler])
 def test_prefix_aware_store_never_evicts_the_prefix_it_extends(cls):
-    """Not in vLLM; found by an independent attack. Blocks of 2 tokens, 2 usable CPU blocks.
-    A (7 tokens) stores K0 and K1 (its final flush; K2 finds the pool full). B = A's 7 tokens
-    + 4 more hits K0-K2 on the GPU; its selection skips K0 and K1 (on CPU) and wants K2. Its
-    cursor is at 0, so a rule judged by the cursor did not see K0 and K1 as B's own prefix:
-    K2 was stored by evicting K1 and stranded, and A's prompt (max hit 6 tokens) then loaded
-    K0 only: 2 tokens (on the code before this rule was judged by the hash chain). Judged by
-    the chain, K1 at the queue's front is on B's chain: nothing is evicted, and A's prompt loads
-    K0 and K1, 4 tokens. vLLM's LRU: B's GPU hit refreshes K1, K0 to the back in that order,
-    K2 evicts K1, and the prompt loads 0."""
+    """Not in vLLM; found by an independent attack. Blocks of 2 tokens, 2 usable CPU blocks. A
+    (7 tokens) stores K0 and K1 (its final flush; K2 finds the pool full). B = A's 7 tokens +
+    4 more hits K0-K2 on the GPU; its selection skips K0, K1 (on CPU) and wants K2. Its cursor
+    is at 0, so a rule judged by the cursor (the code before) missed K0, K1 as B's own prefix:
+    K2 evicted K1 and was stranded, and A's prompt (max hit 6) loaded K0 only: 2 tokens.
+    Judged by the chain, K1 at the queue's front is on B's chain: nothing is evicted, A's
+    prompt loads K0, K1: 4 tokens. vLLM's LRU: B's GPU hit refreshes K1, K0 to the back in
+    that order, K2 evicts K1, and the prompt loads 0."""
     conn = cls(3, 2)
     model = ko.ToyModel(1, 1, 2)
     eng = ko.MiniEngine(20, 2, 64, model, conn, ko.SimpleCPUOffloadWorker(3), capture_kv=True)
@@ -1994,14 +1991,13 @@ def test_prefix_aware_never_evicts_a_parent_whose_child_stays():
 @pytest.mark.parametrize("prefix_aware", [False, True])
 def test_prefix_aware_run_freed_under_a_pinned_parent_waits_for_it(prefix_aware):
     """Not in vLLM. CPU pool of 6 blocks (free queue [1, 2, 3, 4, 5]). a's first two blocks
-    a0, a1 are stored into CPU 1, 2 (a root-first run: queue [3, 4, 5, 2, 1]). x, a's twin with
-    a GPU hit of a0, looks up from a1: its pin takes CPU 2 out of the queue. y, a's twin, stores
-    a2 (child of a1) into CPU 3 (the front) while a1 is pinned: a2 waits at the back,
+    a0, a1 are stored into CPU 1, 2 (a root-first run: queue [3, 4, 5, 2, 1]). x, a's twin
+    with a GPU hit of a0, looks up from a1: its pin takes CPU 2 out. y, a's twin, stores a2
+    (child of a1) into CPU 3 (the front) while a1 is pinned: a2 waits at the back,
     [4, 5, 1, 3]. When x's pin goes, a1 joins the back with the run that waited for it just
-    ahead, and both move just ahead of a1's parent a0: [4, 5, 3, 2, 1], leaf first. Before, a1
-    moved alone, in front of its child: [4, 5, 2, 1, 3], and the next evictions took a1 while
-    a2 stayed cached (found while reading a long-fuzz failure). vLLM's LRU: [4, 5, 1, 3], then
-    [4, 5, 1, 3, 2]."""
+    ahead, both just ahead of a0: [4, 5, 3, 2, 1], leaf first. Before, a1 moved alone, ahead
+    of its child: [4, 5, 2, 1, 3], and the next evictions took a1 while a2 stayed cached
+    (found in a long-fuzz failure). vLLM's LRU: [4, 5, 1, 3], then [4, 5, 1, 3, 2]."""
     h = Harness("prefix_aware" if prefix_aware else "fixed", num_cpu_blocks=6)
     a, _, _ = h.prefilled(49, 32)  # 3 full blocks + 1 token
     x, y = h.twin(a), h.twin(a)
@@ -2014,16 +2010,15 @@ def test_prefix_aware_run_freed_under_a_pinned_parent_waits_for_it(prefix_aware)
 
 @pytest.mark.parametrize("variant", ["fixed", "no_refresh"])
 def test_gpu_prefix_hit_refreshes_cpu_lru(variant, monkeypatch):
-    """A prefix served from the GPU moves its CPU copies to the MRU end (vLLM 0.34), so a colder
-    prefix is evicted first. `no_refresh`: the manager with the refresh removed (as before 0.34).
-
-    _fill_four: CPU 1, 2 = a's blocks, 3, 4 = b's; free queue (front = evicted first) [1, 2, 3, 4].
-    a's twin a2 (33 tokens) hits 32 on the GPU: get_num_new_matched_tokens(a2, 32) finds no hash
-    past 32 -> (0, False), but remembers the 32 local tokens. update_state_after_alloc(a2) looks
-    them up on CPU -> blocks [1, 2]; touch takes them out -> [3, 4]; free_blocks(reversed)
-    appends 2, then 1 -> [3, 4, 2, 1]. c's store takes the front, 3 and 4: b is evicted, a stays,
-    and c's completed blocks rejoin at the back -> [2, 1, 3, 4].
-    Without the refresh the queue stays [1, 2, 3, 4]: c evicts a's 1, 2 -> [3, 4, 1, 2]."""
+    """A prefix served from the GPU moves its CPU copies to the MRU end (vLLM 0.34), so a
+    colder prefix is evicted first. `no_refresh`: the refresh removed (as before 0.34).
+    _fill_four: CPU 1, 2 = a's blocks, 3, 4 = b's; free queue (front = evicted first)
+    [1, 2, 3, 4]. a's twin a2 (33 tokens) hits 32 on the GPU:
+    get_num_new_matched_tokens(a2, 32) finds no hash past 32 -> (0, False), but remembers the
+    32 local tokens. update_state_after_alloc(a2) looks them up on CPU -> [1, 2]; touch takes
+    them out -> [3, 4]; free_blocks(reversed) appends 2, then 1 -> [3, 4, 2, 1]. c's store
+    takes 3 and 4: b is evicted, a stays, and c's completed blocks rejoin at the back ->
+    [2, 1, 3, 4]. Without the refresh: c evicts a's 1, 2 -> [3, 4, 1, 2]."""
     h, a, b = _fill_four()
     if variant == "no_refresh":  # (_fill_four's requests had no local hit: nothing to refresh)
         monkeypatch.setattr(h.sched, "_refresh_cpu_lru", lambda prefix_blocks: None)
