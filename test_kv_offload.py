@@ -3293,12 +3293,11 @@ def _exercise_2(cls) -> str:
 
 def _exercise_3(cls) -> str:
     """A store takes only CPU blocks that hold nothing: it never evicts. Scenarios: step 6's
-    story (512 tokens = 32 blocks of 16, 64 tokens a step) with CPU pools of 12 and 24 blocks
-    (11 and 23 usable: B loads the first 176 and 368 tokens) and of 33 (all 31 blocks a lookup
-    may take: 496); and prompts in rotation (`run_rotation`: 3 prompts of 64 blocks, each stored
-    in one store event, a 160-block pool): prompts 0 and 1 fill 128 of the 159 usable blocks,
-    prompt 2 gets the other 31, and from then on nothing is evicted: every later round loads
-    63 + 63 + 31 = 157 blocks, 2,512 tokens."""
+    story (512 tokens = 32 blocks of 16, 64 a step) with CPU pools of 12 and 24 (11 and 23
+    usable: B loads the first 176 and 368 tokens) and 33 (all 31 blocks a lookup may take:
+    496); prompts in rotation (`run_rotation`: 3 of 64 blocks, each one store event, a
+    160-block pool): prompts 0, 1 fill 128 of 159 usable blocks, prompt 2 gets 31, then
+    nothing is evicted: every later round loads 63 + 63 + 31 = 157 blocks, 2,512 tokens."""
     for n in [12, 24, 33]:
         r = ko.run_story(cls, 512, max_num_batched_tokens=64, num_cpu_blocks=n)
         _story_line(f"CPU pool of {n} blocks", r)
