@@ -1694,7 +1694,6 @@ class Harness:
 
 # ---- 1.7 Manager: store -> lookup -> load --------------------------------------------------------
 
-
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_store_lookup_load_roundtrip(variant):
     """Stored blocks become CPU hits and load into the GPU blocks after the local hit. vLLM 0.29
@@ -1791,7 +1790,6 @@ def test_load_event_to_reqs_lists_every_outstanding_load():
 
 
 # ---- 1.8 Manager: CPU pool (LRU, duplicates, in-flight dedup) ------------------------------------
-
 
 def _fill_four():
     """A harness with a 4-block CPU pool (5 with the null block); a and b (2 blocks each) are
@@ -2103,7 +2101,6 @@ def test_in_flight_store_dedup_across_steps():
 
 # ---- 1.9 Manager: request lifecycle (deferred cleanup, lookup pins) ------------------------------
 
-
 def test_finish_during_load_defers_cleanup():
     """request_finished while the load is in flight keeps the pins until finished_recving."""
     h = Harness()
@@ -2196,7 +2193,6 @@ def test_store_completes_after_world_size_reports(aggregate):
 
 # ---- 1.10 Manager: block tables (null blocks, chunked prefill, preemption) -----------------------
 
-
 def test_null_blocks_never_in_transfer_lists():
     """The null block is skipped on store and never appears in load pairs."""
     h = Harness()
@@ -2268,7 +2264,6 @@ def test_resumed_table_replaces_old_block_ids():
 
 # ---- 1.11 Manager: several KV-cache groups -------------------------------------------------------
 
-
 def test_two_groups_same_size_store_and_load():
     """Two 16-token groups: every block of both groups is stored, hit, and loaded in pairs."""
     h = Harness(group_block_sizes=[BS, BS])
@@ -2320,7 +2315,6 @@ def test_groups_store_only_scheduler_block_aligned_prefix():
 
 
 # ---- 1.12 Manager: reset() with transfers in flight ----------------------------------------------
-
 
 def test_reset_waits_for_sent_store():
     """A sent store is abandoned: reset() is False until it completes, and it caches nothing."""
@@ -5010,9 +5004,8 @@ FUZZ_OTHER_TOKENS = st.integers(41, 80)
 def draw_faults(draw) -> Faults:
     # report delays up to 8 steps (a stall the fuzz once found needed 4)
     return Faults(load_delay=draw(st.integers(0, 8)), store_delay=draw(st.integers(0, 8)),
-                     conn_delay=draw(st.integers(0, 2)), dup=draw(st.booleans()),
-                     split=draw(st.booleans()),
-                     seed=draw(st.integers(0, 2 ** 16)))
+                  conn_delay=draw(st.integers(0, 2)), dup=draw(st.booleans()),
+                  split=draw(st.booleans()), seed=draw(st.integers(0, 2 ** 16)))
 
 
 @st.composite
@@ -5024,8 +5017,7 @@ def generic_plans(draw, max_ops: int = 16) -> Plan:
                   for _ in range(draw(st.integers(1, 2))))
     prefix_len = st.one_of(st.just(7 * FUZZ_BS), st.integers(0, 7 * FUZZ_BS))
     add = st.tuples(st.just("add"), st.integers(0, 1), prefix_len,
-                    st.lists(FUZZ_TOKENS, max_size=5).map(tuple),
-                    st.integers(1, 4))
+                    st.lists(FUZZ_TOKENS, max_size=5).map(tuple), st.integers(1, 4))
     step = st.tuples(st.just("step"), st.integers(1, 6))
     short = st.tuples(st.just("step"), st.integers(1, 2))
     abort = st.tuples(st.just("abort"), st.integers(0, 7))
@@ -5033,8 +5025,7 @@ def generic_plans(draw, max_ops: int = 16) -> Plan:
 
     def again_of(b):  # a request that repeats all of base b: a CPU hit once the GPU copy is gone
         return st.tuples(st.just("add"), st.just(b), st.just(7 * FUZZ_BS),
-                         st.lists(FUZZ_TOKENS, max_size=3).map(tuple),
-                         st.integers(1, 3))
+                         st.lists(FUZZ_TOKENS, max_size=3).map(tuple), st.integers(1, 3))
 
     again = st.integers(0, 1).flatmap(again_of)
     # short prompts, long decodes: several of them grow together until one is preempted
@@ -5176,7 +5167,7 @@ FUZZ_EXAMPLES = int(os.environ.get("KV_OFFLOAD_FUZZ_EXAMPLES") or 0)
 FUZZ_SEED = None
 if FUZZ_EXAMPLES:
     FUZZ_SEED = int(os.environ.get("KV_OFFLOAD_FUZZ_SEED")
-                        or random.SystemRandom().randrange(2 ** 32))
+                    or random.SystemRandom().randrange(2 ** 32))
 fuzz_settings = settings(
     max_examples=FUZZ_EXAMPLES or 300, derandomize=not FUZZ_EXAMPLES, database=None,
     deadline=None,
@@ -5196,11 +5187,10 @@ def print_now(config, line: str) -> None:
 # What a run went through (RunLog), reported per device; the rare windows must each be reached
 # in >= 5% of the quick profile's schedules (pin_window_plans, resume_window_plans)
 FUZZ_REACHED = ("preemptions", "preempted_while_storing", "resumed_with_load", "cpu_hit_tokens",
-               "cpu_evictions",
-               "aborts_while_loading", "aborts_while_storing", "aborts_with_pin", "steps_with_pins",
-               "resets_refused", "resets_with_pins", "resets_with_queued_flush", "stale_reports",
-               "partial_counts",
-               "duplicate_reports", "ignored_reports")
+                "cpu_evictions", "aborts_while_loading", "aborts_while_storing",
+                "aborts_with_pin", "steps_with_pins", "resets_refused", "resets_with_pins",
+                "resets_with_queued_flush", "stale_reports", "partial_counts",
+                "duplicate_reports", "ignored_reports")
 FUZZ_RARE_WINDOWS = ("resumed_with_load", "resets_with_pins", "aborts_with_pin")
 
 
@@ -6275,9 +6265,6 @@ def test_workload_optimum_against_brute_force():
             assert optimum == want, (prompts, num_cpu_blocks, concurrency)
             strict += 0 < optimum < reusable
     assert strict > 150 * 12 // 3
-
-
-# (family, batch size, pool) of the cells where the policy loads less than vLLM's LRU
 
 
 def test_workload_table_against_lru_and_the_optimum():
