@@ -2834,10 +2834,6 @@ STEP_CALLS = ("bind_connector_metadata", "start_load_kv", "wait_for_save", "get_
               "build_connector_worker_meta", "clear_connector_metadata")
 
 
-def _refuse_blocking_wait(*args, **kwargs):
-    raise RuntimeError("synchronizing call: a blocking wait inside a worker step")
-
-
 # what sync-debug mode does not see: the explicit waits (on the deferred engine, its event's)
 BLOCKING_WAITS = [(torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize"),
                   (torch.cuda.Stream, "synchronize"), (_SimEvent, "synchronize")]
@@ -2850,13 +2846,16 @@ def sync_checked(worker, set_mode=None):
     left out: a need_flush waits for every copy by design."""
     set_mode = set_mode or torch.cuda.set_sync_debug_mode
 
+    def refuse(*args, **kwargs):
+        raise RuntimeError("synchronizing call: a blocking wait inside a worker step")
+
     def checked(call):
         def run(*args):
             set_mode("error")
             try:
                 with pytest.MonkeyPatch.context() as mp:
                     for owner, name in BLOCKING_WAITS:
-                        mp.setattr(owner, name, _refuse_blocking_wait)
+                        mp.setattr(owner, name, refuse)
                     return call(*args)
             finally:
                 set_mode("default")
@@ -4773,15 +4772,6 @@ def max_blocks_needed(plan_ops, bases, bs: int = FUZZ_BS) -> int:
 FUZZ_MODEL = dict(num_layers=1, num_kv_heads=1, head_dim=4)
 
 
-def cpu_children_of(conn, keys: set, spared_ids: set) -> list[int]:
-    """CPU blocks outside `spared_ids` whose parent key is in `keys`: cached, or the destination
-    of a store in flight (it registers under that parent later)."""
-    return [b.block_id for b in conn.cpu_block_pool.blocks
-            if b.block_id not in spared_ids and not b.is_null
-            and conn._cpu_parent_keys[b.block_id] in keys
-            and (b.block_hash is not None or b.ref_cnt > 0)]
-
-
 def watch_prefix_aware_evictions(conn, log: RunLog) -> None:
     """PrefixAwareCPUOffloadScheduler's rule, checked at every store's allocation (every
     eviction): no store evicts a block of the chain of the request it stores (that would strand
@@ -4798,7 +4788,12 @@ def watch_prefix_aware_evictions(conn, log: RunLog) -> None:
         taken_ids = {b.block_id for b in taken}
         kept_keys = {b.block_hash for b in pool.blocks if b.block_id not in taken_ids}
         gone = {b.block_hash for b in taken if b.block_hash is not None} - kept_keys
-        log.parents_evicted_first += bool(cpu_children_of(conn, gone, taken_ids))
+        # a child of a key gone: a block it does not take, cached or a store's destination (it
+        # registers under that parent later)
+        children = [b for b in pool.blocks if b.block_id not in taken_ids and not b.is_null
+                    and conn._cpu_parent_keys[b.block_id] in gone
+                    and (b.block_hash is not None or b.ref_cnt > 0)]
+        log.parents_evicted_first += bool(children)
         return allocate_cpu_blocks(gpu_block_ids, request)
 
     conn._allocate_cpu_blocks = checked_allocate_cpu_blocks
@@ -5247,14 +5242,6 @@ FUZZ_FULL_A, FUZZ_FULL_B = ("add", 0, 20, (), 1), ("add", 1, 16, (), 1)
 ON_EVERY_DEVICE = ("cpu", "deferred", "cuda")
 
 
-def probe_lookup(run, tokens) -> int:
-    """The CPU hit (tokens) a new request with this prompt would get; its pin is dropped again."""
-    probe = ko.Request("probe", list(tokens), FUZZ_BS)
-    hit = run.conn.get_num_new_matched_tokens(probe, 0)[0]
-    run.conn.request_finished(probe, [])
-    return hit
-
-
 def plan_of(*ops, **kw) -> Plan:
     kw.setdefault("bases", FUZZ_BASES)
     kw.setdefault("num_gpu_blocks", 16)
@@ -5348,8 +5335,11 @@ def test_scripted_interleaving(name, device):
     _, plan, exactly, at_least = INTERLEAVINGS[name]
     seen = {}
 
-    def probe_bases(run):
-        seen.update({f"probe {b}": probe_lookup(run, t) for b, t in zip("ABC", FUZZ_BASES)})
+    def probe_bases(run):  # the CPU hit of a prompt of each base; the pin dropped again
+        for name, tokens in zip("ABC", FUZZ_BASES):
+            probe = ko.Request("probe", list(tokens), FUZZ_BS)
+            seen[f"probe {name}"] = run.conn.get_num_new_matched_tokens(probe, 0)[0]
+            run.conn.request_finished(probe, [])
 
     run = run_plan(dataclasses.replace(plan, device=device), before_reset=probe_bases)
     seen.update({rid: stats.cpu_hit_tokens for rid, stats in run.engine.stats.items()})
@@ -6977,11 +6967,10 @@ class ManagerTrace:
         self.step_no = 0
         self.calls = 0
         self.finished_total = 0
-        self.stats = {"cpu_hits": 0, "stores": 0, "loads": 0, "preemptions": 0, "resets": 0,
-                      "resets_refused": 0,
-                      "flushes": 0, "cpu_secondaries": 0, "declined_or_partial_hits": 0,
-                      "stale_pins": 0,
-                      "aborts_waiting": 0, "aborts_loading": 0}
+        self.stats = dict.fromkeys(
+            ("cpu_hits", "stores", "loads", "preemptions", "resets", "resets_refused",
+             "flushes", "cpu_secondaries", "declined_or_partial_hits", "stale_pins",
+             "aborts_waiting", "aborts_loading"), 0)
 
     # --- plumbing -------------------------------------------------------------
 
@@ -7012,9 +7001,8 @@ class ManagerTrace:
         return ids
 
     def gpu_free_request(self, er):
-        for g in range(len(self.sizes)):  # vLLM: each group's manager frees its blocks in reverse
-            ids = list(reversed(er.table[g]))
-            self.gpu.free_blocks(ids)
+        for table in er.table:  # vLLM: each group's manager frees its blocks in reverse
+            self.gpu.free_blocks(reversed(table))
         er.table = [[] for _ in self.sizes]
         er.num_cached = [0] * len(self.sizes)
 
@@ -7119,15 +7107,11 @@ class ManagerTrace:
         self.waiting.append(EngineReq(req, self.rng.randint(1, 6), len(self.sizes)))
 
     def finish(self, er, how="finished_all_groups"):
-        ids = tuple(list(x) for x in er.table)
-        if how == "finished_all_groups":
-            a, b, _ = self.both(f"request_finished_all_groups({er.rid})",
-                                lambda: self.ours.request_finished_all_groups(er.req, ids),
-                                lambda: self.vllm.request_finished_all_groups(er.req, ids))
-        else:
-            a, b, _ = self.both(f"request_finished({er.rid})",
-                                lambda: self.ours.request_finished(er.req, []),
-                                lambda: self.vllm.request_finished(er.req, []))
+        ids = tuple(list(x) for x in er.table) if how == "finished_all_groups" else []
+        method = "request_" + how
+        a, b, _ = self.both(f"{method}({er.rid})",
+                            lambda: getattr(self.ours, method)(er.req, ids),
+                            lambda: getattr(self.vllm, method)(er.req, ids))
         assert_same(tuple(a), tuple(b), self.what("request_finished return"))
         self.gpu_free_request(er)
         self.gpu.check(self.what(f"free {er.rid}"))
