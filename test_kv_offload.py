@@ -862,14 +862,12 @@ def test_worker_copies_exact_blocks_both_directions(device, layout, ids, path, m
     for r in w.cpu_kv_caches.values():
         _fill_random(r, 2)
     assert all(r.is_pinned() == (device == "cuda") for r in w.cpu_kv_caches.values())
-    gpu_ids, cpu_ids = ([3, 4, 5, 6], [1, 2, 3, 4])
-    if ids == "scattered":
-        gpu_ids, cpu_ids = [9, 2, 5, 11], [7, 1, 8, 3]
+    gpu_ids, cpu_ids = {"contiguous": ([3, 4, 5, 6], [1, 2, 3, 4]),
+                        "scattered": ([9, 2, 5, 11], [7, 1, 8, 3])}[ids]
     for event, direction in enumerate(("store", "load")):
-        src, dst = w.gpu_kv_caches, w.cpu_kv_caches
+        src, dst, s_ids, d_ids = w.gpu_kv_caches, w.cpu_kv_caches, gpu_ids, cpu_ids
         if direction == "load":
-            src, dst = dst, src
-        s_ids, d_ids = (gpu_ids, cpu_ids) if direction == "store" else (cpu_ids, gpu_ids)
+            src, dst, s_ids, d_ids = dst, src, d_ids, s_ids
         before_src = {k: bits(v) for k, v in src.items()}
         before_dst = {k: bits(v) for k, v in dst.items()}
         fields_ = {f"{direction}_event": event, f"{direction}_gpu_blocks": gpu_ids,
@@ -1895,11 +1893,10 @@ def test_prefix_aware_eviction_rotation():
     the pool keeps what the next requests load: 2512, then 2528 tokens (157 and 158 blocks,
     measured). Off (vLLM) the rounds swing, at least one below half of the ideal. The rule's
     planted bug (stores never stop short) gives round 2's 1488 in every round."""
-    on = ko.run_rotation(num_prompts=3, prompt_blocks=64, num_cpu_blocks=160, rounds=4,
-                         scheduler_cls=ko.PrefixAwareCPUOffloadScheduler)
-    off = ko.run_rotation(num_prompts=3, prompt_blocks=64, num_cpu_blocks=160, rounds=4)
-    planted = ko.run_rotation(num_prompts=3, prompt_blocks=64, num_cpu_blocks=160, rounds=4,
-                              scheduler_cls=_NeverStopsShort)
+    on, off, planted = (ko.run_rotation(num_prompts=3, prompt_blocks=64, num_cpu_blocks=160,
+                                        rounds=4, scheduler_cls=cls)
+                        for cls in (ko.PrefixAwareCPUOffloadScheduler,
+                                    ko.SimpleCPUOffloadScheduler, _NeverStopsShort))
     for r in (on, off, planted):
         assert r["kv_exact"] and r["all_free"] and r["ideal_tokens_per_round"] == 2544
     assert on["cpu_hit_tokens_per_round"] == [0, 1488, 2512, 2528]
@@ -6899,7 +6896,7 @@ def meta_fields(meta) -> dict:
 def local_hit(pool, hashes, max_len, sizes, sched_bs, hbs):
     """The GPU prefix-cache hit the engine finds before asking the connector (per group walk of
     whole blocks, min over groups, rounded down to the scheduler block size). Harness code, run
-    identically on both libraries' GPU pools (their lookups are compared in test b)."""
+    identically on both libraries' GPU pools (their lookups are compared in 3.3 and 3.4)."""
     per_group = []
     hit = max_len
     for g, size in enumerate(sizes):
