@@ -5908,70 +5908,54 @@ def midflight():
     return run
 
 
-def _plant_extra_gpu_ref(run):
-    run.engine.gpu_block_pool.touch([run.engine.req_to_blocks["r1"][0]])
+def plant(run, corruption: str) -> None:
+    """Corrupts a midflight() run as `corruption` says (one case each of the test below)."""
+    eng, conn = run.engine, run.conn
+    gpu, cpu = eng.gpu_block_pool, conn.cpu_block_pool
+    store = next(iter(conn._store_event_to_blocks.values()))
+    if corruption == "extra GPU ref":
+        gpu.touch([eng.req_to_blocks["r1"][0]])
+    elif corruption == "lost store pin":
+        store.gpu_block_ids.pop(0)
+        store.cpu_block_ids.pop(0)
+    elif corruption == "free block with a ref":
+        gpu.free_block_queue.get_all_free_blocks()[0].ref_cnt = 1
+    elif corruption == "wrong map entry":
+        key = next(b.block_hash for b in cpu.blocks if b.block_hash is not None)
+        other = next(b for b in cpu.blocks[1:] if b.block_hash != key)
+        cpu.cached_block_hash_to_block.insert(key, other)
+    elif corruption == "early CPU hash":
+        key = gpu.blocks[store.gpu_block_ids[0]].block_hash
+        cpu._insert_block_hash(key, cpu.blocks[store.cpu_block_ids[0]], None)
+    elif corruption == "in-flight gap":
+        conn._in_flight_store_gpu_blocks.pop()
+    elif corruption == "corrupt CPU KV":
+        b = next(b for b in cpu.blocks if b.block_hash is not None)
+        unwrap_proxy(run.workers[0]).cpu_kv_caches["layers.0.v"][b.block_id].add_(1)
+    elif corruption == "corrupt GPU KV":
+        b = next(b for b in gpu.blocks if b.block_hash is not None)
+        next(iter(eng.kv_caches.values()))[0, b.block_id].mul_(-1).add_(0.5)
+    elif corruption == "lost load":
+        del live_loads(conn)[next(iter(live_loads(conn)))]
+    else:
+        raise ValueError(corruption)
 
 
-def _plant_lost_store_pin(run):
-    store = next(iter(run.conn._store_event_to_blocks.values()))
-    g = store.gpu_block_ids[0]
-    store.gpu_block_ids.remove(g)
-    store.cpu_block_ids.pop(0)
-
-
-def _plant_free_block_with_ref(run):
-    run.engine.gpu_block_pool.free_block_queue.get_all_free_blocks()[0].ref_cnt = 1
-
-
-def _plant_wrong_map_entry(run):
-    cpu = run.conn.cpu_block_pool
-    key = next(b.block_hash for b in cpu.blocks if b.block_hash is not None)
-    other = next(b for b in cpu.blocks[1:] if b.block_hash != key)
-    cpu.cached_block_hash_to_block.insert(key, other)
-
-
-def _plant_early_cpu_hash(run):
-    t = next(iter(run.conn._store_event_to_blocks.values()))
-    cpu = run.conn.cpu_block_pool
-    key = run.engine.gpu_block_pool.blocks[t.gpu_block_ids[0]].block_hash
-    cpu._insert_block_hash(key, cpu.blocks[t.cpu_block_ids[0]], None)
-
-
-def _plant_in_flight_gap(run):
-    run.conn._in_flight_store_gpu_blocks.pop()
-
-
-def _plant_corrupt_cpu_kv(run):
-    cpu = run.conn.cpu_block_pool
-    b = next(b for b in cpu.blocks if b.block_hash is not None)
-    unwrap_proxy(run.workers[0]).cpu_kv_caches["layers.0.v"][b.block_id].add_(1)
-
-
-def _plant_corrupt_gpu_kv(run):
-    b = next(b for b in run.engine.gpu_block_pool.blocks if b.block_hash is not None)
-    next(iter(run.engine.kv_caches.values()))[0, b.block_id].mul_(-1).add_(0.5)
-
-
-def _plant_lost_load(run):
-    rid = next(iter(live_loads(run.conn)))
-    del live_loads(run.conn)[rid]
-
-
-@pytest.mark.parametrize("plant, message", [
-    (_plant_extra_gpu_ref, "GPU refs not accounted for"),
-    (_plant_lost_store_pin, "refs not accounted for"),
-    (_plant_free_block_with_ref, "but is in the free queue"),
-    (_plant_wrong_map_entry, "does not carry it"),
-    (_plant_early_cpu_hash, "cached before its copy completed"),
-    (_plant_in_flight_gap, "in-flight set"),
-    (_plant_corrupt_cpu_kv, "KV differs from expected_kv"),
-    (_plant_corrupt_gpu_kv, "KV differs from expected_kv"),
-    (_plant_lost_load, "waits for a load the connector does not have|refs not accounted"),
+@pytest.mark.parametrize("corruption, message", [
+    ("extra GPU ref", "GPU refs not accounted for"),
+    ("lost store pin", "refs not accounted for"),
+    ("free block with a ref", "but is in the free queue"),
+    ("wrong map entry", "does not carry it"),
+    ("early CPU hash", "cached before its copy completed"),
+    ("in-flight gap", "in-flight set"),
+    ("corrupt CPU KV", "KV differs from expected_kv"),
+    ("corrupt GPU KV", "KV differs from expected_kv"),
+    ("lost load", "waits for a load the connector does not have|refs not accounted"),
 ])
-def test_check_invariants_catches(plant, message):
+def test_check_invariants_catches(corruption, message):
     run = midflight()
     check_invariants(run.engine, run.requests.values())  # clean
-    plant(run)
+    plant(run, corruption)
     with pytest.raises(AssertionError, match=message):
         check_invariants(run.engine, run.requests.values())
 
