@@ -1586,7 +1586,8 @@ class Harness:
             req.num_computed_tokens = num_tokens
         return tuple(table)
 
-    def step(self, sched_tokens=None, new_blocks=None, resumed=(), preempted=(), complete=False):
+    def step(self, sched_tokens=None, new_blocks=None, resumed=(), preempted=(),
+             complete=False):
         """One build_connector_meta; `new_blocks` maps req_id -> table of KVCacheBlocks. With
         `complete`, the step's store (if any) completes."""
         out = ko.SchedulerOutput(
@@ -3126,8 +3127,9 @@ def test_gpu_check_selects_every_gpu_case():
     assert all("cuda" in i.split("[")[1] for i in ids), ids
     races = {i.split("[")[1].split("-")[0] for i in ids if "::test_async_race[" in i}
     assert races == set(ASYNC_RACES), races
-    scripted = {i.split("[")[1].split("-")[0] for i in ids if "::test_scripted_interleaving[" in i}
-    assert scripted == {name for name, row in INTERLEAVINGS.items() if "cuda" in row[0]}, scripted
+    scripted = {i.split("[")[1].split("-")[0] for i in ids
+                if "::test_scripted_interleaving[" in i}
+    assert scripted == {n for n, row in INTERLEAVINGS.items() if "cuda" in row[0]}, scripted
     if not torch.cuda.is_available():
         one = _pytest_here("-k", "cuda and worker_copies and flash and contiguous and gather",
                            env=env)
@@ -3258,7 +3260,8 @@ def _exercise_2(cls) -> str:
     every CPU block carries its GPU source's hash, the map holds no key, B hits 0)."""
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 32000, (6 * 16 + 1,), generator=gen).tolist()  # as in step 4
-    for name, used in [("reset_hash() kept", cls), ("reset_hash() removed", _without_reset_hash(cls))]:
+    runs = [("reset_hash() kept", cls), ("reset_hash() removed", _without_reset_hash(cls))]
+    for name, used in runs:
         mine, trap = used(7, 16), _TrapOnly(7, 16)
         ko.offload_prompt(mine, prompt, 16)
         ko.offload_prompt(trap, prompt, 16)
@@ -3268,7 +3271,8 @@ def _exercise_2(cls) -> str:
         if name.endswith("kept") and (keys, hit) != (6, 96):
             return "FAIL: with reset_hash() the stamp must be harmless: 6 keys, 96 hit tokens"
         stamps = [b.block_hash for b in mine.cpu_block_pool.blocks]
-        if name.endswith("removed") and stamps != [b.block_hash for b in trap.cpu_block_pool.blocks]:
+        trap_stamps = [b.block_hash for b in trap.cpu_block_pool.blocks]
+        if name.endswith("removed") and stamps != trap_stamps:
             return "FAIL: each CPU block should carry its GPU source's hash (0.29's stamp)"
         if name.endswith("removed") and (keys, hit) != (0, 0):
             return "FAIL: without reset_hash() the map learns a key: are the CPU blocks stamped?"
@@ -3831,8 +3835,9 @@ def test_notebook_claims_in_its_outputs(executed_notebook):
         "claim-max": [r"one-step .*max possible +992; loaded: vLLM 0.29 0, the fix 992",
                       r"chunked .*max possible 8,176; loaded: vLLM 0.29 7,168, the fix 8,176",
                       r"secondary key .*max possible +12; loaded: vLLM 0.29 8, the fix 12",
-                      r"CPU pool \(448 blocks\) < prompt \(512 blocks\) .*max possible 7,152; loaded: "
-                      r"vLLM 0.29 0, the fix 0, prefix-aware \(not in vLLM\) 7,152"],
+                      r"CPU pool \(448 blocks\) < prompt \(512 blocks\) .*max possible "
+                      r"7,152; loaded: vLLM 0.29 0, the fix 0, prefix-aware \(not in vLLM\) "
+                      r"7,152"],
         "claim-029": [
             r"0.29: len\(cached_block_hash_to_block\) = 6; cached_block_hashes_by_block = \{\}",
             r"0.29 lookup for the same 97-token prompt: 96 hit tokens"],
@@ -3949,7 +3954,8 @@ _README_QUOTED = {
 _README_SOURCES = ("VLLM_CPU_HIT_CASES", "test_real_vllm_hybrid_one_step_prompt",
                    "test_real_vllm_mamba_align_one_chunk_prompt",
                    "test_real_vllm_mamba_align_report_scale")
-_SECTION_REFERENCE = re.compile(r"\b([Ss]ections?|Part|[Ss]teps?|Exercise) (\d+(?:\.\d+)?(?:-\d+)?)")
+_SECTION_REFERENCE = re.compile(
+    r"\b([Ss]ections?|Part|[Ss]teps?|Exercise) (\d+(?:\.\d+)?(?:-\d+)?)")
 
 
 def _readme_prose(text: str) -> str:
@@ -3999,10 +4005,10 @@ def test_readme_numbers_match_the_code(executed_notebook):
         "\n".join([demo, help_text.getvalue(), ko.__doc__, rotations, notebook, collected,
                    vllm_rows.replace("_", ",")]))
     prose = _readme_prose(text)
-    headings = {"section": set(re.findall(r"^# (\d+)\. ", pathlib.Path(ko.__file__).read_text(),
-                                          re.M)) | set(re.findall(r"^# ---- (\d+\.\d+) ",
-                                                                  pathlib.Path(__file__).read_text(),
-                                                                  re.M)),
+    module_sections = re.findall(r"^# (\d+)\. ", pathlib.Path(ko.__file__).read_text(), re.M)
+    test_sections = re.findall(r"^# ---- (\d+\.\d+) ", pathlib.Path(__file__).read_text(),
+                               re.M)
+    headings = {"section": set(module_sections) | set(test_sections),
                 "part": {"1", "2", "3"},
                 "step": set(re.findall(r"^## (\d+)\. ", "\n".join(
                     c.source for c in executed_notebook.cells if c.cell_type == "markdown"), re.M)),
@@ -4017,7 +4023,8 @@ def test_readme_numbers_match_the_code(executed_notebook):
               for n in sorted(_numbers(prose) - printed)]
     assert not wrong, "the README's prose:\n" + "\n".join(wrong)
     hits = {}
-    for name, cls in (("0.29", ko.PreFixCPUOffloadScheduler), ("fix", ko.SimpleCPUOffloadScheduler)):
+    for name, cls in (("0.29", ko.PreFixCPUOffloadScheduler),
+                      ("fix", ko.SimpleCPUOffloadScheduler)):
         sched = cls(num_cpu_blocks=5, block_size=8, hash_block_size=4)
         ko.offload_prompt(sched, list(range(16)), 8, partial_at=12)
         probe = ko.Request("B", list(range(12)) + [999, 998, 997, 996], hash_block_size=4)
@@ -4044,7 +4051,8 @@ def test_readme_fits_and_its_first_screen_says_what_and_how():
 def test_help_answers_before_torch_loads():
     """`python kv_offload.py --help` and a bad flag answer without importing torch (so at once),
     and the help's numbers are the code's defaults."""
-    script = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = ['kv_offload.py', *sys.argv[1:]]; "
+    script = ("import runpy, sys; sys.modules['torch'] = None; "
+              "sys.argv = ['kv_offload.py', *sys.argv[1:]]; "
               f"runpy.run_path({ko.__file__!r}, run_name='__main__')")
     shown = subprocess.run([sys.executable, "-c", script, "--help"], capture_output=True, text=True)
     assert shown.returncode == 0 and "--prompt-tokens N" in shown.stdout, shown
@@ -4062,7 +4070,8 @@ def test_help_answers_before_torch_loads():
     story = inspect.signature(ko.run_story).parameters
     assert (f"blocks of {story['block_size'].default} tokens, "
             f"{story['max_num_batched_tokens'].default:,} tokens a step" in text), text
-    assert f"(default: {inspect.signature(ko.headline).parameters['prompt_tokens'].default};" in text
+    headline_tokens = inspect.signature(ko.headline).parameters["prompt_tokens"].default
+    assert f"(default: {headline_tokens};" in text
     assert "the one-step row keeps 1,000 tokens" in text and "1,000 tokens" in _demo_table()
 
 
@@ -4179,7 +4188,7 @@ def test_notebook_is_committed_with_outputs():
 #   RB-6 register_kv_caches raised IndexError on 0/1-dim tensors
 #   RB-7 a request larger than the GPU pool was accepted and run() spun forever
 #   RB-8 the worker reported a rejected copy as complete once a later copy finished
-# Issue 13 (an adversarial pass of 63 bad calls): every case is a row of the bad-input catalogues
+# Issue 13 (an adversarial pass of 63 bad calls): every case is a row of a bad-input catalogue
 # (BAD_CALLS, BAD_ENGINE_CALLS) or a refused reset of 2.4 (test_scripted_interleaving).
 
 FUZZ_BS = 4  # tokens per block in every schedule: prompts of tens of tokens span a few blocks
@@ -5235,8 +5244,8 @@ def test_fuzz_random_schedules(device, pytestconfig):
 # ---- 2.4 Scripted interleavings (each reached on every run, not by chance) -----------------------
 # Bases that share no token: A, 20 tokens (5 blocks, 4 of them a CPU hit: cap num_tokens - 1);
 # B, 16; C, 12. Each row of INTERLEAVINGS: the devices, the schedule, and what its run must
-# reach, exactly and at least: RunLog counts, a request's CPU hit tokens ("r1"), and the hit of
-# a probe of a base once the engine is idle ("probe A"). run_plan checks everything else.
+# reach, exactly and at least: RunLog counts, a request's CPU hit tokens ("r1"), and the hit
+# of a probe of a base once the engine is idle ("probe A"). run_plan checks everything else.
 FUZZ_BASES = (tuple(range(1, 21)), tuple(range(100, 116)), tuple(range(200, 212)))
 FUZZ_FULL_A, FUZZ_FULL_B = ("add", 0, 20, (), 1), ("add", 1, 16, (), 1)
 ON_EVERY_DEVICE = ("cpu", "deferred", "cuda")
@@ -5254,7 +5263,7 @@ def plan_of(*ops, **kw) -> Plan:
 _C_STORING = (FUZZ_FULL_A, FUZZ_FULL_B, ("drain",), ("reset_gpu",), ("hold", 0),
               ("add", 2, 12, (), 1), ("step", 2))
 # A stored, the GPU cache dropped; B (16 tokens, then decodes) holds 5 of 7 usable GPU blocks;
-# A again: its CPU hit of 16 tokens needs 4 blocks, 2 are free: it waits, holding its lookup pin
+# A again: its 16-token CPU hit needs 4 blocks, 2 are free: it waits, holding its lookup pin
 _A_PINNED = (FUZZ_FULL_A, ("drain",), ("reset_gpu",), ("add", 1, 16, (), 8), ("step", 2),
              FUZZ_FULL_A, ("step", 1))
 INTERLEAVINGS = {
@@ -5275,8 +5284,8 @@ INTERLEAVINGS = {
     "reset_while_a_finish_flush_is_queued": (("cpu",), plan_of(
         FUZZ_FULL_A, ("step", 1), ("reset",), budget=20),
         {"resets_with_queued_flush": 1, "resets_refused": 0}, {}),
-    # reset() with a sent store and a sent load: both are abandoned (reset returns False), their
-    # late reports release the pins and cache nothing; a later reset succeeds
+    # reset() with a sent store and a sent load: both are abandoned (reset returns False),
+    # their late reports release the pins and cache nothing; a later reset succeeds
     "reset_while_a_store_and_a_load_are_in_flight": (ON_EVERY_DEVICE, plan_of(
         FUZZ_FULL_A, ("drain",), ("reset_gpu",), FUZZ_FULL_B, ("step", 1), FUZZ_FULL_A,
         ("step", 1), ("reset",), budget=12,
@@ -5284,10 +5293,11 @@ INTERLEAVINGS = {
         {"resets_refused": 1, "r2": 16}, {"stale_reports": 1}),
     # _C_STORING, then the CPU cache is reset (refused: C's store abandoned), then A again,
     # before the report. The engine's reset_connector_cache() looks nothing up while the reset
-    # is pending and retries it after every step: A computes its 20 tokens, and once the report
-    # lands the retry drops B's keys. vLLM 0.34's manager keeps serving its entries after a
-    # refused reset and leaves the retry to the caller: after a plain connector.reset() A again
-    # is served 16 stale tokens, and B's keys (a 12-token hit) outlive the run.
+    # is pending and retries it after every step: A computes its 20 tokens, and once the
+    # report lands the retry drops B's keys. vLLM 0.34's manager keeps serving its entries
+    # after a refused reset and leaves the retry to the caller: after a plain
+    # connector.reset() A again is served 16 stale tokens, and B's keys (a 12-token hit)
+    # outlive the run.
     "refused_reset_is_retried_and_serves_no_stale_hit": (("cpu",), plan_of(
         *_C_STORING, ("reset",), FUZZ_FULL_A, ("step", 2), ("release", 0), num_cpu_blocks=16),
         {"resets_refused": 1, "r3": 0, "probe B": 0}, {}),
@@ -5301,9 +5311,9 @@ INTERLEAVINGS = {
     "abort_while_a_lookup_pin_is_held": (("cpu",), plan_of(
         *_A_PINNED, ("abort", "r2"), num_gpu_blocks=8, num_cpu_blocks=12),
         {"aborts_with_pin": 1}, {}),
-    # three long decodes outgrow 7 GPU blocks: a request is preempted while its stores are still
-    # unreported; its blocks stay pinned by the stores (not reused by the others) until they
-    # complete
+    # three long decodes outgrow 7 GPU blocks: a request is preempted while its stores are
+    # still unreported; its blocks stay pinned by the stores (not reused by the others) until
+    # they complete
     "preemption_while_stores_are_in_flight": (("cpu",), plan_of(
         ("add", 0, 12, (), 10), ("add", 1, 12, (), 10), ("add", 0, 8, (7,), 10), ("step", 6),
         faults=Faults(store_delay=2, load_delay=1, seed=1), num_gpu_blocks=8, budget=4),
