@@ -691,18 +691,17 @@ class _QueueCopies(torch.overrides.TorchFunctionMode):
 
 class DeferredCopyEngine:
     """A simulated asynchronous device for CPU caches, standing in for `torch.cuda` in the
-    worker (`SimpleCPUOffloadWorker(n, copy_engine=DeferredCopyEngine())`) so that its CUDA
-    branch and ordering run in CI, where CPU copies would finish inside the step. As CUDA:
-    inside `with engine.stream(s):` s is the current stream, and each copy op of either path
-    (copy_; index_select, index_copy_) is queued on s (a FIFO) and reads its inputs when it
-    *runs*; `event.record(s)`, `s.wait_event(e)`, `s.wait_stream(t)` mark what is queued at
-    that call. Ops run only while the host polls: each `event.query()` answers, then runs
-    0..max_ops_per_call ready ops of random (seeded) streams, so a copy is seen done only by a
-    later poll and streams run out of step (0: nothing runs by itself). `run(*streams)` runs
-    all it can, those first: a test's adversarial order. `compute` is the stream outside any
-    context, where a test queues a forward (`queue_forwards`: a whole engine's);
-    `synchronize(s)` runs until s is idle, as a host read does. Pinned memory and non_blocking
-    are not modelled."""
+    worker (`SimpleCPUOffloadWorker(n, copy_engine=DeferredCopyEngine())`): its CUDA branch
+    and ordering run in CI, where CPU copies finish inside the step. As CUDA: in `with
+    engine.stream(s):` s is the current stream; each copy op of either path (copy_;
+    index_select, index_copy_) is queued on s (a FIFO) and reads its inputs when it *runs*;
+    `event.record(s)`, `s.wait_event(e)`, `s.wait_stream(t)` mark what is queued then. Ops run
+    only while the host polls: each `event.query()` answers, then runs 0..max_ops_per_call
+    ready ops of random (seeded) streams: a copy is seen done only by a later poll, streams
+    run out of step (0: nothing runs by itself). `run(*streams)` runs all it can, those first
+    (a test's adversarial order); `compute`, the stream outside any context, takes a test's
+    forwards (`queue_forwards`); `synchronize(s)` runs until s is idle, as a host read does.
+    Pinned memory and non_blocking are not modelled."""
 
     def __init__(self, seed: int = 0, max_ops_per_call: int = 2):
         self.rng = random.Random(seed)
@@ -3905,11 +3904,11 @@ README = pathlib.Path(ko.__file__).resolve().parent / "README.md"
 
 
 def _memoize_toy_model(monkeypatch) -> None:
-    """ToyModel.compute_kv computed once per distinct input: its output is a function of the
-    model's shape, the token ids and the positions only (integer arithmetic: the same bits every
-    call), so a repeated call gets the tensor the first one computed. The demo's 8192-token runs
-    share one prompt: A's chunks, expected_kv and most of B's recomputes are the same calls in
-    every run (the model is most of a run's time). Engine, manager and worker run unchanged."""
+    """ToyModel.compute_kv computed once per distinct input: its output depends on the model's
+    shape, the token ids and the positions only (integer arithmetic: the same bits every
+    call). The demo's 8192-token runs share one prompt: A's chunks, expected_kv and most of
+    B's recomputes are the same calls in every run (most of a run's time). Nothing else
+    changes."""
     compute, memo = ko.ToyModel.compute_kv, {}
 
     def compute_kv(self, token_ids, positions):
@@ -4337,21 +4336,18 @@ def check_cached_kv(engine: ko.MiniEngine, requests) -> None:
 def check_invariants(engine: ko.MiniEngine, requests=None, *,
                      allow_stale_store_counts: bool = False) -> None:
     """Everything that must hold between two engine steps, for any schedule.
-
     - Both pools are well formed (check_pool): free queue == the ref-0 blocks, map <-> hashes.
-    - Every reference on every block is accounted for. GPU: each request table that holds it,
-      each store (sent, queued flush, or abandoned by reset) and each load (live or abandoned)
-      that copies it. CPU: stores, loads, and lookup pins (`_pending_cpu_hits`). Nothing else may
-      hold a ref.
-    - The in-flight set equals the GPU ids of live and queued stores; no GPU block is in two of
-      them; every store source still carries its hash (completion reads it).
-    - A CPU block with a hash has finished its copy (it is no store's destination); a load's GPU
+    - Every ref on every block is accounted for, and nothing else holds one. GPU: each request
+      table, store (sent, queued flush, or abandoned by reset) and load (live or abandoned)
+      that holds it. CPU: stores, loads, and lookup pins (`_pending_cpu_hits`).
+    - The in-flight set equals the GPU ids of live and queued stores; no GPU block is in two
+      of them; every store source still carries its hash (completion reads it).
+    - A CPU block with a hash has finished its copy (no store's destination); a load's GPU
       destination has no hash yet.
     - Event bookkeeping agrees with itself and with the engine (loading requests have loads).
     - With `requests` (every Request ever added): every cached block's bytes match expected_kv.
     `allow_stale_store_counts` tolerates RB-3's leftover (as in vLLM): a duplicate report of a
-    finished store event leaves a partial count behind until reset().
-    """
+    finished store event leaves a partial count behind until reset()."""
     gpu = engine.gpu_block_pool
     check_pool(gpu, "GPU")
     running = [r.request_id for r in engine.running]
@@ -5886,11 +5882,10 @@ def test_failed_pinned_allocation_leaves_the_worker_fresh(monkeypatch):
 
 
 def test_worker_block_dim_is_given_not_guessed():
-    """A FlashAttention cache of 2 blocks is (2, 2, 4, 8): its shape alone cannot tell K/V from
-    the blocks (the old guess took dimension 0 as the blocks, so CPU block 1 got V of *both*
-    GPU blocks). With block_dim=1, GPU block 1 stores K[1] and V[1] into CPU block 1 and loads
-    back into GPU block 1 exactly; read as block_dim=0 with 2 blocks it would be refused, since
-    a (2, ...) cache of 2 blocks in [num_blocks, ...] is a different tensor layout."""
+    """A FlashAttention cache of 2 blocks is (2, 2, 4, 8): its shape cannot tell K/V from the
+    blocks (the old guess took dimension 0 as the blocks: CPU block 1 got V of *both* GPU
+    blocks). With block_dim=1, GPU block 1 stores K[1], V[1] into CPU block 1 and loads back
+    exactly; block_dim=0 with 2 blocks would be refused (a different layout)."""
     cache = torch.arange(2 * 2 * 4 * 8, dtype=torch.float16).view(2, 2, 4, 8)
     original = cache.clone()
     w = ko.SimpleCPUOffloadWorker(3)
