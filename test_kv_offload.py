@@ -7997,18 +7997,17 @@ def test_manager_speed_against_vllm(pytestconfig):
 
 
 # ---- 3.10 vLLM's own test_scheduler.py, run against this module ----------------------------------
-# vLLM 0.34's tests/v1/simple_kv_offload/test_scheduler.py, loaded at run time from vLLM's source
-# tree (never copied here). Underneath vLLM's Requests, KVCacheBlocks and SchedulerOutputs its test
-# bodies drive this module's SimpleCPUOffloadScheduler and BlockPool: vLLM's make_scheduler helper
-# is replaced, for the duration of a case, by one that builds ours behind VllmFacingScheduler, a
-# thin adapter that translates vLLM's message objects (requests and blocks need no translation:
-# our manager reads only the fields the two share).
+# vLLM 0.34's tests/v1/simple_kv_offload/test_scheduler.py, loaded at run time from vLLM's
+# source tree (never copied here); its test bodies drive, under vLLM's Requests, KVCacheBlocks
+# and SchedulerOutputs, this module's SimpleCPUOffloadScheduler and BlockPool: for each case
+# vLLM's make_scheduler builds ours behind VllmFacingScheduler, a thin adapter translating
+# vLLM's message objects (requests and blocks need none: ours reads only shared fields).
 #
 #     KV_OFFLOAD_VLLM_SRC=path/to/vllm-0.34.0 python -m pytest -rs -k test_scheduler_py
 #
-# The folder is vLLM's unpacked source distribution (it holds vllm/ and tests/), and vLLM's Python
-# dependencies must import (README, "Comparing with vLLM"). Without the variable, one case skips
-# and says how to enable it. Cases, one per vLLM test and parameter set:
+# The folder is vLLM's unpacked sdist (vllm/ and tests/); vLLM's Python dependencies must
+# import (README, "Comparing with vLLM"). Without the variable one case skips and says how to
+# enable it. Cases, one per vLLM test and parameter set:
 #   ours-<test>      an in-scope test against SimpleCPUOffloadScheduler: must pass.
 #   pre-fix-<test>   PR #53532's seven tests against PreFixCPUOffloadScheduler (both bugs on):
 #                    five must fail inside vLLM's test body, two pass vacuously (nothing is queued).
