@@ -691,18 +691,17 @@ class _QueueCopies(torch.overrides.TorchFunctionMode):
 
 class DeferredCopyEngine:
     """A simulated asynchronous device for CPU caches, standing in for `torch.cuda` in the
-    worker (`SimpleCPUOffloadWorker(n, copy_engine=DeferredCopyEngine())`) so that its CUDA
-    branch and ordering run in CI, where CPU copies would finish inside the step. As CUDA:
-    inside `with engine.stream(s):` s is the current stream, and each copy op of either path
-    (copy_; index_select, index_copy_) is queued on s (a FIFO) and reads its inputs when it
-    *runs*; `event.record(s)`, `s.wait_event(e)`, `s.wait_stream(t)` mark what is queued at
-    that call. Ops run only while the host polls: each `event.query()` answers, then runs
-    0..max_ops_per_call ready ops of random (seeded) streams, so a copy is seen done only by a
-    later poll and streams run out of step (0: nothing runs by itself). `run(*streams)` runs
-    all it can, those first: a test's adversarial order. `compute` is the stream outside any
-    context, where a test queues a forward (`queue_forwards`: a whole engine's);
-    `synchronize(s)` runs until s is idle, as a host read does. Pinned memory and non_blocking
-    are not modelled."""
+    worker (`SimpleCPUOffloadWorker(n, copy_engine=DeferredCopyEngine())`): its CUDA branch
+    and ordering run in CI, where CPU copies finish inside the step. As CUDA: in `with
+    engine.stream(s):` s is the current stream; each copy op of either path (copy_;
+    index_select, index_copy_) is queued on s (a FIFO) and reads its inputs when it *runs*;
+    `event.record(s)`, `s.wait_event(e)`, `s.wait_stream(t)` mark what is queued then. Ops run
+    only while the host polls: each `event.query()` answers, then runs 0..max_ops_per_call
+    ready ops of random (seeded) streams: a copy is seen done only by a later poll, streams
+    run out of step (0: nothing runs by itself). `run(*streams)` runs all it can, those first
+    (a test's adversarial order); `compute`, the stream outside any context, takes a test's
+    forwards (`queue_forwards`); `synchronize(s)` runs until s is idle, as a host read does.
+    Pinned memory and non_blocking are not modelled."""
 
     def __init__(self, seed: int = 0, max_ops_per_call: int = 2):
         self.rng = random.Random(seed)
@@ -862,14 +861,12 @@ def test_worker_copies_exact_blocks_both_directions(device, layout, ids, path, m
     for r in w.cpu_kv_caches.values():
         _fill_random(r, 2)
     assert all(r.is_pinned() == (device == "cuda") for r in w.cpu_kv_caches.values())
-    gpu_ids, cpu_ids = ([3, 4, 5, 6], [1, 2, 3, 4])
-    if ids == "scattered":
-        gpu_ids, cpu_ids = [9, 2, 5, 11], [7, 1, 8, 3]
+    gpu_ids, cpu_ids = {"contiguous": ([3, 4, 5, 6], [1, 2, 3, 4]),
+                        "scattered": ([9, 2, 5, 11], [7, 1, 8, 3])}[ids]
     for event, direction in enumerate(("store", "load")):
-        src, dst = w.gpu_kv_caches, w.cpu_kv_caches
+        src, dst, s_ids, d_ids = w.gpu_kv_caches, w.cpu_kv_caches, gpu_ids, cpu_ids
         if direction == "load":
-            src, dst = dst, src
-        s_ids, d_ids = (gpu_ids, cpu_ids) if direction == "store" else (cpu_ids, gpu_ids)
+            src, dst, s_ids, d_ids = dst, src, d_ids, s_ids
         before_src = {k: bits(v) for k, v in src.items()}
         before_dst = {k: bits(v) for k, v in dst.items()}
         fields_ = {f"{direction}_event": event, f"{direction}_gpu_blocks": gpu_ids,
@@ -1588,19 +1585,25 @@ class Harness:
             req.num_computed_tokens = num_tokens
         return tuple(table)
 
-    def step(self, sched_tokens=None, new_blocks=None, resumed=(), preempted=()):
-        """One build_connector_meta; `new_blocks` maps req_id -> table of KVCacheBlocks."""
+    def step(self, sched_tokens=None, new_blocks=None, resumed=(), preempted=(),
+             complete=False):
+        """One build_connector_meta; `new_blocks` maps req_id -> table of KVCacheBlocks. With
+        `complete`, the step's store (if any) completes."""
         out = ko.SchedulerOutput(
             num_scheduled_tokens=dict(sched_tokens or {}),
             new_block_ids={rid: table_ids(t) for rid, t in (new_blocks or {}).items()},
             resumed_req_ids=set(resumed), preempted_req_ids=set(preempted))
-        return self.sched.build_connector_meta(out)
+        meta = self.sched.build_connector_meta(out)
+        if complete and meta.store_event >= 0:
+            self.complete_store(meta.store_event)
+        return meta
 
-    def schedule(self, *reqs_tokens, confirmed=True, lookup=False):
+    def schedule(self, *reqs_tokens, confirmed=True, lookup=False, complete=False):
         """One step that admits each (req, num_tokens) whole with no external hit (after a CPU
         lookup if asked): allocated and hashed, registered, then the step's metadata. With
         `confirmed` the tokens count as computed before the metadata is built (so this step
-        stores them); without, the forward pass confirms them after. Returns (meta, tables)."""
+        stores them); without, the forward pass confirms them after. `complete`: as step's.
+        Returns (meta, tables)."""
         tables = []
         for req, n in reqs_tokens:
             if lookup:
@@ -1608,7 +1611,8 @@ class Harness:
             tables.append(self.alloc(req, n, confirm=confirmed))
             self.sched.update_state_after_alloc(req, tables[-1], 0)
         meta = self.step({r.request_id: n for r, n in reqs_tokens},
-                         {r.request_id: t for (r, _), t in zip(reqs_tokens, tables)})
+                         {r.request_id: t for (r, _), t in zip(reqs_tokens, tables)},
+                         complete=complete)
         for req, n in reqs_tokens:
             req.num_computed_tokens = n
         return meta, tables
@@ -1616,10 +1620,14 @@ class Harness:
     def prefill(self, *reqs_tokens, complete=True):
         """schedule() with the tokens confirmed: one step that stores them; the store completes
         unless told not to. Returns (meta, tables)."""
-        meta, tables = self.schedule(*reqs_tokens)
-        if complete and meta.store_event >= 0:
-            self.complete_store(meta.store_event)
-        return meta, tables
+        return self.schedule(*reqs_tokens, complete=complete)
+
+    def prefilled(self, num_tokens, computed=None, complete=True):
+        """A new request of `num_tokens`, its first `computed` (default: all) prefilled in one
+        step (prefill()). Returns (request, the step's meta, its table)."""
+        req = self.request(num_tokens)
+        meta, (table,) = self.prefill((req, computed or num_tokens), complete=complete)
+        return req, meta, table
 
     def prefill_then_finish(self, *reqs_tokens):
         """Requests whose prefill ran in their last step (nothing confirmed was stored before
@@ -1684,15 +1692,13 @@ class Harness:
 
 # ---- 1.7 Manager: store -> lookup -> load --------------------------------------------------------
 
-
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_store_lookup_load_roundtrip(variant):
     """Stored blocks become CPU hits and load into the GPU blocks after the local hit. vLLM 0.29
     inserted the stamped primary keys directly, so whole-block hits worked there; the reset_hash
     trap registers none of them (hit 0)."""
     h = Harness(variant)
-    req = h.request(2 * BS + 1)  # 33 tokens: 2 full blocks + 1
-    meta, (table,) = h.prefill((req, 33))
+    req, meta, table = h.prefilled(2 * BS + 1)  # 33 tokens: 2 full blocks + 1
     # fresh CPU pool: free queue [1..7]; the two stored blocks land in CPU blocks 1 and 2
     assert (meta.store_gpu_blocks, meta.store_cpu_blocks) == (table_ids(table)[0][:2], [1, 2])
     # registration: both keys in the CPU map. Cap 33-1=32 keeps both blocks: hit 32.
@@ -1719,8 +1725,7 @@ def test_hit_capped_at_num_tokens_minus_one(extra, expected_hit):
     """The `num_tokens - 1` cap drops an exactly aligned last block:
     32 tokens -> cap 31 -> 1 block."""
     h = Harness()
-    req = h.request(2 * BS + extra)
-    h.prefill((req, 2 * BS + extra))
+    req, _, _ = h.prefilled(2 * BS + extra)
     assert h.in_cpu(req) == [True, True]  # both blocks stored either way
     # cap = 31 + extra; whole 16-blocks under it, at most 2: extra 0 -> 16, 1 -> 32, 15 -> 32
     assert h.probe(req) == expected_hit
@@ -1729,8 +1734,7 @@ def test_hit_capped_at_num_tokens_minus_one(extra, expected_hit):
 def test_lookup_starts_after_local_hit():
     """The CPU lookup starts at the local hit: CPU needs no copy of the GPU-hit prefix."""
     h = Harness(num_cpu_blocks=5)  # 4 usable
-    req = h.request(4 * BS + 1)  # 65 tokens
-    h.prefill((req, 64))  # blocks 0..3 -> CPU 1..4
+    req, _, _ = h.prefilled(4 * BS + 1, 64)  # 65 tokens; blocks 0..3 -> CPU 1..4
     h.prefill((h.request(33), 33))  # 2 more blocks pop CPU 1, 2: req's blocks 0, 1 evicted
     assert h.in_cpu(req) == [False, False, True, True]
     # from 0: block 0 misses -> 0. From 32: hashes [2:] hit, cap 65-1-32 = 32 -> 32
@@ -1740,8 +1744,7 @@ def test_lookup_starts_after_local_hit():
 def test_unaligned_local_hit_gets_no_cpu_hit():
     """A local hit that is not a whole number of scheduler blocks gets (0, False), pins nothing."""
     h = Harness(block_size=32, hash_block_size=16)
-    req = h.request(4 * 16 + 1)
-    h.prefill((req, 64))
+    req, _, _ = h.prefilled(4 * 16 + 1, 64)
     before = h.state()
     assert h.sched.get_num_new_matched_tokens(h.twin(req), 16) == (0, False)
     assert h.state() == before
@@ -1750,8 +1753,7 @@ def test_unaligned_local_hit_gets_no_cpu_hit():
 def test_partial_gpu_prefix_plus_cpu_load():
     """GPU hit [0,2) + CPU hit [2,6), scheduler accepts only [2,4): load exactly blocks 2,3."""
     h = Harness()
-    req = h.request(6 * BS + 1)  # 97 tokens, 6 full blocks
-    meta, _ = h.prefill((req, 97))
+    req, meta, _ = h.prefilled(6 * BS + 1)  # 97 tokens, 6 full blocks
     cpu_of = meta.store_cpu_blocks  # CPU block holding each of the 6 blocks: [1..6]
     assert cpu_of == [1, 2, 3, 4, 5, 6]
     req2 = h.twin(req)
@@ -1771,8 +1773,7 @@ def test_partial_gpu_prefix_plus_cpu_load():
 def test_load_event_to_reqs_lists_every_outstanding_load():
     """Each step sends at most one load event; load_event_to_reqs lists all that are in flight."""
     h = Harness()
-    req = h.request(2 * BS + 1)
-    h.prefill((req, 33))
+    req, _, _ = h.prefilled(2 * BS + 1)
     metas, twins = [], []
     for _ in range(2):
         twin = h.twin(req)
@@ -1787,7 +1788,6 @@ def test_load_event_to_reqs_lists_every_outstanding_load():
 
 
 # ---- 1.8 Manager: CPU pool (LRU, duplicates, in-flight dedup) ------------------------------------
-
 
 def _fill_four():
     """A harness with a 4-block CPU pool (5 with the null block); a and b (2 blocks each) are
@@ -1804,8 +1804,7 @@ def _fill_four():
 def test_lru_eviction_order():
     """With the CPU pool full, a new store evicts the least recently used blocks (a's)."""
     h, a, b = _fill_four()
-    c = h.request(33)
-    meta, _ = h.prefill((c, 33))
+    c, meta, _ = h.prefilled(33)
     assert meta.store_cpu_blocks == [1, 2]  # popped from the LRU front: a's blocks
     assert (h.in_cpu(a), h.in_cpu(b), h.in_cpu(c)) == ([False] * 2, [True] * 2, [True] * 2)
     assert free_ids(h.cpu) == [3, 4, 1, 2]
@@ -1819,40 +1818,34 @@ def test_touched_blocks_survive_eviction():
         h.cpu.touch([h.cpu.blocks[i]])
         h.cpu.free_blocks([h.cpu.blocks[i]])
     assert free_ids(h.cpu) == [3, 4, 1, 2]
-    c = h.request(33)
-    meta, _ = h.prefill((c, 33))
+    c, meta, _ = h.prefilled(33)
     assert meta.store_cpu_blocks == [3, 4]
     assert (h.in_cpu(a), h.in_cpu(b), h.in_cpu(c)) == ([True] * 2, [False] * 2, [True] * 2)
 
 
 @pytest.mark.parametrize("prefix_aware", [False, True])
 def test_prefix_aware_eviction_queue_order_by_hand(prefix_aware):
-    """Not in vLLM (prefix_aware_eviction). CPU pool of 5 blocks (free queue [1, 2, 3, 4]); a's
-    4-block chain a0-a3 is stored over two steps, then c (1 block) needs one CPU block.
-    Step 1 stores a0, a1 into CPU 1, 2. Off (vLLM): completion appends them in prompt order ->
-    [3, 4, 1, 2]. On: freed in reverse -> [3, 4, 2, 1]; 2 (a1) is already right ahead of its
-    parent 1 (a0, a root).
-    Step 2 stores a2, a3 into CPU 3, 4 (the unhashed front). Off: appended -> [1, 2, 3, 4]. On:
-    appended in reverse [2, 1, 4, 3], then the run 4, 3 moves ahead of 3's parent 2 ->
-    [4, 3, 2, 1]: leaves first.
-    c's store pops the front: off CPU 1 (a0), and a twin of a (64 tokens, hit capped at 63)
-    then hits nothing; on CPU 4 (a3), and the twin hits a0-a2: 48 tokens."""
+    """Not in vLLM (prefix_aware_eviction). CPU pool of 5 blocks (free queue [1, 2, 3, 4]);
+    a's 4-block chain a0-a3 is stored over two steps, then c (1 block) needs one CPU block.
+    Step 1 stores a0, a1 into CPU 1, 2. Off (vLLM): completion appends them in prompt order:
+    [3, 4, 1, 2]. On: freed in reverse: [3, 4, 2, 1] (a1 right ahead of its parent a0, a
+    root). Step 2 stores a2, a3 into CPU 3, 4 (the unhashed front). Off: appended:
+    [1, 2, 3, 4]. On: appended in reverse [2, 1, 4, 3], then the run 4, 3 moves ahead of 3's
+    parent 2: [4, 3, 2, 1], leaves first. c's store pops the front: off CPU 1 (a0), and a twin
+    of a (64 tokens, hit capped at 63) hits nothing; on CPU 4 (a3), and the twin hits a0-a2:
+    48."""
     h = Harness("prefix_aware" if prefix_aware else "fixed", num_cpu_blocks=5)
     a = h.request(64)
     table = h.alloc(a, 64, confirm=False)
     h.sched.update_state_after_alloc(a, table, 0)
     a.num_computed_tokens = 32  # the first chunk's forward pass ran
-    meta = h.step({a.request_id: 32}, {a.request_id: table})
+    meta = h.step({a.request_id: 32}, {a.request_id: table}, complete=True)
     assert meta.store_cpu_blocks == [1, 2]
-    h.complete_store(meta.store_event)
     assert free_ids(h.cpu) == ([3, 4, 2, 1] if prefix_aware else [3, 4, 1, 2])
     a.num_computed_tokens = 64
-    meta = h.step({a.request_id: 32})
-    assert meta.store_cpu_blocks == [3, 4]
-    h.complete_store(meta.store_event)
+    assert h.step({a.request_id: 32}, complete=True).store_cpu_blocks == [3, 4]
     assert free_ids(h.cpu) == ([4, 3, 2, 1] if prefix_aware else [1, 2, 3, 4])
-    c = h.request(16)
-    meta, _ = h.prefill((c, 16))
+    c, meta, _ = h.prefilled(16)
     assert meta.store_cpu_blocks == ([4] if prefix_aware else [1])
     assert h.probe(a) == (48 if prefix_aware else 0)
 
@@ -1871,14 +1864,10 @@ def test_prefix_aware_store_never_evicts_its_own_prefix():
         new_blocks = {a.request_id: table}
         for tokens in (32, 64, 96, 112):
             a.num_computed_tokens = tokens
-            meta = h.step({a.request_id: 32}, new_blocks)
+            h.step({a.request_id: 32}, new_blocks, complete=True)
             new_blocks = None
-            if meta.store_event >= 0:
-                h.complete_store(meta.store_event)
         h.finish(a, table)
-        meta = h.step()
-        if meta.store_event >= 0:
-            h.complete_store(meta.store_event)
+        h.step(complete=True)
         hits[prefix_aware] = h.probe(a)
         assert h.cpu.get_num_free_blocks() == 5
     assert hits == {False: 0, True: 5 * BS}
@@ -1897,19 +1886,17 @@ def test_prefix_aware_eviction_ramp_at_448_blocks():
 def test_prefix_aware_eviction_rotation():
     """Not in vLLM. 3 prompts of 64 blocks round-robin through a 160-block pool (159 usable;
     ideal 159 blocks a round = 2544 tokens). On, by hand for round 2: each request finds its
-    first 159 - 2 * 64 = 31 blocks (the other two prompts are whole: they were stored since),
-    loads them and stores its other 33 by evicting the tail of the least recently used chain
-    down to 31: 3 * 31 * 16 = 1488 tokens. Round 2's stores re-store evicted keys, so every
-    block now has a reuse gap (one round); from round 3 a store stops short of a block due
-    again before its own chain, and the pool keeps what the next requests load: 2512, then 2528
-    tokens (157 and 158 blocks, measured) of the ideal 2544. Off (vLLM), the rounds swing, and at least one
-    falls below half of the ideal. The rule's planted bug (stores never stop short) gives
-    round 2's 1488 in every round."""
-    on = ko.run_rotation(num_prompts=3, prompt_blocks=64, num_cpu_blocks=160, rounds=4,
-                         scheduler_cls=ko.PrefixAwareCPUOffloadScheduler)
-    off = ko.run_rotation(num_prompts=3, prompt_blocks=64, num_cpu_blocks=160, rounds=4)
-    planted = ko.run_rotation(num_prompts=3, prompt_blocks=64, num_cpu_blocks=160, rounds=4,
-                              scheduler_cls=_NeverStopsShort)
+    first 159 - 2 * 64 = 31 blocks (the other two prompts are whole: stored since), loads them
+    and stores its other 33 by evicting the tail of the least recently used chain down to 31:
+    3 * 31 * 16 = 1488 tokens. Round 2 re-stores evicted keys, so every block now has a reuse
+    gap (a round); from round 3 a store stops short of a block due before its own chain, and
+    the pool keeps what the next requests load: 2512, then 2528 tokens (157 and 158 blocks,
+    measured). Off (vLLM) the rounds swing, at least one below half of the ideal. The rule's
+    planted bug (stores never stop short) gives round 2's 1488 in every round."""
+    on, off, planted = (ko.run_rotation(num_prompts=3, prompt_blocks=64, num_cpu_blocks=160,
+                                        rounds=4, scheduler_cls=cls)
+                        for cls in (ko.PrefixAwareCPUOffloadScheduler,
+                                    ko.SimpleCPUOffloadScheduler, _NeverStopsShort))
     for r in (on, off, planted):
         assert r["kv_exact"] and r["all_free"] and r["ideal_tokens_per_round"] == 2544
     assert on["cpu_hit_tokens_per_round"] == [0, 1488, 2512, 2528]
@@ -1949,15 +1936,14 @@ def _orphaned_cpu_blocks(conn) -> list[int]:
 
 @pytest.mark.parametrize("cls", [ko.PrefixAwareCPUOffloadScheduler, ko.SimpleCPUOffloadScheduler])
 def test_prefix_aware_store_never_evicts_the_prefix_it_extends(cls):
-    """Not in vLLM; found by an independent attack. Blocks of 2 tokens, 2 usable CPU blocks.
-    A (7 tokens) stores K0 and K1 (its final flush; K2 finds the pool full). B = A's 7 tokens
-    + 4 more hits K0-K2 on the GPU; its selection skips K0 and K1 (on CPU) and wants K2. Its
-    cursor is at 0, so a rule judged by the cursor did not see K0 and K1 as B's own prefix:
-    K2 was stored by evicting K1 and stranded, and A's prompt (max hit 6 tokens) then loaded
-    K0 only: 2 tokens (on the code before this rule was judged by the hash chain). Judged by
-    the chain, K1 at the queue's front is on B's chain: nothing is evicted, and A's prompt loads
-    K0 and K1, 4 tokens. vLLM's LRU: B's GPU hit refreshes K1, K0 to the back in that order,
-    K2 evicts K1, and the prompt loads 0."""
+    """Not in vLLM; found by an independent attack. Blocks of 2 tokens, 2 usable CPU blocks. A
+    (7 tokens) stores K0 and K1 (its final flush; K2 finds the pool full). B = A's 7 tokens +
+    4 more hits K0-K2 on the GPU; its selection skips K0, K1 (on CPU) and wants K2. Its cursor
+    is at 0, so a rule judged by the cursor (the code before) missed K0, K1 as B's own prefix:
+    K2 evicted K1 and was stranded, and A's prompt (max hit 6) loaded K0 only: 2 tokens.
+    Judged by the chain, K1 at the queue's front is on B's chain: nothing is evicted, A's
+    prompt loads K0, K1: 4 tokens. vLLM's LRU: B's GPU hit refreshes K1, K0 to the back in
+    that order, K2 evicts K1, and the prompt loads 0."""
     conn = cls(3, 2)
     model = ko.ToyModel(1, 1, 2)
     eng = ko.MiniEngine(20, 2, 64, model, conn, ko.SimpleCPUOffloadWorker(3), capture_kv=True)
@@ -2000,17 +1986,15 @@ def test_prefix_aware_never_evicts_a_parent_whose_child_stays():
 @pytest.mark.parametrize("prefix_aware", [False, True])
 def test_prefix_aware_run_freed_under_a_pinned_parent_waits_for_it(prefix_aware):
     """Not in vLLM. CPU pool of 6 blocks (free queue [1, 2, 3, 4, 5]). a's first two blocks
-    a0, a1 are stored into CPU 1, 2 (a root-first run: queue [3, 4, 5, 2, 1]). x, a's twin with
-    a GPU hit of a0, looks up from a1: its pin takes CPU 2 out of the queue. y, a's twin, stores
-    a2 (child of a1) into CPU 3 (the front) while a1 is pinned: a2 waits at the back,
+    a0, a1 are stored into CPU 1, 2 (a root-first run: queue [3, 4, 5, 2, 1]). x, a's twin
+    with a GPU hit of a0, looks up from a1: its pin takes CPU 2 out. y, a's twin, stores a2
+    (child of a1) into CPU 3 (the front) while a1 is pinned: a2 waits at the back,
     [4, 5, 1, 3]. When x's pin goes, a1 joins the back with the run that waited for it just
-    ahead, and both move just ahead of a1's parent a0: [4, 5, 3, 2, 1], leaf first. Before, a1
-    moved alone, in front of its child: [4, 5, 2, 1, 3], and the next evictions took a1 while
-    a2 stayed cached (found while reading a long-fuzz failure). vLLM's LRU: [4, 5, 1, 3], then
-    [4, 5, 1, 3, 2]."""
+    ahead, both just ahead of a0: [4, 5, 3, 2, 1], leaf first. Before, a1 moved alone, ahead
+    of its child: [4, 5, 2, 1, 3], and the next evictions took a1 while a2 stayed cached
+    (found in a long-fuzz failure). vLLM's LRU: [4, 5, 1, 3], then [4, 5, 1, 3, 2]."""
     h = Harness("prefix_aware" if prefix_aware else "fixed", num_cpu_blocks=6)
-    a = h.request(49)  # 3 full blocks + 1 token
-    h.prefill((a, 32))
+    a, _, _ = h.prefilled(49, 32)  # 3 full blocks + 1 token
     x, y = h.twin(a), h.twin(a)
     assert h.sched.get_num_new_matched_tokens(x, 16) == (16, True)  # a1 only: x's GPU has a0
     h.prefill((y, 48))  # stores a2 alone: a0 and a1 are on CPU already
@@ -2021,16 +2005,15 @@ def test_prefix_aware_run_freed_under_a_pinned_parent_waits_for_it(prefix_aware)
 
 @pytest.mark.parametrize("variant", ["fixed", "no_refresh"])
 def test_gpu_prefix_hit_refreshes_cpu_lru(variant, monkeypatch):
-    """A prefix served from the GPU moves its CPU copies to the MRU end (vLLM 0.34), so a colder
-    prefix is evicted first. `no_refresh`: the manager with the refresh removed (as before 0.34).
-
-    _fill_four: CPU 1, 2 = a's blocks, 3, 4 = b's; free queue (front = evicted first) [1, 2, 3, 4].
-    a's twin a2 (33 tokens) hits 32 on the GPU: get_num_new_matched_tokens(a2, 32) finds no hash
-    past 32 -> (0, False), but remembers the 32 local tokens. update_state_after_alloc(a2) looks
-    them up on CPU -> blocks [1, 2]; touch takes them out -> [3, 4]; free_blocks(reversed)
-    appends 2, then 1 -> [3, 4, 2, 1]. c's store takes the front, 3 and 4: b is evicted, a stays,
-    and c's completed blocks rejoin at the back -> [2, 1, 3, 4].
-    Without the refresh the queue stays [1, 2, 3, 4]: c evicts a's 1, 2 -> [3, 4, 1, 2]."""
+    """A prefix served from the GPU moves its CPU copies to the MRU end (vLLM 0.34), so a
+    colder prefix is evicted first. `no_refresh`: the refresh removed (as before 0.34).
+    _fill_four: CPU 1, 2 = a's blocks, 3, 4 = b's; free queue (front = evicted first)
+    [1, 2, 3, 4]. a's twin a2 (33 tokens) hits 32 on the GPU:
+    get_num_new_matched_tokens(a2, 32) finds no hash past 32 -> (0, False), but remembers the
+    32 local tokens. update_state_after_alloc(a2) looks them up on CPU -> [1, 2]; touch takes
+    them out -> [3, 4]; free_blocks(reversed) appends 2, then 1 -> [3, 4, 2, 1]. c's store
+    takes 3 and 4: b is evicted, a stays, and c's completed blocks rejoin at the back ->
+    [2, 1, 3, 4]. Without the refresh: c evicts a's 1, 2 -> [3, 4, 1, 2]."""
     h, a, b = _fill_four()
     if variant == "no_refresh":  # (_fill_four's requests had no local hit: nothing to refresh)
         monkeypatch.setattr(h.sched, "_refresh_cpu_lru", lambda prefix_blocks: None)
@@ -2041,8 +2024,7 @@ def test_gpu_prefix_hit_refreshes_cpu_lru(variant, monkeypatch):
     assert h.sched._pending_local_hits == {}
     assert_variant(variant, free_ids(h.cpu), [3, 4, 2, 1], no_refresh=[1, 2, 3, 4])
     assert [blk.ref_cnt for blk in h.cpu.blocks[1:]] == [0] * 4  # touched and freed: no ref left
-    c = h.request(33)
-    meta, _ = h.prefill((c, 33))
+    c, meta, _ = h.prefilled(33)
     assert_variant(variant, meta.store_cpu_blocks, [3, 4], no_refresh=[1, 2])
     assert_variant(variant, (h.in_cpu(a), h.in_cpu(b)), ([True] * 2, [False] * 2),
                    no_refresh=([False] * 2, [True] * 2))
@@ -2086,8 +2068,7 @@ def test_local_hit_refresh_lifecycle():
 def test_duplicate_store_skipped(variant):
     """A second request with the same prefix stores nothing new (the trap: stores it again)."""
     h = Harness(variant)
-    req = h.request(33)
-    h.prefill((req, 33))
+    req, _, _ = h.prefilled(33)
     meta2, _ = h.prefill((h.twin(req), 33))  # fresh GPU blocks, same hashes
     # fixed: both keys already in the CPU map -> no store event.
     # vLLM 0.29 found the primaries (inserted directly) and skipped them too. The trap: the
@@ -2100,8 +2081,7 @@ def test_duplicate_store_skipped(variant):
 def test_in_flight_store_dedup_across_steps():
     """GPU blocks whose store is in flight are not stored again by a request sharing them."""
     h = Harness()
-    req = h.request(33)
-    meta1, (table,) = h.prefill((req, 33), complete=False)
+    req, meta1, table = h.prefilled(33, complete=False)
     assert set(h.sched._in_flight_store_gpu_blocks) == set(table_ids(table)[0][:2])
     assert [b.ref_cnt for b in table[0][:2]] == [2, 2]  # request + store pin
     twin = h.twin(req)  # GPU prefix hit: reuses the same GPU blocks
@@ -2118,12 +2098,10 @@ def test_in_flight_store_dedup_across_steps():
 
 # ---- 1.9 Manager: request lifecycle (deferred cleanup, lookup pins) ------------------------------
 
-
 def test_finish_during_load_defers_cleanup():
     """request_finished while the load is in flight keeps the pins until finished_recving."""
     h = Harness()
-    req = h.request(33)
-    meta, _ = h.prefill((req, 33))
+    req, meta, _ = h.prefilled(33)
     twin = h.twin(req)
     table, _ = h.start_load(twin)
     assert h.sched.request_finished(twin, []) == (False, None)
@@ -2140,8 +2118,7 @@ def test_finish_during_load_defers_cleanup():
 def test_finish_during_store_defers_cleanup():
     """request_finished while its store is in flight: state kept until the store completes."""
     h = Harness()
-    req = h.request(33)
-    meta, (table,) = h.prefill((req, 33), complete=False)
+    req, meta, table = h.prefilled(33, complete=False)
     assert h.sched.request_finished(req, []) == (False, None)
     h.gpu.free_blocks(table[0])
     assert req.request_id in h.sched._reqs_to_store
@@ -2155,8 +2132,7 @@ def test_finish_during_store_defers_cleanup():
 def test_lookup_pin_survives_eviction_pressure():
     """A hit pinned by get_num_new_matched_tokens is not evicted before update_state_after_alloc."""
     h = Harness(num_cpu_blocks=5)  # 4 usable
-    a = h.request(33)
-    h.prefill((a, 33))  # a -> CPU 1, 2
+    a, _, _ = h.prefilled(33)  # a -> CPU 1, 2
     b = h.twin(a)
     assert h.sched.get_num_new_matched_tokens(b, 0) == (32, True)
     assert [h.cpu.blocks[i].ref_cnt for i in (1, 2)] == [1, 1]
@@ -2175,8 +2151,7 @@ def test_lookup_pin_released_by_relookup_zero_alloc_and_finish():
     """The lookup pin is one ref:
     a repeated lookup, 0 external tokens or request_finished drop it."""
     h = Harness()
-    req = h.request(33)
-    h.prefill((req, 33))
+    req, _, _ = h.prefilled(33)
     refs = lambda: [h.cpu.blocks[i].ref_cnt for i in (1, 2)]  # noqa: E731
     twin = h.twin(req)
     h.sched.get_num_new_matched_tokens(twin, 0)
@@ -2195,8 +2170,7 @@ def test_lookup_pin_released_by_relookup_zero_alloc_and_finish():
 def test_store_completes_after_world_size_reports(aggregate):
     """With world_size=2 a store completes only when both workers reported it."""
     h = Harness(world_size=2)
-    req = h.request(33)
-    meta, (table,) = h.prefill((req, 33), complete=False)
+    req, meta, table = h.prefilled(33, complete=False)
     one = ko.SimpleCPUOffloadWorkerMetadata(completed_store_events={meta.store_event: 1})
     if aggregate:  # both workers' reports merged within a step
         other = ko.SimpleCPUOffloadWorkerMetadata(completed_store_events={meta.store_event: 1})
@@ -2215,7 +2189,6 @@ def test_store_completes_after_world_size_reports(aggregate):
 
 
 # ---- 1.10 Manager: block tables (null blocks, chunked prefill, preemption) -----------------------
-
 
 def test_null_blocks_never_in_transfer_lists():
     """The null block is skipped on store and never appears in load pairs."""
@@ -2258,14 +2231,13 @@ def test_chunked_prefill_reads_live_block_ids():
 def test_preemption_resets_table_and_cursor():
     """A preempted request resumes with a new full table and its store cursor back at 0."""
     h = Harness(num_cpu_blocks=4)  # 3 usable CPU blocks
-    req = h.request(3 * BS + 1)  # 49 tokens
-    meta1, (t1,) = h.prefill((req, 2 * BS))  # blocks 0,1 -> CPU 1,2; cursor = 2
+    # 49 tokens; blocks 0,1 -> CPU 1,2; cursor = 2
+    req, meta1, t1 = h.prefilled(3 * BS + 1, 2 * BS)
     assert meta1.store_cpu_blocks == [1, 2]
     meta_p = h.step(preempted={req.request_id})
     assert meta_p.need_flush
     h.gpu.free_blocks(t1[0])
-    x = h.request(49)
-    meta_x, _ = h.prefill((x, 48))  # 3 blocks pop CPU 3,1,2: req's two blocks are evicted
+    x, meta_x, _ = h.prefilled(49, 48)  # 3 blocks pop CPU 3,1,2: req's two blocks are evicted
     assert meta_x.store_cpu_blocks == [3, 1, 2]
     assert h.in_cpu(req) == [False, False, False]
     t2 = h.alloc(req, 3 * BS)  # resumed: fresh GPU blocks, 48 tokens recomputed
@@ -2277,8 +2249,8 @@ def test_preemption_resets_table_and_cursor():
 def test_resumed_table_replaces_old_block_ids():
     """A resumed request's new_block_ids are its whole table: they replace the old ids."""
     h = Harness()
-    req = h.request(3 * BS + 1)
-    meta1, (t1,) = h.prefill((req, 2 * BS))  # blocks 0,1 stored; table [g0, g1], cursor 2
+    # blocks 0,1 stored; table [g0, g1], cursor 2
+    req, meta1, t1 = h.prefilled(3 * BS + 1, 2 * BS)
     h.gpu.free_blocks(t1[0])
     t2 = h.alloc(req, 3 * BS)  # resumed with fresh blocks n0..n2, 48 tokens confirmed
     meta2 = h.step({req.request_id: 1}, {req.request_id: t2}, resumed={req.request_id})
@@ -2289,12 +2261,10 @@ def test_resumed_table_replaces_old_block_ids():
 
 # ---- 1.11 Manager: several KV-cache groups -------------------------------------------------------
 
-
 def test_two_groups_same_size_store_and_load():
     """Two 16-token groups: every block of both groups is stored, hit, and loaded in pairs."""
     h = Harness(group_block_sizes=[BS, BS])
-    req = h.request(33)
-    meta, (table,) = h.prefill((req, 33))
+    req, meta, table = h.prefilled(33)
     g0, g1 = table_ids(table)
     assert sorted(meta.store_gpu_blocks) == sorted(g0[:2] + g1[:2])
     assert (h.in_cpu(req, 0), h.in_cpu(req, 1)) == ([True] * 2, [True] * 2)
@@ -2322,8 +2292,7 @@ def test_hit_must_hold_in_every_group():
 def test_groups_of_different_sizes(num_tokens, expected_hit):
     """Groups of 16 and 32 tokens (block 32, hash 16): the hit is what both groups agree on."""
     h = Harness(num_cpu_blocks=8, block_size=32, hash_block_size=16, group_block_sizes=[16, 32])
-    req = h.request(num_tokens)
-    meta, _ = h.prefill((req, num_tokens))
+    req, meta, _ = h.prefilled(num_tokens)
     assert len(meta.store_gpu_blocks) == 4 + 2  # 64 computed tokens: 4 x 16 + 2 x 32
     # 65 tokens: cap 64 -> group 16: 4 blocks (64), group 32: 2 blocks (64) -> 64.
     # 64 tokens: cap 63 -> group 16: 3 blocks (48), group 32: 1 block (32); 16-group again
@@ -2335,8 +2304,7 @@ def test_groups_store_only_scheduler_block_aligned_prefix():
     """With several groups only the block_size-aligned confirmed prefix is stored
     (as in vLLM's hybrid coordinator)."""
     h = Harness(block_size=32, hash_block_size=16, group_block_sizes=[16, 32])
-    req = h.request(65)
-    meta, (table,) = h.prefill((req, 49))
+    req, meta, table = h.prefilled(65, 49)
     # 49 confirmed -> round down to 32 (vLLM HybridKVCacheCoordinator._align_cacheable):
     # group 16 stores blocks 0,1 (not 2), group 32 stores block 0
     ids = table_ids(table)
@@ -2345,12 +2313,10 @@ def test_groups_store_only_scheduler_block_aligned_prefix():
 
 # ---- 1.12 Manager: reset() with transfers in flight ----------------------------------------------
 
-
 def test_reset_waits_for_sent_store():
     """A sent store is abandoned: reset() is False until it completes, and it caches nothing."""
     h = Harness(num_gpu_blocks=16)
-    req = h.request(33)
-    meta, (table,) = h.prefill((req, 33), complete=False)
+    req, meta, table = h.prefilled(33, complete=False)
     h.gpu.free_blocks(table[0])  # preempted/finished by the engine: the store pin remains
     assert h.sched.reset() is False
     assert [b.ref_cnt for b in table[0]] == [1, 1, 0]  # DMA may still read these
@@ -2368,8 +2334,7 @@ def test_reset_waits_for_sent_load_and_releases_unsent_pins():
     """A sent load keeps its pins until finished_recving;
     an unsent load and a lookup pin go at once."""
     h = Harness(num_gpu_blocks=16)
-    req = h.request(33)
-    h.prefill((req, 33))
+    req, _, _ = h.prefilled(33)
     sent = h.twin(req)
     t_sent, _ = h.start_load(sent)
     t_unsent, _ = h.start_load(h.twin(req), send=False)  # load prepared, never sent
@@ -2391,8 +2356,7 @@ def test_stale_completions_after_reset_are_ignored():
     """Repeated or unknown completions change nothing; event ids keep growing across reset().
     (A report of a store event never issued is a ValueError: the bad-input catalogue.)"""
     h = Harness(num_gpu_blocks=16)
-    req = h.request(33)
-    meta, (table,) = h.prefill((req, 33), complete=False)
+    req, meta, table = h.prefilled(33, complete=False)
     h.sched.reset()
     h.complete_store(meta.store_event)  # releases the abandoned store's pins
     before = h.state()
@@ -2400,8 +2364,7 @@ def test_stale_completions_after_reset_are_ignored():
     h.complete_load("no-such-request")
     assert h.state() == before
     assert [b.ref_cnt for b in table[0]] == [1, 1, 1]  # only the request's own refs
-    x = h.request(33)
-    meta2, _ = h.prefill((x, 33))
+    x, meta2, _ = h.prefilled(33)
     assert meta2.store_event > meta.store_event
     assert h.in_cpu(x) == [True, True]
 
@@ -2473,8 +2436,7 @@ def test_finished_eager_store_skips_existing_cpu_cache_entries(variant):
     """The flush skips blocks already in the CPU cache
     (the trap: the empty map makes it copy them again)."""
     h = Harness(variant)
-    x = h.request(33)
-    h.prefill((x, 33))  # x's blocks 0,1 on CPU (1, 2)
+    x, _, _ = h.prefilled(33)  # x's blocks 0,1 on CPU (1, 2)
     a = h.request(tokens=x.all_token_ids[:32] + list(range(5, 22)))  # 49 tokens, shares 2 blocks
     (ta,) = h.prefill_then_finish((a, 49))
     g = table_ids(ta)[0]
@@ -2489,8 +2451,7 @@ def test_finished_eager_store_skips_existing_cpu_cache_entries(variant):
 def test_finished_eager_store_skips_in_flight_blocks(variant):
     """The flush skips GPU blocks whose store is already in flight."""
     h = Harness(variant)
-    x = h.request(33)
-    meta_x, (tx,) = h.prefill((x, 33), complete=False)  # x's blocks 0,1 in flight
+    x, meta_x, tx = h.prefilled(33, complete=False)  # x's blocks 0,1 in flight
     a = h.twin(x)
     a.append_output_token_ids(list(range(5, 21)))  # grows to 49 tokens: 3 full blocks
     h.gpu.touch(tx[0][:2])  # GPU prefix hit on x's two blocks
@@ -2524,8 +2485,7 @@ def test_registration_survives_stamped_destination(variant):
     """A CPU block already carrying its key as primary is still registered (reset_hash() first).
     vLLM 0.29's direct insert registered it too; the fix without reset_hash() does not."""
     h = Harness(variant)
-    req = h.request(33)
-    meta, _ = h.prefill((req, 33), complete=False)
+    req, meta, _ = h.prefilled(33, complete=False)
     for g, c in zip(meta.store_gpu_blocks, meta.store_cpu_blocks):  # vLLM 0.29's stamp
         h.cpu.blocks[c].block_hash = h.gpu.blocks[g].block_hash
     h.complete_store(meta.store_event)
@@ -2561,9 +2521,7 @@ def test_finished_eager_store_caches_all_groups(variant):
     g0, g1 = table_ids(t)
     # confirmed 65: group 16 -> 4 full blocks, group 32 -> 2 full blocks = 6 (of 7 usable)
     queued = sorted(h.queued_flush_gpu_ids())
-    meta = h.step()
-    if meta.store_event >= 0:
-        h.complete_store(meta.store_event)
+    h.step(complete=True)
     assert_variant(variant, (queued, h.probe(a)), (sorted(g0[:4] + g1[:2]), 64),
                    skip_reset_hash=(sorted(g0[:4] + g1[:2]), 0), flush_bug=([], 0))
 
@@ -2873,10 +2831,6 @@ STEP_CALLS = ("bind_connector_metadata", "start_load_kv", "wait_for_save", "get_
               "build_connector_worker_meta", "clear_connector_metadata")
 
 
-def _refuse_blocking_wait(*args, **kwargs):
-    raise RuntimeError("synchronizing call: a blocking wait inside a worker step")
-
-
 # what sync-debug mode does not see: the explicit waits (on the deferred engine, its event's)
 BLOCKING_WAITS = [(torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize"),
                   (torch.cuda.Stream, "synchronize"), (_SimEvent, "synchronize")]
@@ -2889,13 +2843,16 @@ def sync_checked(worker, set_mode=None):
     left out: a need_flush waits for every copy by design."""
     set_mode = set_mode or torch.cuda.set_sync_debug_mode
 
+    def refuse(*args, **kwargs):
+        raise RuntimeError("synchronizing call: a blocking wait inside a worker step")
+
     def checked(call):
         def run(*args):
             set_mode("error")
             try:
                 with pytest.MonkeyPatch.context() as mp:
                     for owner, name in BLOCKING_WAITS:
-                        mp.setattr(owner, name, _refuse_blocking_wait)
+                        mp.setattr(owner, name, refuse)
                     return call(*args)
             finally:
                 set_mode("default")
@@ -2942,19 +2899,17 @@ def _story_with_sync_check(device, set_mode=None, plant_sync=False, worker_cls=N
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_copy_calls_per_block_of_the_story(device, pytestconfig):
-    """How the worker copies the demo's 8192-token story (block 16, chunks of 1024, 4 layers: 8
-    regions, K and V, of 8 KiB rows). A run of ids consecutive on both sides is one slice copy_
-    per region on the copy_ path. A is stored chunk by chunk: 8 chunks of 64 blocks, each a run
-    (GPU and CPU ids both ascending) -> 8 runs for 512 blocks. B's table: the GPU free queue after
-    A holds the 63 blocks A never used (513 is A's partial last block, prepended; 514-575), then
-    A's blocks tail first (vLLM's free order), except those of A's last two chunks, which their
-    stores still pinned when A finished (the step-late store, then the final flush) and which
-    rejoin ascending as the stores complete: 513-575, 384 down to 1, 385-448
-    (ko.story_load_ids()). Against CPU sources 1-511 ascending: a run of 63, 384 single blocks,
-    a run of 64 -> 386 runs: 3,088 copy_ calls for 511 blocks on the copy_ path (10.6 KiB each),
-    so the rule takes the gather/scatter path: 8 index_select + 8 index_copy_. Each store
-    (64 blocks, 512 KiB per region) is gathered too. On CUDA it prints the load's GB/s, timed
-    by CUDA events, and the host µs to issue it."""
+    """How the worker copies the demo's 8192-token story (block 16, chunks of 1024, 4 layers:
+    8 regions, K and V, of 8 KiB rows). A run of ids consecutive on both sides is one slice
+    copy_ per region on the copy_ path. A is stored in 8 chunks of 64 blocks, each a run (both
+    sides ascending): 8 runs for 512 blocks. B's table: the GPU free queue after A holds the
+    63 blocks A never used (513, A's partial last block, prepended; 514-575), then A's blocks
+    tail first (vLLM's free order), but for those of A's last two chunks, pinned by their
+    stores when A finished (the step-late store, the final flush), which rejoin ascending:
+    513-575, 384 down to 1, 385-448 (ko.story_load_ids()). Against CPU 1-511 ascending: runs
+    of 63, 1 (384 times) and 64 -> 386 runs, 3,088 copy_ calls of 10.6 KiB: the rule gathers
+    (8 index_select + 8 index_copy_); each store (512 KiB per region) too. On CUDA it prints
+    the load's GB/s (CUDA events) and the host µs to issue it."""
     launches, timings = [], []
     launch = ko.TorchCopyBackend.launch_copy
 
@@ -3164,16 +3119,16 @@ def test_gpu_check_selects_every_gpu_case():
     names = {i.split("::")[1].split("[")[0] for i in ids}
     assert {"test_worker_copies_exact_blocks_both_directions", "test_repeated_prompt_end_to_end",
             "test_two_workers_world_size_2", "test_fuzz_random_schedules",
-            "test_worker_step_has_no_hidden_sync",
-            "test_abort_while_its_load_is_in_flight",
-            "test_reset_while_a_store_and_a_load_are_in_flight",
-            "test_world_size_2_one_worker_lags",
+            "test_worker_step_has_no_hidden_sync", "test_scripted_interleaving",
             "test_async_race",
             "test_unpinned_mirror_fails_registration",
             "test_copy_calls_per_block_of_the_story"} <= names
     assert all("cuda" in i.split("[")[1] for i in ids), ids
     races = {i.split("[")[1].split("-")[0] for i in ids if "::test_async_race[" in i}
     assert races == set(ASYNC_RACES), races
+    scripted = {i.split("[")[1].split("-")[0] for i in ids
+                if "::test_scripted_interleaving[" in i}
+    assert scripted == {n for n, row in INTERLEAVINGS.items() if "cuda" in row[0]}, scripted
     if not torch.cuda.is_available():
         one = _pytest_here("-k", "cuda and worker_copies and flash and contiguous and gather",
                            env=env)
@@ -3304,7 +3259,8 @@ def _exercise_2(cls) -> str:
     every CPU block carries its GPU source's hash, the map holds no key, B hits 0)."""
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 32000, (6 * 16 + 1,), generator=gen).tolist()  # as in step 4
-    for name, used in [("reset_hash() kept", cls), ("reset_hash() removed", _without_reset_hash(cls))]:
+    runs = [("reset_hash() kept", cls), ("reset_hash() removed", _without_reset_hash(cls))]
+    for name, used in runs:
         mine, trap = used(7, 16), _TrapOnly(7, 16)
         ko.offload_prompt(mine, prompt, 16)
         ko.offload_prompt(trap, prompt, 16)
@@ -3314,7 +3270,8 @@ def _exercise_2(cls) -> str:
         if name.endswith("kept") and (keys, hit) != (6, 96):
             return "FAIL: with reset_hash() the stamp must be harmless: 6 keys, 96 hit tokens"
         stamps = [b.block_hash for b in mine.cpu_block_pool.blocks]
-        if name.endswith("removed") and stamps != [b.block_hash for b in trap.cpu_block_pool.blocks]:
+        trap_stamps = [b.block_hash for b in trap.cpu_block_pool.blocks]
+        if name.endswith("removed") and stamps != trap_stamps:
             return "FAIL: each CPU block should carry its GPU source's hash (0.29's stamp)"
         if name.endswith("removed") and (keys, hit) != (0, 0):
             return "FAIL: without reset_hash() the map learns a key: are the CPU blocks stamped?"
@@ -3329,12 +3286,11 @@ def _exercise_2(cls) -> str:
 
 def _exercise_3(cls) -> str:
     """A store takes only CPU blocks that hold nothing: it never evicts. Scenarios: step 6's
-    story (512 tokens = 32 blocks of 16, 64 tokens a step) with CPU pools of 12 and 24 blocks
-    (11 and 23 usable: B loads the first 176 and 368 tokens) and of 33 (all 31 blocks a lookup
-    may take: 496); and prompts in rotation (`run_rotation`: 3 prompts of 64 blocks, each stored
-    in one store event, a 160-block pool): prompts 0 and 1 fill 128 of the 159 usable blocks,
-    prompt 2 gets the other 31, and from then on nothing is evicted: every later round loads
-    63 + 63 + 31 = 157 blocks, 2,512 tokens."""
+    story (512 tokens = 32 blocks of 16, 64 a step) with CPU pools of 12 and 24 (11 and 23
+    usable: B loads the first 176 and 368 tokens) and 33 (all 31 blocks a lookup may take:
+    496); prompts in rotation (`run_rotation`: 3 of 64 blocks, each one store event, a
+    160-block pool): prompts 0, 1 fill 128 of 159 usable blocks, prompt 2 gets 31, then
+    nothing is evicted: every later round loads 63 + 63 + 31 = 157 blocks, 2,512 tokens."""
     for n in [12, 24, 33]:
         r = ko.run_story(cls, 512, max_num_batched_tokens=64, num_cpu_blocks=n)
         _story_line(f"CPU pool of {n} blocks", r)
@@ -3878,8 +3834,9 @@ def test_notebook_claims_in_its_outputs(executed_notebook):
         "claim-max": [r"one-step .*max possible +992; loaded: vLLM 0.29 0, the fix 992",
                       r"chunked .*max possible 8,176; loaded: vLLM 0.29 7,168, the fix 8,176",
                       r"secondary key .*max possible +12; loaded: vLLM 0.29 8, the fix 12",
-                      r"CPU pool \(448 blocks\) < prompt \(512 blocks\) .*max possible 7,152; loaded: "
-                      r"vLLM 0.29 0, the fix 0, prefix-aware \(not in vLLM\) 7,152"],
+                      r"CPU pool \(448 blocks\) < prompt \(512 blocks\) .*max possible "
+                      r"7,152; loaded: vLLM 0.29 0, the fix 0, prefix-aware \(not in vLLM\) "
+                      r"7,152"],
         "claim-029": [
             r"0.29: len\(cached_block_hash_to_block\) = 6; cached_block_hashes_by_block = \{\}",
             r"0.29 lookup for the same 97-token prompt: 96 hit tokens"],
@@ -3947,11 +3904,11 @@ README = pathlib.Path(ko.__file__).resolve().parent / "README.md"
 
 
 def _memoize_toy_model(monkeypatch) -> None:
-    """ToyModel.compute_kv computed once per distinct input: its output is a function of the
-    model's shape, the token ids and the positions only (integer arithmetic: the same bits every
-    call), so a repeated call gets the tensor the first one computed. The demo's 8192-token runs
-    share one prompt: A's chunks, expected_kv and most of B's recomputes are the same calls in
-    every run (the model is most of a run's time). Engine, manager and worker run unchanged."""
+    """ToyModel.compute_kv computed once per distinct input: its output depends on the model's
+    shape, the token ids and the positions only (integer arithmetic: the same bits every
+    call). The demo's 8192-token runs share one prompt: A's chunks, expected_kv and most of
+    B's recomputes are the same calls in every run (most of a run's time). Nothing else
+    changes."""
     compute, memo = ko.ToyModel.compute_kv, {}
 
     def compute_kv(self, token_ids, positions):
@@ -3996,7 +3953,8 @@ _README_QUOTED = {
 _README_SOURCES = ("VLLM_CPU_HIT_CASES", "test_real_vllm_hybrid_one_step_prompt",
                    "test_real_vllm_mamba_align_one_chunk_prompt",
                    "test_real_vllm_mamba_align_report_scale")
-_SECTION_REFERENCE = re.compile(r"\b([Ss]ections?|Part|[Ss]teps?|Exercise) (\d+(?:\.\d+)?(?:-\d+)?)")
+_SECTION_REFERENCE = re.compile(
+    r"\b([Ss]ections?|Part|[Ss]teps?|Exercise) (\d+(?:\.\d+)?(?:-\d+)?)")
 
 
 def _readme_prose(text: str) -> str:
@@ -4046,10 +4004,10 @@ def test_readme_numbers_match_the_code(executed_notebook):
         "\n".join([demo, help_text.getvalue(), ko.__doc__, rotations, notebook, collected,
                    vllm_rows.replace("_", ",")]))
     prose = _readme_prose(text)
-    headings = {"section": set(re.findall(r"^# (\d+)\. ", pathlib.Path(ko.__file__).read_text(),
-                                          re.M)) | set(re.findall(r"^# ---- (\d+\.\d+) ",
-                                                                  pathlib.Path(__file__).read_text(),
-                                                                  re.M)),
+    module_sections = re.findall(r"^# (\d+)\. ", pathlib.Path(ko.__file__).read_text(), re.M)
+    test_sections = re.findall(r"^# ---- (\d+\.\d+) ", pathlib.Path(__file__).read_text(),
+                               re.M)
+    headings = {"section": set(module_sections) | set(test_sections),
                 "part": {"1", "2", "3"},
                 "step": set(re.findall(r"^## (\d+)\. ", "\n".join(
                     c.source for c in executed_notebook.cells if c.cell_type == "markdown"), re.M)),
@@ -4064,7 +4022,8 @@ def test_readme_numbers_match_the_code(executed_notebook):
               for n in sorted(_numbers(prose) - printed)]
     assert not wrong, "the README's prose:\n" + "\n".join(wrong)
     hits = {}
-    for name, cls in (("0.29", ko.PreFixCPUOffloadScheduler), ("fix", ko.SimpleCPUOffloadScheduler)):
+    for name, cls in (("0.29", ko.PreFixCPUOffloadScheduler),
+                      ("fix", ko.SimpleCPUOffloadScheduler)):
         sched = cls(num_cpu_blocks=5, block_size=8, hash_block_size=4)
         ko.offload_prompt(sched, list(range(16)), 8, partial_at=12)
         probe = ko.Request("B", list(range(12)) + [999, 998, 997, 996], hash_block_size=4)
@@ -4091,7 +4050,8 @@ def test_readme_fits_and_its_first_screen_says_what_and_how():
 def test_help_answers_before_torch_loads():
     """`python kv_offload.py --help` and a bad flag answer without importing torch (so at once),
     and the help's numbers are the code's defaults."""
-    script = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = ['kv_offload.py', *sys.argv[1:]]; "
+    script = ("import runpy, sys; sys.modules['torch'] = None; "
+              "sys.argv = ['kv_offload.py', *sys.argv[1:]]; "
               f"runpy.run_path({ko.__file__!r}, run_name='__main__')")
     shown = subprocess.run([sys.executable, "-c", script, "--help"], capture_output=True, text=True)
     assert shown.returncode == 0 and "--prompt-tokens N" in shown.stdout, shown
@@ -4109,7 +4069,8 @@ def test_help_answers_before_torch_loads():
     story = inspect.signature(ko.run_story).parameters
     assert (f"blocks of {story['block_size'].default} tokens, "
             f"{story['max_num_batched_tokens'].default:,} tokens a step" in text), text
-    assert f"(default: {inspect.signature(ko.headline).parameters['prompt_tokens'].default};" in text
+    headline_tokens = inspect.signature(ko.headline).parameters["prompt_tokens"].default
+    assert f"(default: {headline_tokens};" in text
     assert "the one-step row keeps 1,000 tokens" in text and "1,000 tokens" in _demo_table()
 
 
@@ -4226,9 +4187,8 @@ def test_notebook_is_committed_with_outputs():
 #   RB-6 register_kv_caches raised IndexError on 0/1-dim tensors
 #   RB-7 a request larger than the GPU pool was accepted and run() spun forever
 #   RB-8 the worker reported a rejected copy as complete once a later copy finished
-# Issue 13 (an adversarial pass of 63 bad calls): every case is a row of the bad-input catalogue
-# (BAD_CALLS), plus test_report_of_an_unissued_store_event_is_refused, the stale finish in
-# test_reused_request_id_is_stored, and test_refused_reset_is_retried_and_serves_no_stale_hit.
+# Issue 13 (an adversarial pass of 63 bad calls): every case is a row of a bad-input catalogue
+# (BAD_CALLS, BAD_ENGINE_CALLS) or a refused reset of 2.4 (test_scripted_interleaving).
 
 FUZZ_BS = 4  # tokens per block in every schedule: prompts of tens of tokens span a few blocks
 
@@ -4376,21 +4336,18 @@ def check_cached_kv(engine: ko.MiniEngine, requests) -> None:
 def check_invariants(engine: ko.MiniEngine, requests=None, *,
                      allow_stale_store_counts: bool = False) -> None:
     """Everything that must hold between two engine steps, for any schedule.
-
     - Both pools are well formed (check_pool): free queue == the ref-0 blocks, map <-> hashes.
-    - Every reference on every block is accounted for. GPU: each request table that holds it,
-      each store (sent, queued flush, or abandoned by reset) and each load (live or abandoned)
-      that copies it. CPU: stores, loads, and lookup pins (`_pending_cpu_hits`). Nothing else may
-      hold a ref.
-    - The in-flight set equals the GPU ids of live and queued stores; no GPU block is in two of
-      them; every store source still carries its hash (completion reads it).
-    - A CPU block with a hash has finished its copy (it is no store's destination); a load's GPU
+    - Every ref on every block is accounted for, and nothing else holds one. GPU: each request
+      table, store (sent, queued flush, or abandoned by reset) and load (live or abandoned)
+      that holds it. CPU: stores, loads, and lookup pins (`_pending_cpu_hits`).
+    - The in-flight set equals the GPU ids of live and queued stores; no GPU block is in two
+      of them; every store source still carries its hash (completion reads it).
+    - A CPU block with a hash has finished its copy (no store's destination); a load's GPU
       destination has no hash yet.
     - Event bookkeeping agrees with itself and with the engine (loading requests have loads).
     - With `requests` (every Request ever added): every cached block's bytes match expected_kv.
     `allow_stale_store_counts` tolerates RB-3's leftover (as in vLLM): a duplicate report of a
-    finished store event leaves a partial count behind until reset().
-    """
+    finished store event leaves a partial count behind until reset()."""
     gpu = engine.gpu_block_pool
     check_pool(gpu, "GPU")
     running = [r.request_id for r in engine.running]
@@ -4820,15 +4777,6 @@ def max_blocks_needed(plan_ops, bases, bs: int = FUZZ_BS) -> int:
 FUZZ_MODEL = dict(num_layers=1, num_kv_heads=1, head_dim=4)
 
 
-def cpu_children_of(conn, keys: set, spared_ids: set) -> list[int]:
-    """CPU blocks outside `spared_ids` whose parent key is in `keys`: cached, or the destination
-    of a store in flight (it registers under that parent later)."""
-    return [b.block_id for b in conn.cpu_block_pool.blocks
-            if b.block_id not in spared_ids and not b.is_null
-            and conn._cpu_parent_keys[b.block_id] in keys
-            and (b.block_hash is not None or b.ref_cnt > 0)]
-
-
 def watch_prefix_aware_evictions(conn, log: RunLog) -> None:
     """PrefixAwareCPUOffloadScheduler's rule, checked at every store's allocation (every
     eviction): no store evicts a block of the chain of the request it stores (that would strand
@@ -4845,7 +4793,12 @@ def watch_prefix_aware_evictions(conn, log: RunLog) -> None:
         taken_ids = {b.block_id for b in taken}
         kept_keys = {b.block_hash for b in pool.blocks if b.block_id not in taken_ids}
         gone = {b.block_hash for b in taken if b.block_hash is not None} - kept_keys
-        log.parents_evicted_first += bool(cpu_children_of(conn, gone, taken_ids))
+        # a child of a key gone: a block it does not take, cached or a store's destination (it
+        # registers under that parent later)
+        children = [b for b in pool.blocks if b.block_id not in taken_ids and not b.is_null
+                    and conn._cpu_parent_keys[b.block_id] in gone
+                    and (b.block_hash is not None or b.ref_cnt > 0)]
+        log.parents_evicted_first += bool(children)
         return allocate_cpu_blocks(gpu_block_ids, request)
 
     conn._allocate_cpu_blocks = checked_allocate_cpu_blocks
@@ -5051,9 +5004,8 @@ FUZZ_OTHER_TOKENS = st.integers(41, 80)
 def draw_faults(draw) -> Faults:
     # report delays up to 8 steps (a stall the fuzz once found needed 4)
     return Faults(load_delay=draw(st.integers(0, 8)), store_delay=draw(st.integers(0, 8)),
-                     conn_delay=draw(st.integers(0, 2)), dup=draw(st.booleans()),
-                     split=draw(st.booleans()),
-                     seed=draw(st.integers(0, 2 ** 16)))
+                  conn_delay=draw(st.integers(0, 2)), dup=draw(st.booleans()),
+                  split=draw(st.booleans()), seed=draw(st.integers(0, 2 ** 16)))
 
 
 @st.composite
@@ -5065,8 +5017,7 @@ def generic_plans(draw, max_ops: int = 16) -> Plan:
                   for _ in range(draw(st.integers(1, 2))))
     prefix_len = st.one_of(st.just(7 * FUZZ_BS), st.integers(0, 7 * FUZZ_BS))
     add = st.tuples(st.just("add"), st.integers(0, 1), prefix_len,
-                    st.lists(FUZZ_TOKENS, max_size=5).map(tuple),
-                    st.integers(1, 4))
+                    st.lists(FUZZ_TOKENS, max_size=5).map(tuple), st.integers(1, 4))
     step = st.tuples(st.just("step"), st.integers(1, 6))
     short = st.tuples(st.just("step"), st.integers(1, 2))
     abort = st.tuples(st.just("abort"), st.integers(0, 7))
@@ -5074,8 +5025,7 @@ def generic_plans(draw, max_ops: int = 16) -> Plan:
 
     def again_of(b):  # a request that repeats all of base b: a CPU hit once the GPU copy is gone
         return st.tuples(st.just("add"), st.just(b), st.just(7 * FUZZ_BS),
-                         st.lists(FUZZ_TOKENS, max_size=3).map(tuple),
-                         st.integers(1, 3))
+                         st.lists(FUZZ_TOKENS, max_size=3).map(tuple), st.integers(1, 3))
 
     again = st.integers(0, 1).flatmap(again_of)
     # short prompts, long decodes: several of them grow together until one is preempted
@@ -5217,7 +5167,7 @@ FUZZ_EXAMPLES = int(os.environ.get("KV_OFFLOAD_FUZZ_EXAMPLES") or 0)
 FUZZ_SEED = None
 if FUZZ_EXAMPLES:
     FUZZ_SEED = int(os.environ.get("KV_OFFLOAD_FUZZ_SEED")
-                        or random.SystemRandom().randrange(2 ** 32))
+                    or random.SystemRandom().randrange(2 ** 32))
 fuzz_settings = settings(
     max_examples=FUZZ_EXAMPLES or 300, derandomize=not FUZZ_EXAMPLES, database=None,
     deadline=None,
@@ -5237,11 +5187,10 @@ def print_now(config, line: str) -> None:
 # What a run went through (RunLog), reported per device; the rare windows must each be reached
 # in >= 5% of the quick profile's schedules (pin_window_plans, resume_window_plans)
 FUZZ_REACHED = ("preemptions", "preempted_while_storing", "resumed_with_load", "cpu_hit_tokens",
-               "cpu_evictions",
-               "aborts_while_loading", "aborts_while_storing", "aborts_with_pin", "steps_with_pins",
-               "resets_refused", "resets_with_pins", "resets_with_queued_flush", "stale_reports",
-               "partial_counts",
-               "duplicate_reports", "ignored_reports")
+                "cpu_evictions", "aborts_while_loading", "aborts_while_storing",
+                "aborts_with_pin", "steps_with_pins", "resets_refused", "resets_with_pins",
+                "resets_with_queued_flush", "stale_reports", "partial_counts",
+                "duplicate_reports", "ignored_reports")
 FUZZ_RARE_WINDOWS = ("resumed_with_load", "resets_with_pins", "aborts_with_pin")
 
 
@@ -5289,154 +5238,121 @@ def test_fuzz_random_schedules(device, pytestconfig):
 
 
 # ---- 2.4 Scripted interleavings (each reached on every run, not by chance) -----------------------
-
-FUZZ_DEVICES = DEVICES
-# 20 tokens: 5 blocks, 4 of them a CPU hit (cap: num_tokens - 1)
-FUZZ_BASE_A = tuple(range(1, 21))
-FUZZ_BASE_B = tuple(range(100, 116))     # 16 tokens, shares nothing with A
+# Bases that share no token: A, 20 tokens (5 blocks, 4 of them a CPU hit: cap num_tokens - 1);
+# B, 16; C, 12. Each row of INTERLEAVINGS: the devices, the schedule, and what its run must
+# reach, exactly and at least: RunLog counts, a request's CPU hit tokens ("r1"), and the hit
+# of a probe of a base once the engine is idle ("probe A"). run_plan checks everything else.
+FUZZ_BASES = (tuple(range(1, 21)), tuple(range(100, 116)), tuple(range(200, 212)))
 FUZZ_FULL_A, FUZZ_FULL_B = ("add", 0, 20, (), 1), ("add", 1, 16, (), 1)
-
-
-def probe_lookup(run, tokens) -> int:
-    """The CPU hit (tokens) a new request with this prompt would get; its pin is dropped again."""
-    probe = ko.Request("probe", list(tokens), FUZZ_BS)
-    hit = run.conn.get_num_new_matched_tokens(probe, 0)[0]
-    run.conn.request_finished(probe, [])
-    return hit
+ON_EVERY_DEVICE = ("cpu", "deferred", "cuda")
 
 
 def plan_of(*ops, **kw) -> Plan:
-    kw.setdefault("bases", (FUZZ_BASE_A, FUZZ_BASE_B))
+    kw.setdefault("bases", FUZZ_BASES)
     kw.setdefault("num_gpu_blocks", 16)
     kw.setdefault("num_cpu_blocks", 8)
     kw.setdefault("budget", 8)
     return Plan(ops=ops, **kw)
 
 
-@pytest.mark.parametrize("device", FUZZ_DEVICES)
-def test_abort_while_its_load_is_in_flight(device):
-    """A is stored; the GPU cache is dropped; B (A's prompt) hits 16 tokens on CPU and is aborted
-    while its load report is still on the way. The load's pins (both pools) must stay until the
-    report, then go; nothing else may leak."""
-    plan = plan_of(FUZZ_FULL_A, ("drain",), ("reset_gpu",), FUZZ_FULL_A, ("step", 1),
-                   ("abort", "r1"), faults=Faults(load_delay=3, exact=True), device=device)
-    run = run_plan(plan)
-    assert run.log.aborts_while_loading == 1 and run.engine.stats["r1"].cpu_hit_tokens == 16
+# A and B stored, the GPU cache dropped, C's store in flight (worker 0 holds its report)
+_C_STORING = (FUZZ_FULL_A, FUZZ_FULL_B, ("drain",), ("reset_gpu",), ("hold", 0),
+              ("add", 2, 12, (), 1), ("step", 2))
+# A stored, the GPU cache dropped; B (16 tokens, then decodes) holds 5 of 7 usable GPU blocks;
+# A again: its 16-token CPU hit needs 4 blocks, 2 are free: it waits, holding its lookup pin
+_A_PINNED = (FUZZ_FULL_A, ("drain",), ("reset_gpu",), ("add", 1, 16, (), 8), ("step", 2),
+             FUZZ_FULL_A, ("step", 1))
+INTERLEAVINGS = {
+    # A is stored; the GPU cache is dropped; r1 (A's prompt) hits 16 tokens on CPU and is
+    # aborted while its load report is on the way: the load's pins (both pools) stay until the
+    # report, then go; nothing else leaks
+    "abort_while_its_load_is_in_flight": (ON_EVERY_DEVICE, plan_of(
+        FUZZ_FULL_A, ("drain",), ("reset_gpu",), FUZZ_FULL_A, ("step", 1), ("abort", "r1"),
+        faults=Faults(load_delay=3, exact=True)), {"aborts_while_loading": 1, "r1": 16}, {}),
+    # A's first blocks are being stored (reports held) when A is aborted after 16 of its 20
+    # tokens: the copies keep their pins and complete, the abort flushes the other confirmed
+    # blocks, and A's prompt then finds all 16 confirmed tokens (4 blocks) on CPU
+    "abort_while_its_store_is_in_flight": (("cpu",), plan_of(
+        ("add", 0, 20, (), 4), ("hold", 0), ("step", 2), ("abort", "r0")),
+        {"aborts_while_storing": 1, "probe A": 16}, {}),
+    # A finishes in one step (20 tokens, budget 20): its flush is queued for the next
+    # build_connector_meta(); a reset now releases the flush's pins at once (no worker saw it)
+    "reset_while_a_finish_flush_is_queued": (("cpu",), plan_of(
+        FUZZ_FULL_A, ("step", 1), ("reset",), budget=20),
+        {"resets_with_queued_flush": 1, "resets_refused": 0}, {}),
+    # reset() with a sent store and a sent load: both are abandoned (reset returns False),
+    # their late reports release the pins and cache nothing; a later reset succeeds
+    "reset_while_a_store_and_a_load_are_in_flight": (ON_EVERY_DEVICE, plan_of(
+        FUZZ_FULL_A, ("drain",), ("reset_gpu",), FUZZ_FULL_B, ("step", 1), FUZZ_FULL_A,
+        ("step", 1), ("reset",), budget=12,
+        faults=Faults(load_delay=2, store_delay=2, exact=True, split=True)),
+        {"resets_refused": 1, "r2": 16}, {"stale_reports": 1}),
+    # _C_STORING, then the CPU cache is reset (refused: C's store abandoned), then A again,
+    # before the report. The engine's reset_connector_cache() looks nothing up while the reset
+    # is pending and retries it after every step: A computes its 20 tokens, and once the
+    # report lands the retry drops B's keys. vLLM 0.34's manager keeps serving its entries
+    # after a refused reset and leaves the retry to the caller: after a plain
+    # connector.reset() A again is served 16 stale tokens, and B's keys (a 12-token hit)
+    # outlive the run.
+    "refused_reset_is_retried_and_serves_no_stale_hit": (("cpu",), plan_of(
+        *_C_STORING, ("reset",), FUZZ_FULL_A, ("step", 2), ("release", 0), num_cpu_blocks=16),
+        {"resets_refused": 1, "r3": 0, "probe B": 0}, {}),
+    "refused_reset_connector_serves_stale_hits": (("cpu",), plan_of(
+        *_C_STORING, ("reset_connector",), FUZZ_FULL_A, ("step", 2), ("release", 0),
+        num_cpu_blocks=16), {"resets_refused": 1, "r3": 16, "probe B": 12}, {}),
+    # _A_PINNED, then a reset, or the abort of A again
+    "reset_while_a_lookup_pin_is_held": (("cpu",), plan_of(
+        *_A_PINNED, ("reset",), num_gpu_blocks=8, num_cpu_blocks=12),
+        {"resets_with_pins": 1}, {}),
+    "abort_while_a_lookup_pin_is_held": (("cpu",), plan_of(
+        *_A_PINNED, ("abort", "r2"), num_gpu_blocks=8, num_cpu_blocks=12),
+        {"aborts_with_pin": 1}, {}),
+    # three long decodes outgrow 7 GPU blocks: a request is preempted while its stores are
+    # still unreported; its blocks stay pinned by the stores (not reused by the others) until
+    # they complete
+    "preemption_while_stores_are_in_flight": (("cpu",), plan_of(
+        ("add", 0, 12, (), 10), ("add", 1, 12, (), 10), ("add", 0, 8, (7,), 10), ("step", 6),
+        faults=Faults(store_delay=2, load_delay=1, seed=1), num_gpu_blocks=8, budget=4),
+        {}, {"preempted_while_storing": 1}),
+    # worker 1 holds its store reports: every store event waits at a count of 1 of 2 until it
+    # catches up, across a reset too
+    "world_size_2_one_worker_lags": (ON_EVERY_DEVICE, plan_of(
+        ("hold", 1), FUZZ_FULL_A, ("step", 4), ("reset",), ("step", 1), ("release", 1),
+        FUZZ_FULL_A, world_size=2), {"resets_refused": 1},
+        {"partial_counts": 1, "stale_reports": 1}),
+    "duplicate_and_stale_reports_are_ignored": (("cpu",), plan_of(
+        FUZZ_FULL_A, ("step", 2), ("reset",), FUZZ_FULL_B, ("drain",), ("reset_gpu",),
+        FUZZ_FULL_A, faults=Faults(dup=True, store_delay=1, load_delay=1, seed=3)),
+        {}, {"duplicate_reports": 1, "ignored_reports": 1}),
+    # a CPU pool of one usable block: every store evicts the previous one; still exact
+    "one_block_cpu_pool": (("cpu",), plan_of(
+        FUZZ_FULL_A, FUZZ_FULL_B, ("drain",), ("reset_gpu",), FUZZ_FULL_A,
+        ("add", 0, 4, (9,), 2), num_cpu_blocks=2, faults=Faults(store_delay=1, seed=2)),
+        {}, {"cpu_evictions": 1}),
+}
 
 
-def test_abort_while_its_store_is_in_flight():
-    """A's first blocks are being stored (reports held) when A is aborted after 16 of its 20 tokens:
-    the copies keep their pins and complete, the abort flushes the other confirmed blocks, and a
-    later lookup of A's prompt finds all 16 confirmed tokens (4 blocks) on CPU."""
-    def stored(run):
-        assert probe_lookup(run, FUZZ_BASE_A) == 16
-    plan = plan_of(("add", 0, 20, (), 4), ("hold", 0), ("step", 2), ("abort", "r0"), budget=8)
-    run = run_plan(plan, before_reset=stored)
-    assert run.log.aborts_while_storing == 1
+@pytest.mark.parametrize("name, device", [
+    pytest.param(name, device, marks=CUDA.marks if device == "cuda" else ())
+    for name, (devices, *_) in INTERLEAVINGS.items() for device in devices])
+def test_scripted_interleaving(name, device):
+    """Each row of INTERLEAVINGS reaches its interleaving, as its comment says, and passes
+    every check of run_plan (invariants after each step, exact KV and outputs, all free)."""
+    _, plan, exactly, at_least = INTERLEAVINGS[name]
+    seen = {}
 
+    def probe_bases(run):  # the CPU hit of a prompt of each base; the pin dropped again
+        for name, tokens in zip("ABC", FUZZ_BASES):
+            probe = ko.Request("probe", list(tokens), FUZZ_BS)
+            seen[f"probe {name}"] = run.conn.get_num_new_matched_tokens(probe, 0)[0]
+            run.conn.request_finished(probe, [])
 
-def test_reset_while_a_finish_flush_is_queued():
-    """A finishes in one step (20 tokens, budget 20): its flush is queued for the next
-    build_connector_meta(); a reset now must release the flush's pins at once (no worker saw it)."""
-    plan = plan_of(FUZZ_FULL_A, ("step", 1), ("reset",), budget=20)
-    run = run_plan(plan)
-    assert run.log.resets_with_queued_flush == 1 and run.log.resets_refused == 0
-
-
-@pytest.mark.parametrize("device", FUZZ_DEVICES)
-def test_reset_while_a_store_and_a_load_are_in_flight(device):
-    """reset() with a sent store and a sent load: both are abandoned (reset returns False), their
-    late reports release the pins and cache nothing; a later reset succeeds."""
-    plan = plan_of(FUZZ_FULL_A, ("drain",), ("reset_gpu",), FUZZ_FULL_B, ("step", 1), FUZZ_FULL_A,
-                   ("step", 1), ("reset",),
-                   budget=12, device=device,
-                   faults=Faults(load_delay=2, store_delay=2, exact=True, split=True))
-    run = run_plan(plan)
-    assert run.log.resets_refused == 1
-    assert run.log.stale_reports >= 1
-    assert run.engine.stats["r2"].cpu_hit_tokens == 16
-
-
-FUZZ_BASE_C = tuple(range(200, 212))     # 12 tokens, shares nothing with A or B
-
-
-@pytest.mark.parametrize("reset", ["reset", "reset_connector"])
-def test_refused_reset_is_retried_and_serves_no_stale_hit(reset):
-    """A (20 tokens) and B (16) are stored; the GPU cache is dropped; C's store is in flight
-    (worker 0 holds its report) when the CPU cache is reset: refused, C's store abandoned. Then
-    A again, before the report. vLLM 0.34's manager keeps serving its entries after a refused
-    reset and leaves the retry to the caller: after a plain connector.reset() A again is served
-    16 stale tokens, and B's keys (a 12-token hit) outlive the run. The engine's
-    reset_connector_cache() looks nothing up while the reset is pending and retries it after
-    every step: A computes its 20 tokens, and once the report lands the retry drops B's keys."""
-    b_hits = []
-
-    def probe_b(run):
-        b_hits.append(probe_lookup(run, FUZZ_BASE_B))
-
-    plan = plan_of(FUZZ_FULL_A, FUZZ_FULL_B, ("drain",), ("reset_gpu",), ("hold", 0),
-                   ("add", 2, 12, (), 1), ("step", 2), (reset,), FUZZ_FULL_A, ("step", 2),
-                   ("release", 0),
-                   bases=(FUZZ_BASE_A, FUZZ_BASE_B, FUZZ_BASE_C), num_cpu_blocks=16)
-    run = run_plan(plan, before_reset=probe_b)
-    stale_hit, b_hit = (0, 0) if reset == "reset" else (16, 12)
-    assert run.log.resets_refused == 1
-    assert run.engine.stats["r3"].cpu_hit_tokens == stale_hit and b_hits == [b_hit]
-
-
-@pytest.mark.parametrize("last_op, reached", [
-    (("reset",), "resets_with_pins"),
-    (("abort", "r2"), "aborts_with_pin"),
-], ids=["reset", "abort"])
-def test_reset_or_abort_while_a_lookup_pin_is_held(last_op, reached):
-    """A stored; GPU cache dropped; B (16 tokens, then decodes) holds 5 of 7 usable GPU blocks;
-    A again: a CPU hit of 16 tokens needs 4 blocks, 2 are free -> it waits, holding its lookup
-    pin, when the reset (or the abort of A) comes."""
-    plan = plan_of(FUZZ_FULL_A, ("drain",), ("reset_gpu",), ("add", 1, 16, (), 8), ("step", 2),
-                   FUZZ_FULL_A, ("step", 1), last_op,
-                   num_gpu_blocks=8, num_cpu_blocks=12)
-    run = run_plan(plan)
-    assert getattr(run.log, reached) == 1
-
-
-def test_preemption_while_stores_are_in_flight():
-    """Three long decodes outgrow 7 GPU blocks: a request is preempted while its stores are still
-    unreported; its blocks stay pinned by the stores (not reused by the others) until they
-    complete."""
-    plan = plan_of(("add", 0, 12, (), 10), ("add", 1, 12, (), 10), ("add", 0, 8, (7,), 10),
-                   ("step", 6),
-                   faults=Faults(store_delay=2, load_delay=1, seed=1),
-                   num_gpu_blocks=8, budget=4)
-    run = run_plan(plan)
-    assert run.log.preempted_while_storing >= 1
-
-
-@pytest.mark.parametrize("device", FUZZ_DEVICES)
-def test_world_size_2_one_worker_lags(device):
-    """Worker 1 holds its store reports: every store event waits at a count of 1 of 2 until it
-    catches up, across a reset too."""
-    plan = plan_of(("hold", 1), FUZZ_FULL_A, ("step", 4), ("reset",), ("step", 1), ("release", 1),
-                   FUZZ_FULL_A, world_size=2, device=device)
-    run = run_plan(plan)
-    assert run.log.partial_counts >= 1
-    assert run.log.resets_refused == 1
-    assert run.log.stale_reports >= 1
-
-
-def test_duplicate_and_stale_reports_are_ignored():
-    plan = plan_of(FUZZ_FULL_A, ("step", 2), ("reset",), FUZZ_FULL_B, ("drain",), ("reset_gpu",),
-                   FUZZ_FULL_A, faults=Faults(dup=True, store_delay=1, load_delay=1, seed=3))
-    run = run_plan(plan)
-    assert run.log.duplicate_reports >= 1 and run.log.ignored_reports >= 1
-
-
-def test_one_block_cpu_pool():
-    """A CPU pool of one usable block: every store evicts the previous one; still exact."""
-    plan = plan_of(FUZZ_FULL_A, FUZZ_FULL_B, ("drain",), ("reset_gpu",), FUZZ_FULL_A,
-                   ("add", 0, 4, (9,), 2),
-                   num_cpu_blocks=2, faults=Faults(store_delay=1, seed=2))
-    run = run_plan(plan)
-    assert run.log.cpu_evictions >= 1
+    run = run_plan(dataclasses.replace(plan, device=device), before_reset=probe_bases)
+    seen.update({rid: stats.cpu_hit_tokens for rid, stats in run.engine.stats.items()})
+    seen.update(dataclasses.asdict(run.log))
+    assert {key: seen[key] for key in exactly} == exactly
+    short = {key: seen[key] for key, least in at_least.items() if seen[key] < least}
+    assert not short, short
 
 
 # ---- 2.5 Failures the generator found, kept as regression tests ----------------------------------
@@ -5966,11 +5882,10 @@ def test_failed_pinned_allocation_leaves_the_worker_fresh(monkeypatch):
 
 
 def test_worker_block_dim_is_given_not_guessed():
-    """A FlashAttention cache of 2 blocks is (2, 2, 4, 8): its shape alone cannot tell K/V from
-    the blocks (the old guess took dimension 0 as the blocks, so CPU block 1 got V of *both*
-    GPU blocks). With block_dim=1, GPU block 1 stores K[1] and V[1] into CPU block 1 and loads
-    back into GPU block 1 exactly; read as block_dim=0 with 2 blocks it would be refused, since
-    a (2, ...) cache of 2 blocks in [num_blocks, ...] is a different tensor layout."""
+    """A FlashAttention cache of 2 blocks is (2, 2, 4, 8): its shape cannot tell K/V from the
+    blocks (the old guess took dimension 0 as the blocks: CPU block 1 got V of *both* GPU
+    blocks). With block_dim=1, GPU block 1 stores K[1], V[1] into CPU block 1 and loads back
+    exactly; block_dim=0 with 2 blocks would be refused (a different layout)."""
     cache = torch.arange(2 * 2 * 4 * 8, dtype=torch.float16).view(2, 2, 4, 8)
     original = cache.clone()
     w = ko.SimpleCPUOffloadWorker(3)
@@ -6001,70 +5916,54 @@ def midflight():
     return run
 
 
-def _plant_extra_gpu_ref(run):
-    run.engine.gpu_block_pool.touch([run.engine.req_to_blocks["r1"][0]])
+def plant(run, corruption: str) -> None:
+    """Corrupts a midflight() run as `corruption` says (one case each of the test below)."""
+    eng, conn = run.engine, run.conn
+    gpu, cpu = eng.gpu_block_pool, conn.cpu_block_pool
+    store = next(iter(conn._store_event_to_blocks.values()))
+    if corruption == "extra GPU ref":
+        gpu.touch([eng.req_to_blocks["r1"][0]])
+    elif corruption == "lost store pin":
+        store.gpu_block_ids.pop(0)
+        store.cpu_block_ids.pop(0)
+    elif corruption == "free block with a ref":
+        gpu.free_block_queue.get_all_free_blocks()[0].ref_cnt = 1
+    elif corruption == "wrong map entry":
+        key = next(b.block_hash for b in cpu.blocks if b.block_hash is not None)
+        other = next(b for b in cpu.blocks[1:] if b.block_hash != key)
+        cpu.cached_block_hash_to_block.insert(key, other)
+    elif corruption == "early CPU hash":
+        key = gpu.blocks[store.gpu_block_ids[0]].block_hash
+        cpu._insert_block_hash(key, cpu.blocks[store.cpu_block_ids[0]], None)
+    elif corruption == "in-flight gap":
+        conn._in_flight_store_gpu_blocks.pop()
+    elif corruption == "corrupt CPU KV":
+        b = next(b for b in cpu.blocks if b.block_hash is not None)
+        unwrap_proxy(run.workers[0]).cpu_kv_caches["layers.0.v"][b.block_id].add_(1)
+    elif corruption == "corrupt GPU KV":
+        b = next(b for b in gpu.blocks if b.block_hash is not None)
+        next(iter(eng.kv_caches.values()))[0, b.block_id].mul_(-1).add_(0.5)
+    elif corruption == "lost load":
+        del live_loads(conn)[next(iter(live_loads(conn)))]
+    else:
+        raise ValueError(corruption)
 
 
-def _plant_lost_store_pin(run):
-    store = next(iter(run.conn._store_event_to_blocks.values()))
-    g = store.gpu_block_ids[0]
-    store.gpu_block_ids.remove(g)
-    store.cpu_block_ids.pop(0)
-
-
-def _plant_free_block_with_ref(run):
-    run.engine.gpu_block_pool.free_block_queue.get_all_free_blocks()[0].ref_cnt = 1
-
-
-def _plant_wrong_map_entry(run):
-    cpu = run.conn.cpu_block_pool
-    key = next(b.block_hash for b in cpu.blocks if b.block_hash is not None)
-    other = next(b for b in cpu.blocks[1:] if b.block_hash != key)
-    cpu.cached_block_hash_to_block.insert(key, other)
-
-
-def _plant_early_cpu_hash(run):
-    t = next(iter(run.conn._store_event_to_blocks.values()))
-    cpu = run.conn.cpu_block_pool
-    key = run.engine.gpu_block_pool.blocks[t.gpu_block_ids[0]].block_hash
-    cpu._insert_block_hash(key, cpu.blocks[t.cpu_block_ids[0]], None)
-
-
-def _plant_in_flight_gap(run):
-    run.conn._in_flight_store_gpu_blocks.pop()
-
-
-def _plant_corrupt_cpu_kv(run):
-    cpu = run.conn.cpu_block_pool
-    b = next(b for b in cpu.blocks if b.block_hash is not None)
-    unwrap_proxy(run.workers[0]).cpu_kv_caches["layers.0.v"][b.block_id].add_(1)
-
-
-def _plant_corrupt_gpu_kv(run):
-    b = next(b for b in run.engine.gpu_block_pool.blocks if b.block_hash is not None)
-    next(iter(run.engine.kv_caches.values()))[0, b.block_id].mul_(-1).add_(0.5)
-
-
-def _plant_lost_load(run):
-    rid = next(iter(live_loads(run.conn)))
-    del live_loads(run.conn)[rid]
-
-
-@pytest.mark.parametrize("plant, message", [
-    (_plant_extra_gpu_ref, "GPU refs not accounted for"),
-    (_plant_lost_store_pin, "refs not accounted for"),
-    (_plant_free_block_with_ref, "but is in the free queue"),
-    (_plant_wrong_map_entry, "does not carry it"),
-    (_plant_early_cpu_hash, "cached before its copy completed"),
-    (_plant_in_flight_gap, "in-flight set"),
-    (_plant_corrupt_cpu_kv, "KV differs from expected_kv"),
-    (_plant_corrupt_gpu_kv, "KV differs from expected_kv"),
-    (_plant_lost_load, "waits for a load the connector does not have|refs not accounted"),
+@pytest.mark.parametrize("corruption, message", [
+    ("extra GPU ref", "GPU refs not accounted for"),
+    ("lost store pin", "refs not accounted for"),
+    ("free block with a ref", "but is in the free queue"),
+    ("wrong map entry", "does not carry it"),
+    ("early CPU hash", "cached before its copy completed"),
+    ("in-flight gap", "in-flight set"),
+    ("corrupt CPU KV", "KV differs from expected_kv"),
+    ("corrupt GPU KV", "KV differs from expected_kv"),
+    ("lost load", "waits for a load the connector does not have|refs not accounted"),
 ])
-def test_check_invariants_catches(plant, message):
+def test_check_invariants_catches(corruption, message):
     run = midflight()
     check_invariants(run.engine, run.requests.values())  # clean
-    plant(run)
+    plant(run, corruption)
     with pytest.raises(AssertionError, match=message):
         check_invariants(run.engine, run.requests.values())
 
@@ -6210,16 +6109,14 @@ def run_failed_sync_load(policy: str, connector_cls, late: bool = False,
 @pytest.mark.parametrize("late", [False, True], ids=["same-step", "late-report"])
 def test_failed_sync_load_policy_fail_crashes_the_store_completion(late, sibling_tokens):
     """Policy "fail", by hand. A's table is GPU blocks [1, 2, 3, 4] (block 16). Step 1: the
-    sibling's 32 tokens count as computed at scheduling, so build_connector_meta stores GPU
-    blocks 1 and 2 (the 32 confirmed tokens) and pins them; the sibling's load into block 2
-    fails; _handle_invalid_blocks evicts blocks 2, 3, 4 (block 2 loses its hash, pinned or
-    not); A finishes with an error. The store's completion (step 1, or step 2 when reported
-    late) reaches `assert primary_hash is not None` on block 2: the engine crashes. With the
-    proposed fix: block 1 (loaded fine) is registered, block 2's CPU block is freed
-    unregistered; every pool ends free; B hits block 1's copy on CPU (16 tokens) and its KV
-    is exact. With 48 tokens from the sibling, step 1 stores GPU block 3 too: loaded fine,
-    but evicted as one after the failed block, so it has no hash either, though no failure
-    names it."""
+    sibling's 32 tokens count as computed at scheduling, so build_connector_meta stores (and
+    pins) GPU blocks 1 and 2; the sibling's load into block 2 fails; _handle_invalid_blocks
+    evicts blocks 2-4 (block 2 loses its hash, pinned or not); A finishes with an error. The
+    store's completion (step 1, step 2 if reported late) reaches `assert primary_hash is not
+    None` on block 2: a crash. With the proposed fix: block 1 is registered, block 2's CPU
+    block freed unregistered; every pool ends free; B hits block 1's copy (16 tokens), KV
+    exact. With 48 sibling tokens step 1 stores GPU block 3 too, evicted after the failed
+    block: no hash either, though no failure names it."""
     with pytest.raises(AssertionError) as crash:
         run_failed_sync_load("fail", ko.SimpleCPUOffloadScheduler, late, sibling_tokens)
     assert crash.traceback[-1].name == "_process_store_completion"
@@ -6236,15 +6133,13 @@ def test_failed_sync_load_policy_fail_crashes_the_store_completion(late, sibling
 
 @pytest.mark.parametrize("late", [False, True], ids=["same-step", "late-report"])
 def test_failed_sync_load_policy_recompute_registers_a_copy_never_loaded(late):
-    """Policy "recompute", the same step 1; then _handle_invalid_blocks keeps the blocks and
-    cuts A back to 16 computed tokens. The store completes: the copy of GPU block 2 (which
-    the failed load never wrote: zeros) is registered under A's second block hash, a valid
-    one. Step 2 recomputes tokens 16-63 on GPU, but the store cursor is past that block (and
-    its key is on CPU already): the bad copy stays. Bytes: that CPU copy differs from
-    ToyModel.expected_kv (the other three equal it); B (same prompt, GPU cache dropped) hits
-    48 tokens on CPU (3 blocks, the last token recomputed), loads it, and its KV for tokens
-    16-31 is wrong. With the proposed fix: that block is never registered, B hits 16 tokens,
-    every pool ends free, all KV exact."""
+    """Policy "recompute", the same step 1; _handle_invalid_blocks keeps the blocks and cuts A
+    back to 16 computed tokens. The store completes: GPU block 2's copy (zeros: the failed
+    load never wrote it) is registered under A's second block hash. Step 2 recomputes tokens
+    16-63, but the store cursor is past that block (its key on CPU already): the copy stays,
+    unlike expected_kv (the other three equal it); B (same prompt, GPU cache dropped) hits 48
+    tokens (3 blocks), loads it, and its KV for tokens 16-31 is wrong. With the proposed fix
+    that block is never registered, B hits 16 tokens, every pool ends free, all KV exact."""
     r = run_failed_sync_load("recompute", ko.SimpleCPUOffloadScheduler, late)
     eng, model, prompt, b_stats = r["engine"], r["model"], r["prompt"], r["stats"]["B"]
     want = model.expected_kv(prompt)
@@ -6349,9 +6244,6 @@ def test_workload_optimum_against_brute_force():
             assert optimum == want, (prompts, num_cpu_blocks, concurrency)
             strict += 0 < optimum < reusable
     assert strict > 150 * 12 // 3
-
-
-# (family, batch size, pool) of the cells where the policy loads less than vLLM's LRU
 
 
 def test_workload_table_against_lru_and_the_optimum():
@@ -6996,7 +6888,7 @@ def meta_fields(meta) -> dict:
 def local_hit(pool, hashes, max_len, sizes, sched_bs, hbs):
     """The GPU prefix-cache hit the engine finds before asking the connector (per group walk of
     whole blocks, min over groups, rounded down to the scheduler block size). Harness code, run
-    identically on both libraries' GPU pools (their lookups are compared in test b)."""
+    identically on both libraries' GPU pools (their lookups are compared in 3.3 and 3.4)."""
     per_group = []
     hit = max_len
     for g, size in enumerate(sizes):
@@ -7064,11 +6956,10 @@ class ManagerTrace:
         self.step_no = 0
         self.calls = 0
         self.finished_total = 0
-        self.stats = {"cpu_hits": 0, "stores": 0, "loads": 0, "preemptions": 0, "resets": 0,
-                      "resets_refused": 0,
-                      "flushes": 0, "cpu_secondaries": 0, "declined_or_partial_hits": 0,
-                      "stale_pins": 0,
-                      "aborts_waiting": 0, "aborts_loading": 0}
+        self.stats = dict.fromkeys(
+            ("cpu_hits", "stores", "loads", "preemptions", "resets", "resets_refused",
+             "flushes", "cpu_secondaries", "declined_or_partial_hits", "stale_pins",
+             "aborts_waiting", "aborts_loading"), 0)
 
     # --- plumbing -------------------------------------------------------------
 
@@ -7099,9 +6990,8 @@ class ManagerTrace:
         return ids
 
     def gpu_free_request(self, er):
-        for g in range(len(self.sizes)):  # vLLM: each group's manager frees its blocks in reverse
-            ids = list(reversed(er.table[g]))
-            self.gpu.free_blocks(ids)
+        for table in er.table:  # vLLM: each group's manager frees its blocks in reverse
+            self.gpu.free_blocks(reversed(table))
         er.table = [[] for _ in self.sizes]
         er.num_cached = [0] * len(self.sizes)
 
@@ -7206,15 +7096,11 @@ class ManagerTrace:
         self.waiting.append(EngineReq(req, self.rng.randint(1, 6), len(self.sizes)))
 
     def finish(self, er, how="finished_all_groups"):
-        ids = tuple(list(x) for x in er.table)
-        if how == "finished_all_groups":
-            a, b, _ = self.both(f"request_finished_all_groups({er.rid})",
-                                lambda: self.ours.request_finished_all_groups(er.req, ids),
-                                lambda: self.vllm.request_finished_all_groups(er.req, ids))
-        else:
-            a, b, _ = self.both(f"request_finished({er.rid})",
-                                lambda: self.ours.request_finished(er.req, []),
-                                lambda: self.vllm.request_finished(er.req, []))
+        ids = tuple(list(x) for x in er.table) if how == "finished_all_groups" else []
+        method = "request_" + how
+        a, b, _ = self.both(f"{method}({er.rid})",
+                            lambda: getattr(self.ours, method)(er.req, ids),
+                            lambda: getattr(self.vllm, method)(er.req, ids))
         assert_same(tuple(a), tuple(b), self.what("request_finished return"))
         self.gpu_free_request(er)
         self.gpu.check(self.what(f"free {er.rid}"))
@@ -7820,18 +7706,15 @@ def run_vllm_scheduler(kind: str, bs: int, prompt_len: int, budget: int, max_tok
 @pytest.mark.parametrize("prompt_len,budget,max_tokens,cpu_blocks,pre,post", VLLM_CPU_HIT_CASES)
 def test_real_vllm_scheduler_cpu_hits(prompt_len, budget, max_tokens, cpu_blocks, pre, post):
     """vLLM's own engine Scheduler + SimpleCPUOffloadConnector (eager, full attention, block 16):
-    A runs to completion, every store completes, the GPU prefix cache is reset, B (same prompt)
-    arrives; we check how many keys the CPU map holds and what B's CPU lookup returns.
-    0.29 (pre-fix) stores, in step k, only blocks confirmed by steps < k (build_connector_meta runs
-    before num_computed_tokens advances) and has no final flush, but registers what it stores:
-      512 / 128 / 1 token: 4 steps; the 8 blocks completed in the last step are never stored:
-        24 keys, B hits 24*16 = 384 (post-fix: 32 keys, B hits 31 blocks = 496, as the last
-        prompt token is always recomputed);
-      100 / 128 / 1 token: one step, so nothing is ever stored: 0 keys, B hits 0 -- the only way
-        to get 0 pre-fix hits here (post-fix: 6 full blocks, 96);
-      512 / 128 / 2 tokens, CPU pool 32 blocks (31 usable besides the null block): all 32 blocks
-        are stored, the 32nd evicts the LRU one, block 0, so the chain breaks at its head: 31 keys,
-        0 hits in BOTH versions (CPU capacity < prompt, not PR #53532)."""
+    A runs to completion, its stores complete, the GPU prefix cache is reset, B (same prompt)
+    arrives: the CPU map's keys and B's CPU hit. 0.29 (pre-fix) stores in step k only blocks
+    confirmed by steps < k (build_connector_meta runs before num_computed_tokens advances),
+    has no final flush, and registers what it stores (prompt / budget / max_tokens):
+      512 / 128 / 1: 4 steps, the last step's 8 blocks never stored: 24 keys, B hits 384
+        (post-fix: 32 keys, B hits 31 blocks = 496: the last token is always recomputed);
+      100 / 128 / 1: one step, nothing stored: 0 keys, B hits 0 (post-fix: 6 blocks, 96);
+      512 / 128 / 2, CPU pool 32 (31 usable): the 32nd block evicts the LRU one, block 0,
+        the chain's head: 31 keys, 0 hits in BOTH versions (CPU capacity, not PR #53532)."""
     version = vllm_version()
     r = run_vllm_scheduler("fa", 16, prompt_len, budget, max_tokens, cpu_blocks=cpu_blocks,
                            gpu_blocks=96)
@@ -8114,18 +7997,17 @@ def test_manager_speed_against_vllm(pytestconfig):
 
 
 # ---- 3.10 vLLM's own test_scheduler.py, run against this module ----------------------------------
-# vLLM 0.34's tests/v1/simple_kv_offload/test_scheduler.py, loaded at run time from vLLM's source
-# tree (never copied here). Underneath vLLM's Requests, KVCacheBlocks and SchedulerOutputs its test
-# bodies drive this module's SimpleCPUOffloadScheduler and BlockPool: vLLM's make_scheduler helper
-# is replaced, for the duration of a case, by one that builds ours behind VllmFacingScheduler, a
-# thin adapter that translates vLLM's message objects (requests and blocks need no translation:
-# our manager reads only the fields the two share).
+# vLLM 0.34's tests/v1/simple_kv_offload/test_scheduler.py, loaded at run time from vLLM's
+# source tree (never copied here); its test bodies drive, under vLLM's Requests, KVCacheBlocks
+# and SchedulerOutputs, this module's SimpleCPUOffloadScheduler and BlockPool: for each case
+# vLLM's make_scheduler builds ours behind VllmFacingScheduler, a thin adapter translating
+# vLLM's message objects (requests and blocks need none: ours reads only shared fields).
 #
 #     KV_OFFLOAD_VLLM_SRC=path/to/vllm-0.34.0 python -m pytest -rs -k test_scheduler_py
 #
-# The folder is vLLM's unpacked source distribution (it holds vllm/ and tests/), and vLLM's Python
-# dependencies must import (README, "Comparing with vLLM"). Without the variable, one case skips
-# and says how to enable it. Cases, one per vLLM test and parameter set:
+# The folder is vLLM's unpacked sdist (vllm/ and tests/); vLLM's Python dependencies must
+# import (README, "Comparing with vLLM"). Without the variable one case skips and says how to
+# enable it. Cases, one per vLLM test and parameter set:
 #   ours-<test>      an in-scope test against SimpleCPUOffloadScheduler: must pass.
 #   pre-fix-<test>   PR #53532's seven tests against PreFixCPUOffloadScheduler (both bugs on):
 #                    five must fail inside vLLM's test body, two pass vacuously (nothing is queued).
@@ -8777,36 +8659,24 @@ def run_vllm_failed_sync_load(policy: str, late: bool, monkeypatch, manager_cls=
 @pytest.mark.parametrize("late", [False, True], ids=["same-step", "late-report"])
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_real_vllm_failed_sync_load(policy, late, sibling_tokens, monkeypatch, tmp_path):
-    """vLLM 0.34.0's own classes: engine Scheduler (16 GPU blocks of 16 tokens, prefix
-    caching, chunked prefill, budget 512), MultiConnector [a synchronous sibling,
-    SimpleCPUOffloadConnector eager with 15 usable CPU blocks], BlockPool; the model runner
-    and the workers simulated (each copy done within its step; with late-report, the store
-    is reported one step later). With 32 tokens from the sibling:
-    Step 1, schedule(): A (64 tokens) arrives; MultiConnector asks both children: the
-      sibling holds 32 tokens (sync), the simple connector 0; the sibling is chosen, the
-      simple one gets update_state_after_alloc(A, blocks, 0). A's table is GPU blocks
-      [1, 2, 3, 4], all four cached at allocation; A has 32 computed tokens and 32
-      scheduled. The simple connector's build_connector_meta sees 32 confirmed tokens:
-      store event 0 copies GPU blocks 1, 2 to CPU blocks 1, 2, pinning the GPU ones.
-    Step 1, the workers: the sibling loads A's blocks synchronously; its load into GPU
-      block 2 fails; the forward; the store copies GPU blocks 1, 2 (block 2 never loaded).
-    Step 1, update_from_output(): invalid_block_ids = {2}; _handle_invalid_blocks cuts A
-      back to 16 computed tokens, then
-      "fail":      evicts blocks 2, 3, 4 from the prefix cache (BlockPool.evict_blocks:
-                   block 2 loses its hash, though event 0 pins it) and finishes A
-                   (FINISHED_ERROR); then the connectors' output: event 0's completion
-                   reaches `assert primary_hash is not None` (in step 2 when reported
-                   late): the crash.
-      "recompute": keeps the blocks; event 0's completion registers CPU block 2 under A's
-                   second block hash. Step 2 recomputes tokens 16-63; the store cursor is
-                   past the block, so the copy stays. A finishes; its flush stores the rest.
-    Then the GPU prefix cache is reset and B (A's prompt) arrives: its CPU hit of 48 tokens
-    loads CPU block 2 (the bytes cannot be seen here, the workers being simulated; 2.10
-    shows them on the module's worker).
-    With 48 tokens from the sibling, event 0 copies GPU block 3 too (to CPU block 3): in
-    "fail" it loses its hash as well, though no failure names it.
-    With VLLM_034_FIX_DIFF applied to vLLM's manager.py: no crash; block 2's copy (and
-    block 3's in "fail") is freed unregistered; B hits 16 tokens; every pool ends free."""
+    """2.10's sequence on vLLM 0.34.0's own classes: engine Scheduler (16 GPU blocks of 16
+    tokens, prefix caching, chunked prefill, budget 512), MultiConnector [a synchronous
+    sibling, SimpleCPUOffloadConnector eager, 15 usable CPU blocks], BlockPool; the model
+    runner and workers simulated (copies done within the step; late-report: the store
+    reported a step later). With 32 tokens from the sibling, step 1: MultiConnector asks both
+    children and picks the sibling (32 tokens, sync); the simple one gets
+    update_state_after_alloc(A, blocks, 0). A's table: GPU blocks [1, 2, 3, 4], cached at
+    allocation, 32 tokens computed and 32 scheduled; store event 0 copies GPU blocks 1, 2 to
+    CPU 1, 2 (pinned). The sibling's load into block 2 fails; invalid_block_ids = {2};
+    _handle_invalid_blocks cuts A back to 16 computed tokens, then
+      "fail": evicts blocks 2-4 (block 2 loses its hash, though pinned), A FINISHED_ERROR;
+        event 0's completion reaches `assert primary_hash is not None` (step 2 if late).
+      "recompute": keeps them; event 0 registers CPU block 2 under A's second hash; step 2
+        recomputes tokens 16-63 past the store cursor: the copy stays; A's flush stores the
+        rest. B (A's prompt, GPU cache reset) hits 48 tokens, loads CPU 1-3 (bytes: 2.10).
+    With 48 sibling tokens event 0 copies GPU block 3 too, which "fail" also evicts unnamed.
+    With VLLM_034_FIX_DIFF applied to vLLM's manager.py: no crash; block 2's copy (and block
+    3's in "fail") is freed unregistered; B hits 16 tokens; every pool ends free."""
     vllm_version()
     bug = run_vllm_failed_sync_load(policy, late, monkeypatch, None, sibling_tokens)
     fix_cls = vllm_manager_with_the_fix(tmp_path, monkeypatch)
