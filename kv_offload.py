@@ -19,7 +19,7 @@ Sections, bottom-up (every name is defined before it is used):
   4. scheduler-side manager          9. toy model and MiniEngine
   5. the pre-fix variant            10. demo, --bench, --gpu-check
 Sections 1-4 and 6: vLLM 0.34's code and the fix (6's copy backend is ours: torch copies);
-5: vLLM 0.29's; subclasses use hooks. Tags:
+5: the methods the fix changed, as vLLM 0.29 had them; subclasses use hooks. Tags:
   # PR #53532      a line the fix added or changed; on a `def` line: the whole function
   # vLLM 0.3x      a later upstream change (0.30-0.34)
   # not in vLLM:   this module's own (checks, hooks, the simulated device)
@@ -2006,8 +2006,10 @@ class SimpleCPUOffloadScheduler:
 # 5. The pre-fix variant (vLLM 0.29, before the fix), kept runnable so each bug can be shown
 
 class PreFixCPUOffloadScheduler(SimpleCPUOffloadScheduler):
-    """The manager as vLLM 0.29 had it (the last release before the fix). Each flag turns one
-    bug back on; with both on, a differential test drives it in lockstep with vLLM 0.29's.
+    """The manager as vLLM 0.29 had it (the last release before the fix): the methods the fix
+    changed, 0.29's; the rest, 0.34's (the differential neutralises 0.29's other differences on
+    vLLM's side). Each flag turns one bug back on; with both on, a differential test drives it
+    in lockstep with vLLM 0.29's.
     registration_bug: stamp at allocation, insert the stamped primary key straight into the map
         at completion. Whole-block lookups hit; fine-grained secondary keys are never copied.
     skip_reset_hash (no release: the fix's first version *without* its reset_hash(), the trap):
@@ -3573,8 +3575,9 @@ def headline(prompt_tokens: int = 8192) -> dict[str, dict[str, tuple[float, int]
     if not 1025 <= prompt_tokens <= MAX_STORY_TOKENS:
         raise ValueError(f"prompt_tokens ({prompt_tokens}): from 1,025 to {MAX_STORY_TOKENS:,}")
     print("B repeats A's prompt after A ran and the GPU prefix cache was dropped (block 16,\n"
-          "1,024 tokens a step). Per version: MiB stored to CPU / tokens B loaded from CPU, as\n"
-          "vLLM's kv_offload_store_bytes_total / external_prefix_cache_hits_total ...", flush=True)
+          "1,024 tokens a step). Per version: MiB stored to CPU / tokens B loaded from CPU, what\n"
+          "vLLM's kv_offload_store_bytes_total / external_prefix_cache_hits_total count ...",
+          flush=True)
     n = prompt_tokens // 16
     configs = {"one-step prompt (1,000 tokens)": dict(prompt_tokens=1000),
                f"chunked prompt ({prompt_tokens:,} tokens)": dict(prompt_tokens=prompt_tokens),
