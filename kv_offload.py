@@ -2716,8 +2716,7 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
                     num_children = in_flight.pop(parent_key) - 1
                     if num_children:
                         in_flight[parent_key] = num_children
-            # a use ends (a hit, a GPU hit's refresh): the gap since the last one (a tick at
-            # least)
+            # a use ends (a hit, a GPU hit's refresh): its gap, one tick at least
             elif block_hash is not None:
                 gaps[block_id] = clock - last_use or 1
                 last_uses[block_id] = clock
@@ -2758,7 +2757,7 @@ class PrefixAwareCPUOffloadScheduler(SimpleCPUOffloadScheduler):
                     _move_run_before(root_first, root, first)
                     first = root_first
         # a second copy of a cached block (two requests stored it in one step) is never hit:
-        # the front
+        # it goes to the front
         cache = self.cpu_block_pool.cached_block_hash_to_block
         if cache.get_one_block(last.block_hash) is not last:
             head = queue.fake_free_list_head.next_free_block
