@@ -6246,30 +6246,6 @@ def test_workload_optimum_against_brute_force():
     assert strict > 150 * 12 // 3
 
 
-def test_workload_table_against_lru_and_the_optimum():
-    """Every (family, batch, pool) cell of the full sweep (60): KV exact and every CPU block
-    free (workload_table asserts both), neither class above the optimum (it bounds them), the
-    optimum never above the reusable tokens; the policy never below LRU, at the goal in 39
-    cells (the README explains the others), and summed over the sweep above LRU in every
-    family. Planted: without its stop at a reused block's predicted use (_NeverStopsShort),
-    the policy falls below LRU in rotation at 28 blocks."""
-    rows = ko.workload_table()
-    assert len(rows) == 5 * 2 * 6
-    for r in rows:
-        assert max(r["lru"], r["policy"]) <= r["optimum"] <= r["reusable"], r
-    below = [(r["family"], r["concurrency"], r["num_cpu_blocks"])
-             for r in rows if r["policy"] < r["lru"]]
-    assert below == []
-    assert sum(r["goal"] for r in rows) == 39
-    for family in ko.WORKLOAD_FAMILIES:
-        cells = [r for r in rows if r["family"] == family]
-        assert sum(r["policy"] for r in cells) > sum(r["lru"] for r in cells), family
-    prompts = ko.workload_prompts("rotation")
-    planted = ko.run_workload(prompts, 28, _NeverStopsShort)["loaded"]
-    lru = ko.run_workload(prompts, 28, ko.SimpleCPUOffloadScheduler)["loaded"]
-    assert sum(planted) < sum(lru)
-
-
 def workload_readme_rows(rows: list[dict]) -> list[str]:
     """The README's table rows, one per family and batch size, from workload_table's rows:
     '| family | batch | pool: LRU / policy / optimum; ... | reusable | n of 6 |'."""
@@ -6284,12 +6260,32 @@ def workload_readme_rows(rows: list[dict]) -> list[str]:
     return lines
 
 
-def test_readme_workload_table_matches_the_harness():
-    """The README's table against the offline optimum is workload_table's, number for number."""
-    text = (pathlib.Path(__file__).parent / "README.md").read_text()
-    assert "| family | batch |" in text, "the README's workload table is missing"
+def test_workload_table_against_lru_the_optimum_and_the_readme():
+    """Every (family, batch, pool) cell of the full sweep (60): KV exact and every CPU block
+    free (workload_table asserts both), neither class above the optimum (it bounds them), the
+    optimum never above the reusable tokens; the policy never below LRU, at the goal in 39
+    cells (the README explains the others), and summed over the sweep above LRU in every
+    family. Planted: without its stop at a reused block's predicted use (_NeverStopsShort),
+    the policy falls below LRU in rotation at 28 blocks. The README's table against the
+    offline optimum is workload_table's, number for number."""
     with contextlib.redirect_stdout(io.StringIO()):
         rows = ko.workload_table()
+    assert len(rows) == 5 * 2 * 6
+    for r in rows:
+        assert max(r["lru"], r["policy"]) <= r["optimum"] <= r["reusable"], r
+    below = [(r["family"], r["concurrency"], r["num_cpu_blocks"])
+             for r in rows if r["policy"] < r["lru"]]
+    assert below == []
+    assert sum(r["goal"] for r in rows) == 39
+    for family in ko.WORKLOAD_FAMILIES:
+        cells = [r for r in rows if r["family"] == family]
+        assert sum(r["policy"] for r in cells) > sum(r["lru"] for r in cells), family
+    prompts = ko.workload_prompts("rotation")
+    planted = ko.run_workload(prompts, 28, _NeverStopsShort)["loaded"]
+    lru = ko.run_workload(prompts, 28, ko.SimpleCPUOffloadScheduler)["loaded"]
+    assert sum(planted) < sum(lru)
+    text = (pathlib.Path(__file__).parent / "README.md").read_text()
+    assert "| family | batch |" in text, "the README's workload table is missing"
     for line in workload_readme_rows(rows):
         assert line in text, f"the README's workload table: {line}"
 
