@@ -2313,8 +2313,10 @@ def test_groups_store_only_scheduler_block_aligned_prefix():
 
 # ---- 1.12 Manager: reset() with transfers in flight ----------------------------------------------
 
-def test_reset_waits_for_sent_store():
-    """A sent store is abandoned: reset() is False until it completes, and it caches nothing."""
+def test_reset_waits_for_sent_store_and_ignores_stale_completions():
+    """A sent store is abandoned: reset() is False until it completes, and it caches nothing.
+    Repeated or unknown completions change nothing; event ids keep growing across reset().
+    (A report of a store event never issued is a ValueError: the bad-input catalogue.)"""
     h = Harness(num_gpu_blocks=16)
     req, meta, table = h.prefilled(33, complete=False)
     h.gpu.free_blocks(table[0])  # preempted/finished by the engine: the store pin remains
@@ -2322,12 +2324,20 @@ def test_reset_waits_for_sent_store():
     assert [b.ref_cnt for b in table[0]] == [1, 1, 0]  # DMA may still read these
     assert h.sched.has_pending_stores()
     assert h.sched.reset() is False
-    h.complete_store(meta.store_event)
+    h.complete_store(meta.store_event)  # releases the abandoned store's pins
+    before = h.state()
+    h.complete_store(meta.store_event)  # the same event again
+    h.complete_load("no-such-request")
+    assert h.state() == before
+    # no ref dropped twice: the engine freed the table, the store's pins are gone
     assert [b.ref_cnt for b in table[0]] == [0, 0, 0]
     assert (h.in_cpu(req), h.cpu.get_num_free_blocks()) == ([False, False], 7)
     assert not h.sched.has_pending_stores()
     assert h.sched.reset() is True
     assert h.gpu.reset_prefix_cache()
+    x, meta2, _ = h.prefilled(33)
+    assert meta2.store_event > meta.store_event
+    assert h.in_cpu(x) == [True, True]
 
 
 def test_reset_waits_for_sent_load_and_releases_unsent_pins():
@@ -2350,23 +2360,6 @@ def test_reset_waits_for_sent_load_and_releases_unsent_pins():
     assert h.sched.reset() is True
     assert len(h.cpu.cached_block_hash_to_block) == 0
     assert h.probe(req) == 0
-
-
-def test_stale_completions_after_reset_are_ignored():
-    """Repeated or unknown completions change nothing; event ids keep growing across reset().
-    (A report of a store event never issued is a ValueError: the bad-input catalogue.)"""
-    h = Harness(num_gpu_blocks=16)
-    req, meta, table = h.prefilled(33, complete=False)
-    h.sched.reset()
-    h.complete_store(meta.store_event)  # releases the abandoned store's pins
-    before = h.state()
-    h.complete_store(meta.store_event)  # the same event again
-    h.complete_load("no-such-request")
-    assert h.state() == before
-    assert [b.ref_cnt for b in table[0]] == [1, 1, 1]  # only the request's own refs
-    x, meta2, _ = h.prefilled(33)
-    assert meta2.store_event > meta.store_event
-    assert h.in_cpu(x) == [True, True]
 
 
 # ---- 1.13 The seven tests PR #53532 added --------------------------------------------------------
