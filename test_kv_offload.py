@@ -2098,21 +2098,36 @@ def test_in_flight_store_dedup_across_steps():
 
 # ---- 1.9 Manager: request lifecycle (deferred cleanup, lookup pins) ------------------------------
 
-def test_finish_during_load_defers_cleanup():
-    """request_finished while the load is in flight keeps the pins until finished_recving."""
+def test_finish_during_load_defers_cleanup_and_lookup_pins_are_released():
+    """request_finished while the load is in flight keeps the pins until finished_recving.
+    The lookup pin is one ref: a repeated lookup, 0 external tokens or request_finished drop
+    it."""
     h = Harness()
     req, meta, _ = h.prefilled(33)
+    refs = lambda: [h.cpu.blocks[i].ref_cnt for i in meta.store_cpu_blocks]  # noqa: E731
     twin = h.twin(req)
     table, _ = h.start_load(twin)
     assert h.sched.request_finished(twin, []) == (False, None)
     h.gpu.free_blocks(table[0])  # engine frees; the loaded GPU blocks keep the load pin
     assert twin.request_id in live_loads(h.sched)
     assert [b.ref_cnt for b in table[0]] == [1, 1, 0]
-    assert [h.cpu.blocks[i].ref_cnt for i in meta.store_cpu_blocks] == [1, 1]
+    assert refs() == [1, 1]
     h.complete_load(twin.request_id)
     assert twin.request_id not in live_loads(h.sched)
     assert [b.ref_cnt for b in table[0]] == [0, 0, 0]
-    assert [h.cpu.blocks[i].ref_cnt for i in meta.store_cpu_blocks] == [0, 0]
+    assert refs() == [0, 0]
+    looked = h.twin(req)
+    h.sched.get_num_new_matched_tokens(looked, 0)
+    h.sched.get_num_new_matched_tokens(looked, 0)  # retry: the earlier pin is released first
+    assert refs() == [1, 1]
+    declined = h.alloc(looked, 33, confirm=False)
+    h.sched.update_state_after_alloc(looked, declined, 0)  # declined the hit
+    assert refs() == [0, 0]
+    other = h.twin(req)
+    h.sched.get_num_new_matched_tokens(other, 0)
+    assert refs() == [1, 1]
+    h.sched.request_finished(other, [])  # cancelled before allocation
+    assert refs() == [0, 0]
 
 
 def test_finish_during_store_defers_cleanup():
@@ -2145,25 +2160,6 @@ def test_lookup_pin_survives_eviction_pressure():
     h.sched.update_state_after_alloc(b, table, 32)
     meta_b = h.step({b.request_id: 1}, {b.request_id: table})
     assert (meta_b.load_gpu_blocks, meta_b.load_cpu_blocks) == (table_ids(table)[0][:2], [1, 2])
-
-
-def test_lookup_pin_released_by_relookup_zero_alloc_and_finish():
-    """The lookup pin is one ref:
-    a repeated lookup, 0 external tokens or request_finished drop it."""
-    h = Harness()
-    req, _, _ = h.prefilled(33)
-    refs = lambda: [h.cpu.blocks[i].ref_cnt for i in (1, 2)]  # noqa: E731
-    twin = h.twin(req)
-    h.sched.get_num_new_matched_tokens(twin, 0)
-    h.sched.get_num_new_matched_tokens(twin, 0)  # retry: the earlier pin is released first
-    assert refs() == [1, 1]
-    h.sched.update_state_after_alloc(twin, h.alloc(twin, 33, confirm=False), 0)  # declined the hit
-    assert refs() == [0, 0]
-    other = h.twin(req)
-    h.sched.get_num_new_matched_tokens(other, 0)
-    assert refs() == [1, 1]
-    h.sched.request_finished(other, [])  # cancelled before allocation
-    assert refs() == [0, 0]
 
 
 @pytest.mark.parametrize("aggregate", [False, True])
