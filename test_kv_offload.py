@@ -2257,8 +2257,9 @@ def test_resumed_table_replaces_old_block_ids():
 
 # ---- 1.11 Manager: several KV-cache groups -------------------------------------------------------
 
-def test_two_groups_same_size_store_and_load():
-    """Two 16-token groups: every block of both groups is stored, hit, and loaded in pairs."""
+def test_two_groups_same_size_store_and_load_and_a_hit_needs_every_group():
+    """Two 16-token groups: every block of both groups is stored, hit, and loaded in pairs. If
+    one group's blocks are not on CPU, the request has no CPU hit at all."""
     h = Harness(group_block_sizes=[BS, BS])
     req, meta, table = h.prefilled(33)
     g0, g1 = table_ids(table)
@@ -2270,18 +2271,13 @@ def test_two_groups_same_size_store_and_load():
     want = {d: cpu_of[s] for g in (0, 1) for s, d in zip(table_ids(table)[g][:2],
                                                          table_ids(t2)[g][:2])}
     assert dict(zip(meta2.load_gpu_blocks, meta2.load_cpu_blocks)) == want
-
-
-def test_hit_must_hold_in_every_group():
-    """If one group's blocks are not on CPU, the request has no CPU hit at all."""
-    h = Harness(group_block_sizes=[BS, BS])
-    req = h.request(33)
-    t = h.alloc(req, 33)
-    h.sched.update_state_after_alloc(req, t, 0)
-    meta = h.step({req.request_id: 33}, {req.request_id: (t[0], [])})  # only group 0's ids known
+    one = h.request(33)
+    t = h.alloc(one, 33)
+    h.sched.update_state_after_alloc(one, t, 0)
+    meta = h.step({one.request_id: 33}, {one.request_id: (t[0], [])})  # group 0's ids only
     h.complete_store(meta.store_event)
-    assert (h.in_cpu(req, 0), h.in_cpu(req, 1)) == ([True] * 2, [False] * 2)
-    assert h.probe(req) == 0
+    assert (h.in_cpu(one, 0), h.in_cpu(one, 1)) == ([True] * 2, [False] * 2)
+    assert h.probe(one) == 0
 
 
 @pytest.mark.parametrize("num_tokens, expected_hit", [(65, 64), (64, 32)])
