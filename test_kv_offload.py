@@ -2651,14 +2651,35 @@ def test_shared_prefix_decode_and_gpu_hits():
 
 
 @pytest.mark.parametrize("device", ["cpu", "deferred"])
-def test_gpu_preemption_recomputes_and_stays_exact(device):
+def test_gpu_preemption_recomputes_stays_exact_and_lists_resumed_requests_first(device):
     """A GPU pool too small for three 600-token prompts at once forces preemption; every request
-    still ends with KV equal to expected_kv and the pools drain."""
+    still ends with KV equal to expected_kv and the pools drain. Each step lists every request
+    that was running when the step began after all the others (new and resumed ones), and
+    resumed ones carry whole tables."""
     eng, conn, model = _story_engine(num_gpu_blocks=60, budget=256, device=device)
+    checked = Counter()
+    schedule = eng._schedule
+
+    def recording_schedule():
+        running_at_start = [r.request_id for r in eng.running]
+        scheduler_output = schedule()
+        order = list(scheduler_output.num_scheduled_tokens)
+        running = [rid for rid in order if rid in running_at_start]
+        assert order[len(order) - len(running):] == running, (order, running_at_start)
+        for rid in scheduler_output.resumed_req_ids:
+            assert rid not in running
+            whole_table = block_ids(eng.req_to_blocks[rid])
+            assert list(scheduler_output.new_block_ids[rid][0]) == whole_table
+        checked["resumed"] += len(scheduler_output.resumed_req_ids)
+        checked["mixed"] += 0 < len(running) < len(order)
+        return scheduler_output
+
+    eng._schedule = recording_schedule
     prompts = [_prompt(600, seed=s) for s in range(3)]
     for i, p in enumerate(prompts):
         eng.add_request(ko.Request(f"r{i}", p, 16, max_tokens=3))
     stats = eng.run()
+    assert checked["resumed"] > 0 and checked["mixed"] > 0, checked
     assert sum(s.computed_tokens for s in stats.values()) > 3 * 602   # something was recomputed
     for i, p in enumerate(prompts):
         assert torch.equal(stats[f"r{i}"].kv, model.expected_kv(p))
@@ -2689,33 +2710,6 @@ def test_engine_lists_new_and_resumed_requests_before_running_ones():
     assert scheduler_output.resumed_req_ids == set()
     yielded = [(rid, ids) for rid, ids, _ in ko.yield_req_data(scheduler_output)]
     assert yielded == [("B", ([4, 5],)), ("A", ([3],))]
-
-
-def test_engine_lists_resumed_requests_first_under_preemption():
-    """In the preemption run above, each step lists every request that was running when the step
-    began after all the others (new and resumed ones), and resumed ones carry whole tables."""
-    eng, conn, _ = _story_engine(num_gpu_blocks=60, budget=256)
-    checked = Counter()
-    schedule = eng._schedule
-
-    def recording_schedule():
-        running_at_start = [r.request_id for r in eng.running]
-        scheduler_output = schedule()
-        order = list(scheduler_output.num_scheduled_tokens)
-        running = [rid for rid in order if rid in running_at_start]
-        assert order[len(order) - len(running):] == running, (order, running_at_start)
-        for rid in scheduler_output.resumed_req_ids:
-            assert rid not in running
-            assert list(scheduler_output.new_block_ids[rid][0]) == block_ids(eng.req_to_blocks[rid])
-        checked["resumed"] += len(scheduler_output.resumed_req_ids)
-        checked["mixed"] += 0 < len(running) < len(order)
-        return scheduler_output
-
-    eng._schedule = recording_schedule
-    for i in range(3):
-        eng.add_request(ko.Request(f"r{i}", _prompt(600, seed=i), 16, max_tokens=3))
-    eng.run()
-    assert checked["resumed"] > 0 and checked["mixed"] > 0, checked
 
 
 @pytest.mark.parametrize("device", DEVICES)
