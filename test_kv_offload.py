@@ -3687,19 +3687,6 @@ def _nb_pngs(nb) -> int:
                for o in c.outputs)
 
 
-def test_notebook_executes_without_errors(executed_notebook):
-    errors = _nb_errors(executed_notebook)
-    assert not errors, f"notebook cell raised: {errors[0]}"
-    assert _nb_pngs(executed_notebook) >= 3, "the notebook drew fewer than 3 pictures"
-    # as committed each exercise's class is the fix, which its check rejects; the reference
-    # solutions, at the end, pass
-    checks = [_nb_text(c) for c in _nb_tagged_cells(executed_notebook, "exercise-check")]
-    assert len(checks) == 3 and all(text.splitlines()[-1].startswith("FAIL: ")
-                                    for text in checks), checks
-    solved = _nb_tagged(executed_notebook, "solution-check")
-    assert len(re.findall(r"^PASS: ", solved, re.M)) == 3 and "FAIL" not in solved, solved
-
-
 def test_notebook_pictures_survive_changed_parameters(executed_notebook,
                                                       notebook_with_changed_parameters):
     """Every picture, drawn from the notebook's own values and from other values in its parameter
@@ -3722,7 +3709,8 @@ def test_notebook_pictures_survive_changed_parameters(executed_notebook,
 
 
 # Numbers the prose quotes instead of measuring (where each comes from); every other number in
-# the prose must be in the outputs or the code of its own step (test_notebook_claims_in_its_outputs)
+# the prose must be in the outputs or the code of its own step
+# (test_notebook_runs_and_its_claims_are_in_its_outputs)
 _REPORT_QUOTED = {  # quoted by the notebook's prose and the README alike
     "53498": "vLLM issue #53498", "53532": "vLLM PR #53532",
     "0.29": "a vLLM release", "0.30": "a vLLM release",
@@ -3805,10 +3793,21 @@ def _prose_numbers_unaccounted(nb) -> list[str]:
     return missing
 
 
-def test_notebook_claims_in_its_outputs(executed_notebook):
-    """The numbers the prose relies on, read from the freshly executed notebook: each claim below
-    by its cell's output, and every other number of the prose by its step's outputs or code."""
+def test_notebook_runs_and_its_claims_are_in_its_outputs(executed_notebook):
+    """The freshly executed notebook raised nothing and drew its pictures; the numbers its
+    prose relies on are read from it: each claim below by its cell's output, and every other
+    number of the prose by its step's outputs or code."""
     nb = executed_notebook
+    errors = _nb_errors(nb)
+    assert not errors, f"notebook cell raised: {errors[0]}"
+    assert _nb_pngs(nb) >= 3, "the notebook drew fewer than 3 pictures"
+    # as committed each exercise's class is the fix, which its check rejects; the reference
+    # solutions, at the end, pass
+    checks = [_nb_text(c) for c in _nb_tagged_cells(nb, "exercise-check")]
+    assert len(checks) == 3 and all(text.splitlines()[-1].startswith("FAIL: ")
+                                    for text in checks), checks
+    solved = _nb_tagged(nb, "solution-check")
+    assert len(re.findall(r"^PASS: ", solved, re.M)) == 3 and "FAIL" not in solved, solved
     claims = {  # tag of the cell -> what its output must say
         "claim-max": [r"one-step .*max possible +992; loaded: vLLM 0.29 0, the fix 992",
                       r"chunked .*max possible 8,176; loaded: vLLM 0.29 7,168, the fix 8,176",
