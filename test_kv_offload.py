@@ -385,26 +385,12 @@ def test_lru_eviction_order_and_touch_removes_from_queue():
     assert free_ids(pool) == [2, 1, 3]
 
 
-def test_several_blocks_per_key_and_pop():
-    """The map does not de-duplicate; get_one_block returns the first inserted."""
-    pool = ko.BlockPool(4, True, 2)
-    req = ko.Request("r", [5, 6], 2)
-    b1, b2 = pool.get_new_blocks(2)
-    pool.cache_full_blocks(req, [b1], 0, 1, 2, 0)
-    pool.cache_full_blocks(req, [b2], 0, 1, 2, 0)
-    key = b1.block_hash
-    m = pool.cached_block_hash_to_block
-    assert key == b2.block_hash and len(m) == 1 and m.contain(key, 1) and m.contain(key, 2)
-    assert m.get_one_block(key) is b1
-    assert m.pop(key, 1) is b1 and m.get_one_block(key) is b2
-    assert m.pop(key, 7) is None and m.pop(key, 2) is b2 and len(m) == 0
-
-
-def test_block_hash_map_holds_ids_as_vllm_0_34():
+def test_block_hash_map_holds_duplicate_ids_as_vllm_0_34():
     """vLLM 0.34's layout: `_cache` maps each key to one block *id* (the earliest inserted still
     cached), `_dup_ids` lists every id of a key cached by several blocks; only bytes and ints,
-    so the cyclic GC does not track `_cache`. clear() empties both; reset_prefix_cache() clears
-    the same map object in place."""
+    so the cyclic GC does not track `_cache`. The map does not de-duplicate: get_one_block
+    returns the first inserted, pop takes a key's block by id. clear() empties both;
+    reset_prefix_cache() clears the same map object in place."""
     pool = ko.BlockPool(5, True, 2)
     req = ko.Request("r", [5, 6, 7, 8], 2)
     b1, b2, b3 = pool.get_new_blocks(3)
@@ -412,12 +398,14 @@ def test_block_hash_map_holds_ids_as_vllm_0_34():
     pool.cache_full_blocks(req, [b2], 0, 1, 2, 0)      # b2: key0 again
     key0, key1 = b1.block_hash, b3.block_hash
     m = pool.cached_block_hash_to_block
+    assert key0 == b2.block_hash and len(m) == 2 and m.contain(key0, 1) and m.contain(key0, 2)
     assert m._cache == {key0: 1, key1: 3} and m._dup_ids == {key0: {1: None, 2: None}}
     assert m.get_one_block(key0) is b1
     if sys.version_info < (3, 14):  # 3.14 stopped untracking such dicts (vLLM then does it by hand)
         assert not gc.is_tracked(m._cache)
-    m.pop(key0, 1)
+    assert m.pop(key0, 1) is b1
     assert m._cache == {key0: 2, key1: 3} and m._dup_ids == {} and m.get_one_block(key0) is b2
+    assert m.pop(key0, 7) is None and m.pop(key0, 2) is b2 and len(m) == 1
     pool.free_blocks([b1, b2, b3])
     assert pool.reset_prefix_cache() and pool.cached_block_hash_to_block is m
     assert m._cache == {} and m._dup_ids == {} and len(m) == 0
