@@ -431,31 +431,24 @@ def test_kv_cache_block_fields_follow_vllm_0_34():
     assert req.skip_reading_external_kv is False and not hasattr(req, "skip_reading_prefix_cache")
 
 
-def test_insert_guard_traps_a_stamped_block():
+def test_insert_guards_trap_a_stamped_block_and_keep_a_secondary_once():
     """The trap inside the fix, in five lines: a block stamped with its key returns at guard 1,
     so _insert_block_hash() leaves the map empty; reset_hash() first, and the key goes in. (vLLM
-    0.29 itself inserted the stamped key directly, around this method.)"""
+    0.29 itself inserted the stamped key directly, around this method.) A second key on the
+    hashed block is a secondary; eviction removes primary + secondaries. Guard 2: re-inserting
+    a secondary changes nothing."""
     pool = ko.BlockPool(3, True, 4)
     blk = pool.get_new_blocks(1)[0]
-    key = ko.make_block_hash_with_group_id(b"k" * 32, 0)
+    key, k2 = (ko.make_block_hash_with_group_id(bytes([i]) * 32, 0) for i in (1, 2))
     blk.block_hash = key                               # vLLM 0.29's stamp at allocation
     pool._insert_block_hash(key, blk, None)
     assert pool.cached_block_hash_to_block.get_one_block(key) is None
     blk.reset_hash()                                   # the fix: reset first
-    pool._insert_block_hash(key, blk, None)
+    pool._insert_block_hash(key, blk, 8)
     assert pool.cached_block_hash_to_block.get_one_block(key) is blk
-
-
-def test_secondary_keys_registered_found_and_evicted_together():
-    """A second key on a hashed block is a secondary; eviction removes primary + secondaries.
-    Guard 2: re-inserting a secondary changes nothing."""
-    pool = ko.BlockPool(3, True, 4)
-    blk = pool.get_new_blocks(1)[0]
-    k1, k2 = (ko.make_block_hash_with_group_id(bytes([i]) * 32, 0) for i in (1, 2))
-    pool._insert_block_hash(k1, blk, 8)
     pool._insert_block_hash(k2, blk, None)
     pool._insert_block_hash(k2, blk, None)
-    assert blk.block_hash == k1 and blk.block_hash_num_tokens == 8
+    assert blk.block_hash == key and blk.block_hash_num_tokens == 8
     assert pool.cached_block_hashes_by_block == {blk.block_id: {k2}}
     assert pool.cached_block_hash_to_block.get_one_block(k2) is blk
     pool.free_blocks([blk])
