@@ -488,7 +488,11 @@ def test_caching_disabled_prepends_everything():
     assert free_ids(pool) == [1, 2, 3, 4]
 
 
-def test_free_queue_primitives():
+def test_free_queue_primitives_and_a_corrupted_sentinel():
+    """The queue's primitives; and, as vLLM (its test_free_kv_cache_block_queue_append_n), a
+    sentinel that lost its link is an AssertionError in append_n / prepend_n (RuntimeError in
+    append), raised before anything is linked, so the count and the other sentinel are
+    unchanged."""
     blocks = [ko.KVCacheBlock(i) for i in range(5)]
     q = ko.FreeKVCacheBlockQueue(blocks)
     assert q.popleft() is blocks[0] and block_ids(q.popleft_n(2)) == [1, 2]
@@ -499,17 +503,10 @@ def test_free_queue_primitives():
     assert block_ids(q.get_all_free_blocks()) == [1, 2, 3, 4, 0] and q.num_free_blocks == 5
     with pytest.raises(RuntimeError):
         q.remove(ko.KVCacheBlock(9))
-    empty = ko.FreeKVCacheBlockQueue([])
-    with pytest.raises(ValueError, match="No free blocks"):
-        empty.popleft()
-
-
-def test_free_queue_asserts_on_a_corrupted_sentinel():
-    """As vLLM (its test_free_kv_cache_block_queue_append_n): a sentinel that lost its link is an
-    AssertionError in append_n / prepend_n (RuntimeError in append), raised before anything is
-    linked, so the count and the other sentinel are unchanged."""
     blocks = [ko.KVCacheBlock(i) for i in range(2)]
     q = ko.FreeKVCacheBlockQueue([])
+    with pytest.raises(ValueError, match="No free blocks"):
+        q.popleft()
     q.fake_free_list_tail.prev_free_block = None
     with pytest.raises(AssertionError):
         q.append_n(blocks[:1])
