@@ -2560,15 +2560,26 @@ def comments_above(lines: list[str], lineno: int) -> list[int]:
     return above
 
 
-def test_pr_53532_tags_give_the_whole_fix():
+def test_pr_53532_tags_give_the_whole_fix_and_the_readme_checklist_names_them():
     """Every line of the manager that uses a name of the fix is tagged (or in a tagged function),
-    and the check can fail: the secondary-key loop without its tag is found."""
+    and the check can fail: the secondary-key loop without its tag is found. The README's
+    "Porting the fix" checklist names every manager method that `grep "PR #53532"
+    kv_offload.py` finds a line in (tagged lines, and the functions the fix added, tagged on
+    their `def` line), and nothing else."""
     lines, _ = inspect.getsourcelines(ko.SimpleCPUOffloadScheduler)
     assert fix_lines_untagged(lines) == []
     loop = "for block_hash in secondary_hashes:  # PR #53532"
     planted = [line.replace(loop, "for block_hash in secondary_hashes:") for line in lines]
     assert planted != lines
     assert fix_lines_untagged(planted) == ["for block_hash in secondary_hashes:"]
+    tree = ast.parse(textwrap.dedent("".join(lines)))
+    methods = {f.name for f in tree.body[0].body if isinstance(f, ast.FunctionDef)
+               and any("PR #53532" in lines[i - 1] for i in comments_above(lines, f.lineno)
+                       + list(range(f.lineno, f.end_lineno + 1)))}
+    text = README.read_text()
+    start, end = text.index("**Porting the fix"), text.index("Three traps a port falls into")
+    named = set(re.findall(r"^\d+\. `(\w+)`", text[start:end], flags=re.M))
+    assert methods == named, (methods - named, named - methods)
 
 
 # ---- 1.14 End to end: toy model and engine -------------------------------------------------------
@@ -4083,21 +4094,6 @@ def test_module_shape():
     assert shape["trailing_share"] <= 0.35, shape
     assert shape["docstring_lines"] <= 25, shape
     assert counts[7] <= 250, counts
-
-
-def test_readme_porting_checklist_names_the_grep():
-    """The README's "Porting the fix" checklist names every manager method that
-    `grep "PR #53532" kv_offload.py` finds a line in (tagged lines, and the functions the fix
-    added, tagged on their `def` line), and nothing else."""
-    lines, first = inspect.getsourcelines(ko.SimpleCPUOffloadScheduler)
-    tree = ast.parse(textwrap.dedent("".join(lines)))
-    methods = {f.name for f in tree.body[0].body if isinstance(f, ast.FunctionDef)
-               and any("PR #53532" in lines[i - 1] for i in comments_above(lines, f.lineno)
-                       + list(range(f.lineno, f.end_lineno + 1)))}
-    text = README.read_text()
-    section = text[text.index("**Porting the fix"):text.index("Three traps a port falls into")]
-    named = set(re.findall(r"^\d+\. `(\w+)`", section, flags=re.M))
-    assert methods == named, (methods - named, named - methods)
 
 
 def test_notebook_is_committed_with_outputs():
