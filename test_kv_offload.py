@@ -1779,26 +1779,22 @@ def _fill_four():
     return h, a, b
 
 
-def test_lru_eviction_order():
-    """With the CPU pool full, a new store evicts the least recently used blocks (a's)."""
+def test_lru_eviction_order_and_touched_blocks_survive_eviction():
+    """With the CPU pool full, a new store evicts the least recently used blocks (a's).
+    Touching a cached CPU block moves it to the MRU end, so the next LRU chain (c's, stored
+    after b's) is evicted instead of b's."""
     h, a, b = _fill_four()
     c, meta, _ = h.prefilled(33)
     assert meta.store_cpu_blocks == [1, 2]  # popped from the LRU front: a's blocks
     assert (h.in_cpu(a), h.in_cpu(b), h.in_cpu(c)) == ([False] * 2, [True] * 2, [True] * 2)
     assert free_ids(h.cpu) == [3, 4, 1, 2]
-
-
-def test_touched_blocks_survive_eviction():
-    """Touching a cached CPU block moves it to the MRU end,
-    so b (now LRU) is evicted instead of a."""
-    h, a, b = _fill_four()
-    for i in (1, 2):  # a's CPU blocks
+    for i in (3, 4):  # b's CPU blocks
         h.cpu.touch([h.cpu.blocks[i]])
         h.cpu.free_blocks([h.cpu.blocks[i]])
-    assert free_ids(h.cpu) == [3, 4, 1, 2]
-    c, meta, _ = h.prefilled(33)
-    assert meta.store_cpu_blocks == [3, 4]
-    assert (h.in_cpu(a), h.in_cpu(b), h.in_cpu(c)) == ([True] * 2, [False] * 2, [True] * 2)
+    assert free_ids(h.cpu) == [1, 2, 3, 4]
+    d, meta, _ = h.prefilled(33)
+    assert meta.store_cpu_blocks == [1, 2]
+    assert (h.in_cpu(b), h.in_cpu(c), h.in_cpu(d)) == ([True] * 2, [False] * 2, [True] * 2)
 
 
 @pytest.mark.parametrize("prefix_aware", [False, True])
