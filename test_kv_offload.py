@@ -2279,10 +2279,11 @@ def test_groups_store_only_scheduler_block_aligned_prefix():
 
 # ---- 1.12 Manager: reset() with transfers in flight ----------------------------------------------
 
-def test_reset_waits_for_sent_store_and_ignores_stale_completions():
+def test_reset_waits_for_sent_transfers_and_ignores_stale_completions():
     """A sent store is abandoned: reset() is False until it completes, and it caches nothing.
     Repeated or unknown completions change nothing; event ids keep growing across reset().
-    (A report of a store event never issued is a ValueError: the bad-input catalogue.)"""
+    (A report of a store event never issued is a ValueError: the bad-input catalogue.) A sent
+    load keeps its pins until finished_recving; an unsent load and a lookup pin go at once."""
     h = Harness(num_gpu_blocks=16)
     req, meta, table = h.prefilled(33, complete=False)
     h.gpu.free_blocks(table[0])  # preempted/finished by the engine: the store pin remains
@@ -2304,28 +2305,22 @@ def test_reset_waits_for_sent_store_and_ignores_stale_completions():
     x, meta2, _ = h.prefilled(33)
     assert meta2.store_event > meta.store_event
     assert h.in_cpu(x) == [True, True]
-
-
-def test_reset_waits_for_sent_load_and_releases_unsent_pins():
-    """A sent load keeps its pins until finished_recving;
-    an unsent load and a lookup pin go at once."""
-    h = Harness(num_gpu_blocks=16)
-    req, _, _ = h.prefilled(33)
-    sent = h.twin(req)
+    cpu_refs = lambda: [h.cpu.blocks[i].ref_cnt for i in meta2.store_cpu_blocks]  # noqa: E731
+    sent = h.twin(x)
     t_sent, _ = h.start_load(sent)
-    t_unsent, _ = h.start_load(h.twin(req), send=False)  # load prepared, never sent
-    looked = h.twin(req)
+    t_unsent, _ = h.start_load(h.twin(x), send=False)  # load prepared, never sent
+    looked = h.twin(x)
     h.sched.get_num_new_matched_tokens(looked, 0)  # pin only
-    assert [h.cpu.blocks[i].ref_cnt for i in (1, 2)] == [3, 3]
+    assert cpu_refs() == [3, 3]
     assert h.sched.reset() is False
-    assert [h.cpu.blocks[i].ref_cnt for i in (1, 2)] == [1, 1]  # only the sent load's
+    assert cpu_refs() == [1, 1]  # only the sent load's
     assert [b.ref_cnt for b in t_unsent[0]] == [1, 1, 1]  # the load pin is gone
     h.complete_load(sent.request_id)
-    assert [h.cpu.blocks[i].ref_cnt for i in (1, 2)] == [0, 0]
+    assert cpu_refs() == [0, 0]
     assert [b.ref_cnt for b in t_sent[0]] == [1, 1, 1]
     assert h.sched.reset() is True
     assert len(h.cpu.cached_block_hash_to_block) == 0
-    assert h.probe(req) == 0
+    assert h.probe(x) == 0
 
 
 # ---- 1.13 The seven tests PR #53532 added --------------------------------------------------------
