@@ -3896,7 +3896,7 @@ _README_QUOTED = {
     **_REPORT_QUOTED, "0.34": "a vLLM release",
     # a full run on the development machine (no GPU, no vLLM): pytest's last line and -rs;
     # test_readme_numbers_match_the_code derives the collected total and the GPU count
-    "328": "passed", "160": "skipped", "128": "vLLM's", "126": "No module named vllm",
+    "327": "passed", "160": "skipped", "128": "vLLM's", "126": "No module named vllm",
     "57505": "upstream vLLM PR #57505 (open), which skips hashless store sources",
     # the long fuzz (KV_OFFLOAD_FUZZ_EXAMPLES=1000, KV_OFFLOAD_FUZZ_SEED=2544314924): its seed,
     # and the prefix-aware schedules it ran on CPU (its output's reached-rates line)
