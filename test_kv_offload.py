@@ -385,26 +385,12 @@ def test_lru_eviction_order_and_touch_removes_from_queue():
     assert free_ids(pool) == [2, 1, 3]
 
 
-def test_several_blocks_per_key_and_pop():
-    """The map does not de-duplicate; get_one_block returns the first inserted."""
-    pool = ko.BlockPool(4, True, 2)
-    req = ko.Request("r", [5, 6], 2)
-    b1, b2 = pool.get_new_blocks(2)
-    pool.cache_full_blocks(req, [b1], 0, 1, 2, 0)
-    pool.cache_full_blocks(req, [b2], 0, 1, 2, 0)
-    key = b1.block_hash
-    m = pool.cached_block_hash_to_block
-    assert key == b2.block_hash and len(m) == 1 and m.contain(key, 1) and m.contain(key, 2)
-    assert m.get_one_block(key) is b1
-    assert m.pop(key, 1) is b1 and m.get_one_block(key) is b2
-    assert m.pop(key, 7) is None and m.pop(key, 2) is b2 and len(m) == 0
-
-
-def test_block_hash_map_holds_ids_as_vllm_0_34():
+def test_block_hash_map_holds_duplicate_ids_as_vllm_0_34():
     """vLLM 0.34's layout: `_cache` maps each key to one block *id* (the earliest inserted still
     cached), `_dup_ids` lists every id of a key cached by several blocks; only bytes and ints,
-    so the cyclic GC does not track `_cache`. clear() empties both; reset_prefix_cache() clears
-    the same map object in place."""
+    so the cyclic GC does not track `_cache`. The map does not de-duplicate: get_one_block
+    returns the first inserted, pop takes a key's block by id. clear() empties both;
+    reset_prefix_cache() clears the same map object in place."""
     pool = ko.BlockPool(5, True, 2)
     req = ko.Request("r", [5, 6, 7, 8], 2)
     b1, b2, b3 = pool.get_new_blocks(3)
@@ -412,12 +398,14 @@ def test_block_hash_map_holds_ids_as_vllm_0_34():
     pool.cache_full_blocks(req, [b2], 0, 1, 2, 0)      # b2: key0 again
     key0, key1 = b1.block_hash, b3.block_hash
     m = pool.cached_block_hash_to_block
+    assert key0 == b2.block_hash and len(m) == 2 and m.contain(key0, 1) and m.contain(key0, 2)
     assert m._cache == {key0: 1, key1: 3} and m._dup_ids == {key0: {1: None, 2: None}}
     assert m.get_one_block(key0) is b1
     if sys.version_info < (3, 14):  # 3.14 stopped untracking such dicts (vLLM then does it by hand)
         assert not gc.is_tracked(m._cache)
-    m.pop(key0, 1)
+    assert m.pop(key0, 1) is b1
     assert m._cache == {key0: 2, key1: 3} and m._dup_ids == {} and m.get_one_block(key0) is b2
+    assert m.pop(key0, 7) is None and m.pop(key0, 2) is b2 and len(m) == 1
     pool.free_blocks([b1, b2, b3])
     assert pool.reset_prefix_cache() and pool.cached_block_hash_to_block is m
     assert m._cache == {} and m._dup_ids == {} and len(m) == 0
@@ -443,31 +431,24 @@ def test_kv_cache_block_fields_follow_vllm_0_34():
     assert req.skip_reading_external_kv is False and not hasattr(req, "skip_reading_prefix_cache")
 
 
-def test_insert_guard_traps_a_stamped_block():
+def test_insert_guards_trap_a_stamped_block_and_keep_a_secondary_once():
     """The trap inside the fix, in five lines: a block stamped with its key returns at guard 1,
     so _insert_block_hash() leaves the map empty; reset_hash() first, and the key goes in. (vLLM
-    0.29 itself inserted the stamped key directly, around this method.)"""
+    0.29 itself inserted the stamped key directly, around this method.) A second key on the
+    hashed block is a secondary; eviction removes primary + secondaries. Guard 2: re-inserting
+    a secondary changes nothing."""
     pool = ko.BlockPool(3, True, 4)
     blk = pool.get_new_blocks(1)[0]
-    key = ko.make_block_hash_with_group_id(b"k" * 32, 0)
+    key, k2 = (ko.make_block_hash_with_group_id(bytes([i]) * 32, 0) for i in (1, 2))
     blk.block_hash = key                               # vLLM 0.29's stamp at allocation
     pool._insert_block_hash(key, blk, None)
     assert pool.cached_block_hash_to_block.get_one_block(key) is None
     blk.reset_hash()                                   # the fix: reset first
-    pool._insert_block_hash(key, blk, None)
+    pool._insert_block_hash(key, blk, 8)
     assert pool.cached_block_hash_to_block.get_one_block(key) is blk
-
-
-def test_secondary_keys_registered_found_and_evicted_together():
-    """A second key on a hashed block is a secondary; eviction removes primary + secondaries.
-    Guard 2: re-inserting a secondary changes nothing."""
-    pool = ko.BlockPool(3, True, 4)
-    blk = pool.get_new_blocks(1)[0]
-    k1, k2 = (ko.make_block_hash_with_group_id(bytes([i]) * 32, 0) for i in (1, 2))
-    pool._insert_block_hash(k1, blk, 8)
     pool._insert_block_hash(k2, blk, None)
     pool._insert_block_hash(k2, blk, None)
-    assert blk.block_hash == k1 and blk.block_hash_num_tokens == 8
+    assert blk.block_hash == key and blk.block_hash_num_tokens == 8
     assert pool.cached_block_hashes_by_block == {blk.block_id: {k2}}
     assert pool.cached_block_hash_to_block.get_one_block(k2) is blk
     pool.free_blocks([blk])
@@ -507,7 +488,11 @@ def test_caching_disabled_prepends_everything():
     assert free_ids(pool) == [1, 2, 3, 4]
 
 
-def test_free_queue_primitives():
+def test_free_queue_primitives_and_a_corrupted_sentinel():
+    """The queue's primitives; and, as vLLM (its test_free_kv_cache_block_queue_append_n), a
+    sentinel that lost its link is an AssertionError in append_n / prepend_n (RuntimeError in
+    append), raised before anything is linked, so the count and the other sentinel are
+    unchanged."""
     blocks = [ko.KVCacheBlock(i) for i in range(5)]
     q = ko.FreeKVCacheBlockQueue(blocks)
     assert q.popleft() is blocks[0] and block_ids(q.popleft_n(2)) == [1, 2]
@@ -518,17 +503,10 @@ def test_free_queue_primitives():
     assert block_ids(q.get_all_free_blocks()) == [1, 2, 3, 4, 0] and q.num_free_blocks == 5
     with pytest.raises(RuntimeError):
         q.remove(ko.KVCacheBlock(9))
-    empty = ko.FreeKVCacheBlockQueue([])
-    with pytest.raises(ValueError, match="No free blocks"):
-        empty.popleft()
-
-
-def test_free_queue_asserts_on_a_corrupted_sentinel():
-    """As vLLM (its test_free_kv_cache_block_queue_append_n): a sentinel that lost its link is an
-    AssertionError in append_n / prepend_n (RuntimeError in append), raised before anything is
-    linked, so the count and the other sentinel are unchanged."""
     blocks = [ko.KVCacheBlock(i) for i in range(2)]
     q = ko.FreeKVCacheBlockQueue([])
+    with pytest.raises(ValueError, match="No free blocks"):
+        q.popleft()
     q.fake_free_list_tail.prev_free_block = None
     with pytest.raises(AssertionError):
         q.append_n(blocks[:1])
@@ -1801,26 +1779,22 @@ def _fill_four():
     return h, a, b
 
 
-def test_lru_eviction_order():
-    """With the CPU pool full, a new store evicts the least recently used blocks (a's)."""
+def test_lru_eviction_order_and_touched_blocks_survive_eviction():
+    """With the CPU pool full, a new store evicts the least recently used blocks (a's).
+    Touching a cached CPU block moves it to the MRU end, so the next LRU chain (c's, stored
+    after b's) is evicted instead of b's."""
     h, a, b = _fill_four()
     c, meta, _ = h.prefilled(33)
     assert meta.store_cpu_blocks == [1, 2]  # popped from the LRU front: a's blocks
     assert (h.in_cpu(a), h.in_cpu(b), h.in_cpu(c)) == ([False] * 2, [True] * 2, [True] * 2)
     assert free_ids(h.cpu) == [3, 4, 1, 2]
-
-
-def test_touched_blocks_survive_eviction():
-    """Touching a cached CPU block moves it to the MRU end,
-    so b (now LRU) is evicted instead of a."""
-    h, a, b = _fill_four()
-    for i in (1, 2):  # a's CPU blocks
+    for i in (3, 4):  # b's CPU blocks
         h.cpu.touch([h.cpu.blocks[i]])
         h.cpu.free_blocks([h.cpu.blocks[i]])
-    assert free_ids(h.cpu) == [3, 4, 1, 2]
-    c, meta, _ = h.prefilled(33)
-    assert meta.store_cpu_blocks == [3, 4]
-    assert (h.in_cpu(a), h.in_cpu(b), h.in_cpu(c)) == ([True] * 2, [False] * 2, [True] * 2)
+    assert free_ids(h.cpu) == [1, 2, 3, 4]
+    d, meta, _ = h.prefilled(33)
+    assert meta.store_cpu_blocks == [1, 2]
+    assert (h.in_cpu(b), h.in_cpu(c), h.in_cpu(d)) == ([True] * 2, [False] * 2, [True] * 2)
 
 
 @pytest.mark.parametrize("prefix_aware", [False, True])
@@ -2098,21 +2072,36 @@ def test_in_flight_store_dedup_across_steps():
 
 # ---- 1.9 Manager: request lifecycle (deferred cleanup, lookup pins) ------------------------------
 
-def test_finish_during_load_defers_cleanup():
-    """request_finished while the load is in flight keeps the pins until finished_recving."""
+def test_finish_during_load_defers_cleanup_and_lookup_pins_are_released():
+    """request_finished while the load is in flight keeps the pins until finished_recving.
+    The lookup pin is one ref: a repeated lookup, 0 external tokens or request_finished drop
+    it."""
     h = Harness()
     req, meta, _ = h.prefilled(33)
+    refs = lambda: [h.cpu.blocks[i].ref_cnt for i in meta.store_cpu_blocks]  # noqa: E731
     twin = h.twin(req)
     table, _ = h.start_load(twin)
     assert h.sched.request_finished(twin, []) == (False, None)
     h.gpu.free_blocks(table[0])  # engine frees; the loaded GPU blocks keep the load pin
     assert twin.request_id in live_loads(h.sched)
     assert [b.ref_cnt for b in table[0]] == [1, 1, 0]
-    assert [h.cpu.blocks[i].ref_cnt for i in meta.store_cpu_blocks] == [1, 1]
+    assert refs() == [1, 1]
     h.complete_load(twin.request_id)
     assert twin.request_id not in live_loads(h.sched)
     assert [b.ref_cnt for b in table[0]] == [0, 0, 0]
-    assert [h.cpu.blocks[i].ref_cnt for i in meta.store_cpu_blocks] == [0, 0]
+    assert refs() == [0, 0]
+    looked = h.twin(req)
+    h.sched.get_num_new_matched_tokens(looked, 0)
+    h.sched.get_num_new_matched_tokens(looked, 0)  # retry: the earlier pin is released first
+    assert refs() == [1, 1]
+    declined = h.alloc(looked, 33, confirm=False)
+    h.sched.update_state_after_alloc(looked, declined, 0)  # declined the hit
+    assert refs() == [0, 0]
+    other = h.twin(req)
+    h.sched.get_num_new_matched_tokens(other, 0)
+    assert refs() == [1, 1]
+    h.sched.request_finished(other, [])  # cancelled before allocation
+    assert refs() == [0, 0]
 
 
 def test_finish_during_store_defers_cleanup():
@@ -2145,25 +2134,6 @@ def test_lookup_pin_survives_eviction_pressure():
     h.sched.update_state_after_alloc(b, table, 32)
     meta_b = h.step({b.request_id: 1}, {b.request_id: table})
     assert (meta_b.load_gpu_blocks, meta_b.load_cpu_blocks) == (table_ids(table)[0][:2], [1, 2])
-
-
-def test_lookup_pin_released_by_relookup_zero_alloc_and_finish():
-    """The lookup pin is one ref:
-    a repeated lookup, 0 external tokens or request_finished drop it."""
-    h = Harness()
-    req, _, _ = h.prefilled(33)
-    refs = lambda: [h.cpu.blocks[i].ref_cnt for i in (1, 2)]  # noqa: E731
-    twin = h.twin(req)
-    h.sched.get_num_new_matched_tokens(twin, 0)
-    h.sched.get_num_new_matched_tokens(twin, 0)  # retry: the earlier pin is released first
-    assert refs() == [1, 1]
-    h.sched.update_state_after_alloc(twin, h.alloc(twin, 33, confirm=False), 0)  # declined the hit
-    assert refs() == [0, 0]
-    other = h.twin(req)
-    h.sched.get_num_new_matched_tokens(other, 0)
-    assert refs() == [1, 1]
-    h.sched.request_finished(other, [])  # cancelled before allocation
-    assert refs() == [0, 0]
 
 
 @pytest.mark.parametrize("aggregate", [False, True])
@@ -2261,8 +2231,9 @@ def test_resumed_table_replaces_old_block_ids():
 
 # ---- 1.11 Manager: several KV-cache groups -------------------------------------------------------
 
-def test_two_groups_same_size_store_and_load():
-    """Two 16-token groups: every block of both groups is stored, hit, and loaded in pairs."""
+def test_two_groups_same_size_store_and_load_and_a_hit_needs_every_group():
+    """Two 16-token groups: every block of both groups is stored, hit, and loaded in pairs. If
+    one group's blocks are not on CPU, the request has no CPU hit at all."""
     h = Harness(group_block_sizes=[BS, BS])
     req, meta, table = h.prefilled(33)
     g0, g1 = table_ids(table)
@@ -2274,18 +2245,13 @@ def test_two_groups_same_size_store_and_load():
     want = {d: cpu_of[s] for g in (0, 1) for s, d in zip(table_ids(table)[g][:2],
                                                          table_ids(t2)[g][:2])}
     assert dict(zip(meta2.load_gpu_blocks, meta2.load_cpu_blocks)) == want
-
-
-def test_hit_must_hold_in_every_group():
-    """If one group's blocks are not on CPU, the request has no CPU hit at all."""
-    h = Harness(group_block_sizes=[BS, BS])
-    req = h.request(33)
-    t = h.alloc(req, 33)
-    h.sched.update_state_after_alloc(req, t, 0)
-    meta = h.step({req.request_id: 33}, {req.request_id: (t[0], [])})  # only group 0's ids known
+    one = h.request(33)
+    t = h.alloc(one, 33)
+    h.sched.update_state_after_alloc(one, t, 0)
+    meta = h.step({one.request_id: 33}, {one.request_id: (t[0], [])})  # group 0's ids only
     h.complete_store(meta.store_event)
-    assert (h.in_cpu(req, 0), h.in_cpu(req, 1)) == ([True] * 2, [False] * 2)
-    assert h.probe(req) == 0
+    assert (h.in_cpu(one, 0), h.in_cpu(one, 1)) == ([True] * 2, [False] * 2)
+    assert h.probe(one) == 0
 
 
 @pytest.mark.parametrize("num_tokens, expected_hit", [(65, 64), (64, 32)])
@@ -2313,8 +2279,11 @@ def test_groups_store_only_scheduler_block_aligned_prefix():
 
 # ---- 1.12 Manager: reset() with transfers in flight ----------------------------------------------
 
-def test_reset_waits_for_sent_store():
-    """A sent store is abandoned: reset() is False until it completes, and it caches nothing."""
+def test_reset_waits_for_sent_transfers_and_ignores_stale_completions():
+    """A sent store is abandoned: reset() is False until it completes, and it caches nothing.
+    Repeated or unknown completions change nothing; event ids keep growing across reset().
+    (A report of a store event never issued is a ValueError: the bad-input catalogue.) A sent
+    load keeps its pins until finished_recving; an unsent load and a lookup pin go at once."""
     h = Harness(num_gpu_blocks=16)
     req, meta, table = h.prefilled(33, complete=False)
     h.gpu.free_blocks(table[0])  # preempted/finished by the engine: the store pin remains
@@ -2322,51 +2291,36 @@ def test_reset_waits_for_sent_store():
     assert [b.ref_cnt for b in table[0]] == [1, 1, 0]  # DMA may still read these
     assert h.sched.has_pending_stores()
     assert h.sched.reset() is False
-    h.complete_store(meta.store_event)
-    assert [b.ref_cnt for b in table[0]] == [0, 0, 0]
-    assert (h.in_cpu(req), h.cpu.get_num_free_blocks()) == ([False, False], 7)
-    assert not h.sched.has_pending_stores()
-    assert h.sched.reset() is True
-    assert h.gpu.reset_prefix_cache()
-
-
-def test_reset_waits_for_sent_load_and_releases_unsent_pins():
-    """A sent load keeps its pins until finished_recving;
-    an unsent load and a lookup pin go at once."""
-    h = Harness(num_gpu_blocks=16)
-    req, _, _ = h.prefilled(33)
-    sent = h.twin(req)
-    t_sent, _ = h.start_load(sent)
-    t_unsent, _ = h.start_load(h.twin(req), send=False)  # load prepared, never sent
-    looked = h.twin(req)
-    h.sched.get_num_new_matched_tokens(looked, 0)  # pin only
-    assert [h.cpu.blocks[i].ref_cnt for i in (1, 2)] == [3, 3]
-    assert h.sched.reset() is False
-    assert [h.cpu.blocks[i].ref_cnt for i in (1, 2)] == [1, 1]  # only the sent load's
-    assert [b.ref_cnt for b in t_unsent[0]] == [1, 1, 1]  # the load pin is gone
-    h.complete_load(sent.request_id)
-    assert [h.cpu.blocks[i].ref_cnt for i in (1, 2)] == [0, 0]
-    assert [b.ref_cnt for b in t_sent[0]] == [1, 1, 1]
-    assert h.sched.reset() is True
-    assert len(h.cpu.cached_block_hash_to_block) == 0
-    assert h.probe(req) == 0
-
-
-def test_stale_completions_after_reset_are_ignored():
-    """Repeated or unknown completions change nothing; event ids keep growing across reset().
-    (A report of a store event never issued is a ValueError: the bad-input catalogue.)"""
-    h = Harness(num_gpu_blocks=16)
-    req, meta, table = h.prefilled(33, complete=False)
-    h.sched.reset()
     h.complete_store(meta.store_event)  # releases the abandoned store's pins
     before = h.state()
     h.complete_store(meta.store_event)  # the same event again
     h.complete_load("no-such-request")
     assert h.state() == before
-    assert [b.ref_cnt for b in table[0]] == [1, 1, 1]  # only the request's own refs
+    # no ref dropped twice: the engine freed the table, the store's pins are gone
+    assert [b.ref_cnt for b in table[0]] == [0, 0, 0]
+    assert (h.in_cpu(req), h.cpu.get_num_free_blocks()) == ([False, False], 7)
+    assert not h.sched.has_pending_stores()
+    assert h.sched.reset() is True
+    assert h.gpu.reset_prefix_cache()
     x, meta2, _ = h.prefilled(33)
     assert meta2.store_event > meta.store_event
     assert h.in_cpu(x) == [True, True]
+    cpu_refs = lambda: [h.cpu.blocks[i].ref_cnt for i in meta2.store_cpu_blocks]  # noqa: E731
+    sent = h.twin(x)
+    t_sent, _ = h.start_load(sent)
+    t_unsent, _ = h.start_load(h.twin(x), send=False)  # load prepared, never sent
+    looked = h.twin(x)
+    h.sched.get_num_new_matched_tokens(looked, 0)  # pin only
+    assert cpu_refs() == [3, 3]
+    assert h.sched.reset() is False
+    assert cpu_refs() == [1, 1]  # only the sent load's
+    assert [b.ref_cnt for b in t_unsent[0]] == [1, 1, 1]  # the load pin is gone
+    h.complete_load(sent.request_id)
+    assert cpu_refs() == [0, 0]
+    assert [b.ref_cnt for b in t_sent[0]] == [1, 1, 1]
+    assert h.sched.reset() is True
+    assert len(h.cpu.cached_block_hash_to_block) == 0
+    assert h.probe(x) == 0
 
 
 # ---- 1.13 The seven tests PR #53532 added --------------------------------------------------------
@@ -2597,15 +2551,26 @@ def comments_above(lines: list[str], lineno: int) -> list[int]:
     return above
 
 
-def test_pr_53532_tags_give_the_whole_fix():
+def test_pr_53532_tags_give_the_whole_fix_and_the_readme_checklist_names_them():
     """Every line of the manager that uses a name of the fix is tagged (or in a tagged function),
-    and the check can fail: the secondary-key loop without its tag is found."""
+    and the check can fail: the secondary-key loop without its tag is found. The README's
+    "Porting the fix" checklist names every manager method that `grep "PR #53532"
+    kv_offload.py` finds a line in (tagged lines, and the functions the fix added, tagged on
+    their `def` line), and nothing else."""
     lines, _ = inspect.getsourcelines(ko.SimpleCPUOffloadScheduler)
     assert fix_lines_untagged(lines) == []
     loop = "for block_hash in secondary_hashes:  # PR #53532"
     planted = [line.replace(loop, "for block_hash in secondary_hashes:") for line in lines]
     assert planted != lines
     assert fix_lines_untagged(planted) == ["for block_hash in secondary_hashes:"]
+    tree = ast.parse(textwrap.dedent("".join(lines)))
+    methods = {f.name for f in tree.body[0].body if isinstance(f, ast.FunctionDef)
+               and any("PR #53532" in lines[i - 1] for i in comments_above(lines, f.lineno)
+                       + list(range(f.lineno, f.end_lineno + 1)))}
+    text = README.read_text()
+    start, end = text.index("**Porting the fix"), text.index("Three traps a port falls into")
+    named = set(re.findall(r"^\d+\. `(\w+)`", text[start:end], flags=re.M))
+    assert methods == named, (methods - named, named - methods)
 
 
 # ---- 1.14 End to end: toy model and engine -------------------------------------------------------
@@ -2666,14 +2631,35 @@ def test_shared_prefix_decode_and_gpu_hits():
 
 
 @pytest.mark.parametrize("device", ["cpu", "deferred"])
-def test_gpu_preemption_recomputes_and_stays_exact(device):
+def test_gpu_preemption_recomputes_stays_exact_and_lists_resumed_requests_first(device):
     """A GPU pool too small for three 600-token prompts at once forces preemption; every request
-    still ends with KV equal to expected_kv and the pools drain."""
+    still ends with KV equal to expected_kv and the pools drain. Each step lists every request
+    that was running when the step began after all the others (new and resumed ones), and
+    resumed ones carry whole tables."""
     eng, conn, model = _story_engine(num_gpu_blocks=60, budget=256, device=device)
+    checked = Counter()
+    schedule = eng._schedule
+
+    def recording_schedule():
+        running_at_start = [r.request_id for r in eng.running]
+        scheduler_output = schedule()
+        order = list(scheduler_output.num_scheduled_tokens)
+        running = [rid for rid in order if rid in running_at_start]
+        assert order[len(order) - len(running):] == running, (order, running_at_start)
+        for rid in scheduler_output.resumed_req_ids:
+            assert rid not in running
+            whole_table = block_ids(eng.req_to_blocks[rid])
+            assert list(scheduler_output.new_block_ids[rid][0]) == whole_table
+        checked["resumed"] += len(scheduler_output.resumed_req_ids)
+        checked["mixed"] += 0 < len(running) < len(order)
+        return scheduler_output
+
+    eng._schedule = recording_schedule
     prompts = [_prompt(600, seed=s) for s in range(3)]
     for i, p in enumerate(prompts):
         eng.add_request(ko.Request(f"r{i}", p, 16, max_tokens=3))
     stats = eng.run()
+    assert checked["resumed"] > 0 and checked["mixed"] > 0, checked
     assert sum(s.computed_tokens for s in stats.values()) > 3 * 602   # something was recomputed
     for i, p in enumerate(prompts):
         assert torch.equal(stats[f"r{i}"].kv, model.expected_kv(p))
@@ -2704,33 +2690,6 @@ def test_engine_lists_new_and_resumed_requests_before_running_ones():
     assert scheduler_output.resumed_req_ids == set()
     yielded = [(rid, ids) for rid, ids, _ in ko.yield_req_data(scheduler_output)]
     assert yielded == [("B", ([4, 5],)), ("A", ([3],))]
-
-
-def test_engine_lists_resumed_requests_first_under_preemption():
-    """In the preemption run above, each step lists every request that was running when the step
-    began after all the others (new and resumed ones), and resumed ones carry whole tables."""
-    eng, conn, _ = _story_engine(num_gpu_blocks=60, budget=256)
-    checked = Counter()
-    schedule = eng._schedule
-
-    def recording_schedule():
-        running_at_start = [r.request_id for r in eng.running]
-        scheduler_output = schedule()
-        order = list(scheduler_output.num_scheduled_tokens)
-        running = [rid for rid in order if rid in running_at_start]
-        assert order[len(order) - len(running):] == running, (order, running_at_start)
-        for rid in scheduler_output.resumed_req_ids:
-            assert rid not in running
-            assert list(scheduler_output.new_block_ids[rid][0]) == block_ids(eng.req_to_blocks[rid])
-        checked["resumed"] += len(scheduler_output.resumed_req_ids)
-        checked["mixed"] += 0 < len(running) < len(order)
-        return scheduler_output
-
-    eng._schedule = recording_schedule
-    for i in range(3):
-        eng.add_request(ko.Request(f"r{i}", _prompt(600, seed=i), 16, max_tokens=3))
-    eng.run()
-    assert checked["resumed"] > 0 and checked["mixed"] > 0, checked
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -3708,19 +3667,6 @@ def _nb_pngs(nb) -> int:
                for o in c.outputs)
 
 
-def test_notebook_executes_without_errors(executed_notebook):
-    errors = _nb_errors(executed_notebook)
-    assert not errors, f"notebook cell raised: {errors[0]}"
-    assert _nb_pngs(executed_notebook) >= 3, "the notebook drew fewer than 3 pictures"
-    # as committed each exercise's class is the fix, which its check rejects; the reference
-    # solutions, at the end, pass
-    checks = [_nb_text(c) for c in _nb_tagged_cells(executed_notebook, "exercise-check")]
-    assert len(checks) == 3 and all(text.splitlines()[-1].startswith("FAIL: ")
-                                    for text in checks), checks
-    solved = _nb_tagged(executed_notebook, "solution-check")
-    assert len(re.findall(r"^PASS: ", solved, re.M)) == 3 and "FAIL" not in solved, solved
-
-
 def test_notebook_pictures_survive_changed_parameters(executed_notebook,
                                                       notebook_with_changed_parameters):
     """Every picture, drawn from the notebook's own values and from other values in its parameter
@@ -3743,7 +3689,8 @@ def test_notebook_pictures_survive_changed_parameters(executed_notebook,
 
 
 # Numbers the prose quotes instead of measuring (where each comes from); every other number in
-# the prose must be in the outputs or the code of its own step (test_notebook_claims_in_its_outputs)
+# the prose must be in the outputs or the code of its own step
+# (test_notebook_runs_and_its_claims_are_in_its_outputs)
 _REPORT_QUOTED = {  # quoted by the notebook's prose and the README alike
     "53498": "vLLM issue #53498", "53532": "vLLM PR #53532",
     "0.29": "a vLLM release", "0.30": "a vLLM release",
@@ -3826,10 +3773,21 @@ def _prose_numbers_unaccounted(nb) -> list[str]:
     return missing
 
 
-def test_notebook_claims_in_its_outputs(executed_notebook):
-    """The numbers the prose relies on, read from the freshly executed notebook: each claim below
-    by its cell's output, and every other number of the prose by its step's outputs or code."""
+def test_notebook_runs_and_its_claims_are_in_its_outputs(executed_notebook):
+    """The freshly executed notebook raised nothing and drew its pictures; the numbers its
+    prose relies on are read from it: each claim below by its cell's output, and every other
+    number of the prose by its step's outputs or code."""
     nb = executed_notebook
+    errors = _nb_errors(nb)
+    assert not errors, f"notebook cell raised: {errors[0]}"
+    assert _nb_pngs(nb) >= 3, "the notebook drew fewer than 3 pictures"
+    # as committed each exercise's class is the fix, which its check rejects; the reference
+    # solutions, at the end, pass
+    checks = [_nb_text(c) for c in _nb_tagged_cells(nb, "exercise-check")]
+    assert len(checks) == 3 and all(text.splitlines()[-1].startswith("FAIL: ")
+                                    for text in checks), checks
+    solved = _nb_tagged(nb, "solution-check")
+    assert len(re.findall(r"^PASS: ", solved, re.M)) == 3 and "FAIL" not in solved, solved
     claims = {  # tag of the cell -> what its output must say
         "claim-max": [r"one-step .*max possible +992; loaded: vLLM 0.29 0, the fix 992",
                       r"chunked .*max possible 8,176; loaded: vLLM 0.29 7,168, the fix 8,176",
@@ -3938,7 +3896,7 @@ _README_QUOTED = {
     **_REPORT_QUOTED, "0.34": "a vLLM release",
     # a full run on the development machine (no GPU, no vLLM): pytest's last line and -rs;
     # test_readme_numbers_match_the_code derives the collected total and the GPU count
-    "339": "passed", "161": "skipped", "129": "vLLM's", "126": "No module named vllm",
+    "327": "passed", "160": "skipped", "128": "vLLM's", "126": "No module named vllm",
     "57505": "upstream vLLM PR #57505 (open), which skips hashless store sources",
     # the long fuzz (KV_OFFLOAD_FUZZ_EXAMPLES=1000, KV_OFFLOAD_FUZZ_SEED=2544314924): its seed,
     # and the prefix-aware schedules it ran on CPU (its output's reached-rates line)
@@ -4127,21 +4085,6 @@ def test_module_shape():
     assert shape["trailing_share"] <= 0.35, shape
     assert shape["docstring_lines"] <= 25, shape
     assert counts[7] <= 250, counts
-
-
-def test_readme_porting_checklist_names_the_grep():
-    """The README's "Porting the fix" checklist names every manager method that
-    `grep "PR #53532" kv_offload.py` finds a line in (tagged lines, and the functions the fix
-    added, tagged on their `def` line), and nothing else."""
-    lines, first = inspect.getsourcelines(ko.SimpleCPUOffloadScheduler)
-    tree = ast.parse(textwrap.dedent("".join(lines)))
-    methods = {f.name for f in tree.body[0].body if isinstance(f, ast.FunctionDef)
-               and any("PR #53532" in lines[i - 1] for i in comments_above(lines, f.lineno)
-                       + list(range(f.lineno, f.end_lineno + 1)))}
-    text = README.read_text()
-    section = text[text.index("**Porting the fix"):text.index("Three traps a port falls into")]
-    named = set(re.findall(r"^\d+\. `(\w+)`", section, flags=re.M))
-    assert methods == named, (methods - named, named - methods)
 
 
 def test_notebook_is_committed_with_outputs():
@@ -6246,30 +6189,6 @@ def test_workload_optimum_against_brute_force():
     assert strict > 150 * 12 // 3
 
 
-def test_workload_table_against_lru_and_the_optimum():
-    """Every (family, batch, pool) cell of the full sweep (60): KV exact and every CPU block
-    free (workload_table asserts both), neither class above the optimum (it bounds them), the
-    optimum never above the reusable tokens; the policy never below LRU, at the goal in 39
-    cells (the README explains the others), and summed over the sweep above LRU in every
-    family. Planted: without its stop at a reused block's predicted use (_NeverStopsShort),
-    the policy falls below LRU in rotation at 28 blocks."""
-    rows = ko.workload_table()
-    assert len(rows) == 5 * 2 * 6
-    for r in rows:
-        assert max(r["lru"], r["policy"]) <= r["optimum"] <= r["reusable"], r
-    below = [(r["family"], r["concurrency"], r["num_cpu_blocks"])
-             for r in rows if r["policy"] < r["lru"]]
-    assert below == []
-    assert sum(r["goal"] for r in rows) == 39
-    for family in ko.WORKLOAD_FAMILIES:
-        cells = [r for r in rows if r["family"] == family]
-        assert sum(r["policy"] for r in cells) > sum(r["lru"] for r in cells), family
-    prompts = ko.workload_prompts("rotation")
-    planted = ko.run_workload(prompts, 28, _NeverStopsShort)["loaded"]
-    lru = ko.run_workload(prompts, 28, ko.SimpleCPUOffloadScheduler)["loaded"]
-    assert sum(planted) < sum(lru)
-
-
 def workload_readme_rows(rows: list[dict]) -> list[str]:
     """The README's table rows, one per family and batch size, from workload_table's rows:
     '| family | batch | pool: LRU / policy / optimum; ... | reusable | n of 6 |'."""
@@ -6284,12 +6203,32 @@ def workload_readme_rows(rows: list[dict]) -> list[str]:
     return lines
 
 
-def test_readme_workload_table_matches_the_harness():
-    """The README's table against the offline optimum is workload_table's, number for number."""
-    text = (pathlib.Path(__file__).parent / "README.md").read_text()
-    assert "| family | batch |" in text, "the README's workload table is missing"
+def test_workload_table_against_lru_the_optimum_and_the_readme():
+    """Every (family, batch, pool) cell of the full sweep (60): KV exact and every CPU block
+    free (workload_table asserts both), neither class above the optimum (it bounds them), the
+    optimum never above the reusable tokens; the policy never below LRU, at the goal in 39
+    cells (the README explains the others), and summed over the sweep above LRU in every
+    family. Planted: without its stop at a reused block's predicted use (_NeverStopsShort),
+    the policy falls below LRU in rotation at 28 blocks. The README's table against the
+    offline optimum is workload_table's, number for number."""
     with contextlib.redirect_stdout(io.StringIO()):
         rows = ko.workload_table()
+    assert len(rows) == 5 * 2 * 6
+    for r in rows:
+        assert max(r["lru"], r["policy"]) <= r["optimum"] <= r["reusable"], r
+    below = [(r["family"], r["concurrency"], r["num_cpu_blocks"])
+             for r in rows if r["policy"] < r["lru"]]
+    assert below == []
+    assert sum(r["goal"] for r in rows) == 39
+    for family in ko.WORKLOAD_FAMILIES:
+        cells = [r for r in rows if r["family"] == family]
+        assert sum(r["policy"] for r in cells) > sum(r["lru"] for r in cells), family
+    prompts = ko.workload_prompts("rotation")
+    planted = ko.run_workload(prompts, 28, _NeverStopsShort)["loaded"]
+    lru = ko.run_workload(prompts, 28, ko.SimpleCPUOffloadScheduler)["loaded"]
+    assert sum(planted) < sum(lru)
+    text = (pathlib.Path(__file__).parent / "README.md").read_text()
+    assert "| family | batch |" in text, "the README's workload table is missing"
     for line in workload_readme_rows(rows):
         assert line in text, f"the README's workload table: {line}"
 
@@ -8826,29 +8765,11 @@ def vllm_text_report(module_src: str, vllm_root: pathlib.Path) -> dict:
     return report
 
 
-def test_sections_1_to_4_and_6_read_as_vllm_0_34():
+def test_sections_1_to_4_and_6_read_as_vllm_0_34_and_an_untagged_difference_fails():
     """Every statement of sections 1-4 and 6 that differs from its vLLM 0.34 counterpart is
     tagged, and each section's share of identical statements meets its target (TEXT_TARGETS).
-    Prints one verdict line."""
-    src = os.environ.get(VLLM_SRC_ENV)
-    if not src:
-        pytest.skip(f"vLLM's text not compared: set {VLLM_SRC_ENV}=path/to/vllm-"
-                    f"{PINNED_VLLM_VERSION} (its unpacked sdist)")
-    report = vllm_text_report(pathlib.Path(ko.__file__).read_text(), pathlib.Path(src))
-    shares = {s: 100 * same // max(n, 1) for s, (same, n) in report["sections"].items()}
-    print("\nvLLM 0.34 text: " + "; ".join(
-        f"section {s} {shares[s]}% ({same}/{n})" for s, (same, n) in
-        sorted(report["sections"].items())) + f"; stand-ins {report['stand_ins'][0]}/"
-        f"{report['stand_ins'][1]}; untagged differences {len(report['untagged'])}")
-    assert not report["untagged"], "\n".join(report["untagged"])
-    missed = {s: shares.get(s, 0) for s, target in TEXT_TARGETS.items()
-              if shares.get(s, 0) < target}
-    assert not missed, f"sections below their identity target {TEXT_TARGETS}: {missed}"
-
-
-def test_text_comparison_sees_an_untagged_difference():
-    """The comparison can fail: a statement of the manager rewritten without a tag is found,
-    and the same statement with a tag above it is not."""
+    Prints one verdict line. The comparison can fail: a statement of the manager rewritten
+    without a tag is found, and the same statement with a tag above it is not."""
     src = os.environ.get(VLLM_SRC_ENV)
     if not src:
         pytest.skip(f"vLLM's text not compared: set {VLLM_SRC_ENV}=path/to/vllm-"
@@ -8863,3 +8784,13 @@ def test_text_comparison_sees_an_untagged_difference():
                                   "        self._store_event_to_reqs = {}\n")
     assert not any("self._store_event_to_reqs = {}" in u
                    for u in vllm_text_report(tagged, pathlib.Path(src))["untagged"])
+    report = vllm_text_report(module, pathlib.Path(src))
+    shares = {s: 100 * same // max(n, 1) for s, (same, n) in report["sections"].items()}
+    print("\nvLLM 0.34 text: " + "; ".join(
+        f"section {s} {shares[s]}% ({same}/{n})" for s, (same, n) in
+        sorted(report["sections"].items())) + f"; stand-ins {report['stand_ins'][0]}/"
+        f"{report['stand_ins'][1]}; untagged differences {len(report['untagged'])}")
+    assert not report["untagged"], "\n".join(report["untagged"])
+    missed = {s: shares.get(s, 0) for s, target in TEXT_TARGETS.items()
+              if shares.get(s, 0) < target}
+    assert not missed, f"sections below their identity target {TEXT_TARGETS}: {missed}"
