@@ -3122,7 +3122,7 @@ def _nb_tagged(nb, tag: str) -> str:
     return _nb_text(cells[0])
 
 
-# The notebook's exercises (its step 11). Each check runs the learner's class on every scenario
+# The notebook's exercises (its step 13). Each check runs the learner's class on every scenario
 # that tells the right answer from a plausible wrong one, against an oracle (a pre-fix variant of
 # the module, or numbers derived in the check's docstring), prints a line per scenario and returns
 # "PASS: ..." or "FAIL: ..."; a class that raises is a FAIL, never an error.
