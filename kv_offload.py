@@ -70,7 +70,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "PASS (the bench's bandwidth goal is printed, not part of it)")
     parser.add_argument("--prompt-tokens", type=int, default=8192, metavar="N",
                         help="tokens of the chunked prompt and of the small-pool row, whose CPU "
-                        "pool holds 7/8 of the prompt's blocks of 16; the one-step row keeps "
+                        "pool has 7/8 as many blocks as the prompt (blocks of 16; one is "
+                        "the null block); the one-step row keeps "
                         "1,000 tokens (default: %(default)s; from 1,025 to 1,048,576)")
     args = parser.parse_args(argv)
     # more than one 1,024-token step, so the prompt is chunked; the toy model's KV takes 4 KiB a
