@@ -6388,6 +6388,19 @@ def call_both(what: str, f_ours, f_vllm):
     return res[0], res[1], exc[0]
 
 
+class Each(tuple):
+    """An argument of call_method that differs by library: Each((ours, vLLM's))."""
+
+
+def call_method(what: str, ours, vllm, name: str, *args, **kwargs):
+    """call_both on method `name` of each object, with the same arguments but for an Each, of
+    which each library gets its own."""
+    def on(side: int, obj):
+        own = [a[side] if isinstance(a, Each) else a for a in args]
+        return lambda: getattr(obj, name)(*own, **kwargs)
+    return call_both(what, on(0, ours), on(1, vllm))
+
+
 # ---- 3.2 Hash chains with a lot of shared prefixes -----------------------------------------------
 
 class TokenSource:
@@ -6824,6 +6837,76 @@ def meta_fields(meta) -> dict:
             "store_cpu_blocks": list(meta.store_cpu_blocks), "need_flush": meta.need_flush}
 
 
+# The adapter: vLLM's manager surface over ours. The lockstep traces below send both managers
+# one vLLM message through it; 3.10 runs vLLM's own tests through it.
+
+def to_ko_scheduler_output(so) -> ko.SchedulerOutput:
+    """vLLM's SchedulerOutput -> ours. vLLM's manager visits exactly what its
+    yield_req_data yields: new requests (whole tables) first, then cached ones (this step's
+    additions, maybe None); ours visits num_scheduled_tokens in order. So our dict lists those
+    requests in vLLM's order, each with vLLM's token count (0 when absent: visited, not stored).
+    A request only in vLLM's num_scheduled_tokens is left out, as vLLM's manager never sees it
+    (the real scheduler always sends one of the two records)."""
+    block_state = getattr(so, "kv_connector_block_state", None)
+    if block_state is not None and getattr(block_state, "boundary_state_offloads", None):
+        raise NotImplementedError("boundary-state hand-offs (Mamba align) are out of scope")
+    num_scheduled: dict[str, int] = {}
+    new_block_ids: dict[str, tuple[list[int], ...] | None] = {}
+    for new_req in so.scheduled_new_reqs:
+        num_scheduled[new_req.req_id] = so.num_scheduled_tokens.get(new_req.req_id, 0)
+        new_block_ids[new_req.req_id] = new_req.block_ids
+    cached = so.scheduled_cached_reqs
+    for req_id, ids in zip(cached.req_ids, cached.new_block_ids):
+        num_scheduled[req_id] = so.num_scheduled_tokens.get(req_id, 0)
+        if ids is not None:
+            new_block_ids[req_id] = ids
+    resumed_cached = set(getattr(cached, "resumed_req_ids", ()))
+    return ko.SchedulerOutput(
+        num_scheduled_tokens=num_scheduled,
+        new_block_ids=new_block_ids,
+        # vLLM 0.34: every NewRequestData carries the whole table (is_full_table); before 0.34 a
+        # resumed request's whole table came among the cached ones, flagged in resumed_req_ids
+        resumed_req_ids={r.req_id for r in so.scheduled_new_reqs} | resumed_cached,
+        preempted_req_ids=set(so.preempted_req_ids or ()))
+
+
+def to_ko_connector_output(out) -> ko.KVConnectorOutput:
+    """vLLM's KVConnectorOutput (+ its SimpleCPUOffloadWorkerMetadata) -> ours."""
+    meta = out.kv_connector_worker_meta
+    ko_meta = None
+    if meta is not None:
+        ko_meta = ko.SimpleCPUOffloadWorkerMetadata(dict(meta.completed_store_events))
+    return ko.KVConnectorOutput(finished_recving=set(out.finished_recving or ()),
+                                kv_connector_worker_meta=ko_meta)
+
+
+class VllmFacingScheduler:
+    """What vLLM's tests call on vLLM's SimpleCPUOffloadScheduler, over a kv_offload manager.
+    Calls that take vLLM message objects are translated; everything else (the manager's
+    methods and its bookkeeping tables, which keep vLLM's names) is the manager's own."""
+
+    def __init__(self, manager: ko.SimpleCPUOffloadScheduler):
+        self.manager = manager
+
+    def __getattr__(self, name):  # only reached for names not defined on this class
+        return getattr(self.manager, name)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        # vLLM's KVCacheBlocks -> one list of (our) blocks per group
+        self.manager.update_state_after_alloc(request, tuple(blocks.blocks), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output):
+        # our SimpleCPUOffloadMetadata has vLLM's field names: returned as is
+        return self.manager.build_connector_meta(to_ko_scheduler_output(scheduler_output))
+
+    def update_connector_output(self, connector_output):
+        self.manager.update_connector_output(to_ko_connector_output(connector_output))
+
+    @property
+    def _expected_worker_count(self) -> int:  # vLLM's name for world_size
+        return self.manager.world_size
+
+
 def local_hit(pool, hashes, max_len, sizes, sched_bs, hbs):
     """The GPU prefix-cache hit the engine finds before asking the connector (per group walk of
     whole blocks, min over groups, rounded down to the scheduler block size). Harness code, run
@@ -6884,6 +6967,7 @@ class ManagerTrace:
         self.gpu = PoolPair(num_gpu_blocks, True, hash_block_size)
         self.ours.bind_gpu_block_pool(self.gpu.ours)
         self.vllm.bind_gpu_block_pool(self.gpu.vllm)
+        self.facing = VllmFacingScheduler(self.ours)
         self.tokens = TokenSource(rng, alphabet=2, stem_len=max_prompt)
         self.waiting: list[EngineReq] = []
         self.running: list[EngineReq] = []
@@ -6917,11 +7001,13 @@ class ManagerTrace:
                     w + " [CPU pool]")
         self.gpu.check(w + " [GPU pool]")
 
-    def both(self, op, f_ours, f_vllm):
+    def both(self, op, name, *args):
+        """Method `name` of both managers (ours behind the adapter: both read one vLLM message),
+        then their states compared. Returns both results."""
         self.calls += 1
-        a, b, exc = call_both(self.what(op), f_ours, f_vllm)
+        a, b, _ = call_method(self.what(op), self.facing, self.vllm, name, *args)
         self.check(op)
-        return a, b, exc
+        return a, b
 
     def gpu_alloc(self, n):
         ids, exc = self.gpu.get_new_blocks(n, self.what(f"gpu get_new_blocks({n})"))
@@ -6978,22 +7064,17 @@ class ManagerTrace:
             new.append(ids)
         return new
 
-    def outputs(self, new_reqs, cached_reqs, preempted):
-        """One step's SchedulerOutput for each library. new_reqs: [(rid, n, whole table, resumed)]
-        in scheduling order; cached_reqs, the running ones: [(rid, n, new ids or None)]. vLLM 0.34
+    @staticmethod
+    def output(new_reqs, cached_reqs, preempted):
+        """One step's vLLM SchedulerOutput. new_reqs: [(rid, n, whole table, resumed)] in
+        scheduling order; cached_reqs, the running ones: [(rid, n, new ids or None)]. vLLM 0.34
         sends resumed requests whole with the new ones; before, with the running ones after them."""
         resumed = {rid for rid, _, _, r in new_reqs if r}
         if not V_RESUMED_IN_NEW_REQS:
             cached_reqs = cached_reqs + [(rid, n, t) for rid, n, t, r in new_reqs if r]
             new_reqs = [x for x in new_reqs if not x[3]]
-        ns = {rid: n for rid, n, *_ in new_reqs}  # ours: the order vLLM yields them in
+        ns = {rid: n for rid, n, *_ in new_reqs}
         ns.update({rid: n for rid, n, _ in cached_reqs})
-        ours = ko.SchedulerOutput(
-            num_scheduled_tokens=dict(ns),
-            new_block_ids={**{rid: tuple(list(x) for x in t) for rid, _, t, _ in new_reqs},
-                           **{rid: tuple(list(x) for x in t) for rid, _, t in cached_reqs
-                              if t is not None}},
-            resumed_req_ids=resumed, preempted_req_ids=set(preempted))
         cached = VCachedRequestData.make_empty()
         for rid, _, t in cached_reqs:
             cached.req_ids.append(rid)
@@ -7003,7 +7084,7 @@ class ManagerTrace:
             cached.num_output_tokens.append(0)
         if not V_RESUMED_IN_NEW_REQS:
             cached.resumed_req_ids.update(resumed)
-        vllm = VSchedulerOutput(
+        return VSchedulerOutput(
             scheduled_new_reqs=[VNewRequestData(req_id=rid, prompt_token_ids=None, mm_features=[],
                                                 sampling_params=None, pooling_params=None,
                                                 block_ids=tuple(list(x) for x in t),
@@ -7015,7 +7096,6 @@ class ManagerTrace:
             scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[],
             preempted_req_ids=set(preempted), kv_connector_block_state=None,
             **V_EXTRA_OUTPUT_FIELDS)
-        return ours, vllm
 
     # --- request lifecycle ------------------------------------------------------
 
@@ -7037,9 +7117,7 @@ class ManagerTrace:
     def finish(self, er, how="finished_all_groups"):
         ids = tuple(list(x) for x in er.table) if how == "finished_all_groups" else []
         method = "request_" + how
-        a, b, _ = self.both(f"{method}({er.rid})",
-                            lambda: getattr(self.ours, method)(er.req, ids),
-                            lambda: getattr(self.vllm, method)(er.req, ids))
+        a, b = self.both(f"{method}({er.rid})", method, er.req, ids)
         assert_same(tuple(a), tuple(b), self.what("request_finished return"))
         self.gpu_free_request(er)
         self.gpu.check(self.what(f"free {er.rid}"))
@@ -7075,9 +7153,8 @@ class ManagerTrace:
     def matched_both(self, er, num_computed_tokens, note=""):
         """get_num_new_matched_tokens on both managers; the two answers must agree."""
         req, nc = er.req, num_computed_tokens
-        a, b, _ = self.both(f"get_num_new_matched_tokens({er.rid}, {nc}){note}",
-                            lambda: self.ours.get_num_new_matched_tokens(req, nc),
-                            lambda: self.vllm.get_num_new_matched_tokens(req, nc))
+        a, b = self.both(f"get_num_new_matched_tokens({er.rid}, {nc}){note}",
+                         "get_num_new_matched_tokens", req, nc)
         assert_same(tuple(a), tuple(b), self.what("get_num_new_matched_tokens" + note))
         return a
 
@@ -7158,11 +7235,10 @@ class ManagerTrace:
                     er.num_cached[g] = len(lblocks[g])
                 self.grow(er, total)
                 req.num_computed_tokens = lh + ext
-                ob = tuple(self.gpu.ob(t) for t in er.table)
+                ob = VKVCacheBlocks(blocks=tuple(self.gpu.ob(t) for t in er.table))
                 vb = VKVCacheBlocks(blocks=tuple(self.gpu.vb(t) for t in er.table))
                 self.both(f"update_state_after_alloc({er.rid}, local={lh}, ext={ext})",
-                          lambda: self.ours.update_state_after_alloc(req, ob, ext),
-                          lambda: self.vllm.update_state_after_alloc(req, vb, ext))
+                          "update_state_after_alloc", req, Each((ob, vb)), ext)
                 if ext:  # async load: not scheduled until it completes
                     self.waiting.remove(er)
                     er.status = "loading"
@@ -7178,13 +7254,11 @@ class ManagerTrace:
             budget -= n
 
         # 3. the connector's metadata for this step (new and resumed first, as vLLM 0.34 does)
-        output_ours, output_vllm = self.outputs(new_reqs, cached_reqs, preempted)
+        output = self.output(new_reqs, cached_reqs, preempted)
         for er, _ in scheduled:  # async scheduling: a token in flight is computed but not confirmed
             if er.req.num_computed_tokens > 0 and rng.random() < 0.15:
                 er.req.num_output_placeholders = 1
-        mo, mv, _ = self.both("build_connector_meta",
-                              lambda: self.ours.build_connector_meta(output_ours),
-                              lambda: self.vllm.build_connector_meta(output_vllm))
+        mo, mv = self.both("build_connector_meta", "build_connector_meta", output)
         for er, _ in scheduled:
             er.req.num_output_placeholders = 0
         assert_same(meta_fields(mo), meta_fields(mv), self.what("build_connector_meta result"))
@@ -7224,17 +7298,11 @@ class ManagerTrace:
             if rng.random() < 0.6:
                 recv.update(self.load_events.pop(e))
         if done_stores or recv or rng.random() < 0.3:
-            ours_meta = vllm_meta = None
-            if done_stores:
-                ours_meta = ko.SimpleCPUOffloadWorkerMetadata(dict(done_stores))
-                vllm_meta = VWorkerMeta(dict(done_stores))
-            oo = ko.KVConnectorOutput(finished_recving=set(recv),
-                                      kv_connector_worker_meta=ours_meta)
-            vo = VKVConnectorOutput(finished_recving=set(recv),
-                                    kv_connector_worker_meta=vllm_meta)
+            vllm_meta = VWorkerMeta(dict(done_stores)) if done_stores else None
+            out = VKVConnectorOutput(finished_recving=set(recv),
+                                     kv_connector_worker_meta=vllm_meta)
             self.both(f"update_connector_output(stores={done_stores}, recv={sorted(recv)})",
-                      lambda: self.ours.update_connector_output(oo),
-                      lambda: self.vllm.update_connector_output(vo))
+                      "update_connector_output", out)
         for er in list(self.loading):
             if er.rid in recv:
                 self.loading.remove(er)
@@ -7263,7 +7331,7 @@ class ManagerTrace:
             self.gpu.free_blocks(ids)
             self.gpu.check(self.what(f"gpu churn {k}"))
         if rng.random() < 0.03:
-            a, b, _ = self.both("reset", self.ours.reset, self.vllm.reset)
+            a, b = self.both("reset", "reset")
             assert_same(a, b, self.what("reset result"))
             self.stats["resets" if a else "resets_refused"] += 1
         if self.ours._pending_finished_stores:
@@ -7763,7 +7831,7 @@ class BenchSideVllm:
     @staticmethod
     def output(new_ids):
         cached = [("a", BENCH_CHUNK, (new_ids,))] if new_ids else []
-        return ManagerTrace.outputs(None, [], cached, set())[1]  # (self unused there)
+        return ManagerTrace.output([], cached, set())
 
     @staticmethod
     def blocks(blocks):
@@ -7939,7 +8007,7 @@ def test_manager_speed_against_vllm(pytestconfig):
 # vLLM 0.34's tests/v1/simple_kv_offload/test_scheduler.py, loaded at run time from vLLM's
 # source tree (never copied here); its test bodies drive, under vLLM's Requests, KVCacheBlocks
 # and SchedulerOutputs, this module's SimpleCPUOffloadScheduler and BlockPool: for each case
-# vLLM's make_scheduler builds ours behind VllmFacingScheduler, a thin adapter translating
+# vLLM's make_scheduler builds ours behind VllmFacingScheduler (3.5), an adapter translating
 # vLLM's message objects (requests and blocks need none: ours reads only shared fields).
 #
 #     KV_OFFLOAD_VLLM_SRC=path/to/vllm-0.34.0 python -m pytest -rs -k test_scheduler_py
@@ -8082,73 +8150,6 @@ def _out_of_scope_category(name: str, kwargs: dict) -> str | None:
 
 def _source_sha256(obj) -> str:
     return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]
-
-
-# --- the adapter: vLLM's manager surface over kv_offload's -------------------------------------
-
-def to_ko_scheduler_output(so) -> ko.SchedulerOutput:
-    """vLLM 0.34's SchedulerOutput -> ours. vLLM's manager visits exactly what its
-    yield_req_data yields: new requests (whole tables) first, then cached ones (this step's
-    additions, maybe None); ours visits num_scheduled_tokens in order. So our dict lists those
-    requests in vLLM's order, each with vLLM's token count (0 when absent: visited, not stored).
-    A request only in vLLM's num_scheduled_tokens is left out, as vLLM's manager never sees it
-    (the real scheduler always sends one of the two records)."""
-    block_state = getattr(so, "kv_connector_block_state", None)
-    if block_state is not None and getattr(block_state, "boundary_state_offloads", None):
-        raise NotImplementedError("boundary-state hand-offs (Mamba align) are out of scope")
-    num_scheduled: dict[str, int] = {}
-    new_block_ids: dict[str, tuple[list[int], ...] | None] = {}
-    for new_req in so.scheduled_new_reqs:
-        num_scheduled[new_req.req_id] = so.num_scheduled_tokens.get(new_req.req_id, 0)
-        new_block_ids[new_req.req_id] = new_req.block_ids
-    cached = so.scheduled_cached_reqs
-    for req_id, ids in zip(cached.req_ids, cached.new_block_ids):
-        num_scheduled[req_id] = so.num_scheduled_tokens.get(req_id, 0)
-        if ids is not None:
-            new_block_ids[req_id] = ids
-    return ko.SchedulerOutput(
-        num_scheduled_tokens=num_scheduled,
-        new_block_ids=new_block_ids,
-        # vLLM 0.34: every NewRequestData carries the whole table (is_full_table)
-        resumed_req_ids={r.req_id for r in so.scheduled_new_reqs},
-        preempted_req_ids=set(so.preempted_req_ids or ()))
-
-
-def to_ko_connector_output(out) -> ko.KVConnectorOutput:
-    """vLLM's KVConnectorOutput (+ its SimpleCPUOffloadWorkerMetadata) -> ours."""
-    meta = out.kv_connector_worker_meta
-    ko_meta = None
-    if meta is not None:
-        ko_meta = ko.SimpleCPUOffloadWorkerMetadata(dict(meta.completed_store_events))
-    return ko.KVConnectorOutput(finished_recving=set(out.finished_recving or ()),
-                                kv_connector_worker_meta=ko_meta)
-
-
-class VllmFacingScheduler:
-    """What vLLM's tests call on vLLM's SimpleCPUOffloadScheduler, over a kv_offload manager.
-    Calls that take vLLM message objects are translated; everything else (the manager's
-    methods and its bookkeeping tables, which keep vLLM's names) is the manager's own."""
-
-    def __init__(self, manager: ko.SimpleCPUOffloadScheduler):
-        self.manager = manager
-
-    def __getattr__(self, name):  # only reached for names not defined on this class
-        return getattr(self.manager, name)
-
-    def update_state_after_alloc(self, request, blocks, num_external_tokens):
-        # vLLM's KVCacheBlocks -> one list of (our) blocks per group
-        self.manager.update_state_after_alloc(request, tuple(blocks.blocks), num_external_tokens)
-
-    def build_connector_meta(self, scheduler_output):
-        # our SimpleCPUOffloadMetadata has vLLM's field names: returned as is
-        return self.manager.build_connector_meta(to_ko_scheduler_output(scheduler_output))
-
-    def update_connector_output(self, connector_output):
-        self.manager.update_connector_output(to_ko_connector_output(connector_output))
-
-    @property
-    def _expected_worker_count(self) -> int:  # vLLM's name for world_size
-        return self.manager.world_size
 
 
 def make_kv_offload_scheduler(manager_cls, vllm_make_scheduler, block_size, fixture_cls,
