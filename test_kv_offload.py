@@ -6505,6 +6505,14 @@ class PoolPair:
     def vb(self, ids):
         return [self.vllm.blocks[i] for i in ids]
 
+    def blocks(self, ids) -> Each:
+        """The blocks `ids` of each pool, as a call() argument."""
+        return Each((self.ob(ids), self.vb(ids)))
+
+    def call(self, what: str, name: str, *args, **kwargs):
+        """call_method on both pools."""
+        return call_method(what, self.ours, self.vllm, name, *args, **kwargs)
+
     def touch(self, ids) -> None:
         """touch() on both pools (a hit, or a pin: a ref on each block)."""
         self.ours.touch(self.ob(ids))
@@ -6519,8 +6527,7 @@ class PoolPair:
     def get_new_blocks(self, n: int, what: str):
         """get_new_blocks(n) on both pools: (the ids, None), the same on both, or (None, the
         exception), of the same type on both."""
-        a, b, exc = call_both(what, lambda: self.ours.get_new_blocks(n),
-                              lambda: self.vllm.get_new_blocks(n))
+        a, b, exc = self.call(what, "get_new_blocks", n)
         if exc is not None:
             return None, exc
         ids = block_ids(a)
@@ -6592,11 +6599,9 @@ class PoolTrace:
         hi = min(len(r.blocks), len(r.hashes) // self.scale)
         num_full = rng.randint(r.num_cached + 1, hi)
         req = SimpleNamespace(block_hashes=r.hashes)
-        call_both(self.what(f"cache_full_blocks({r.num_cached}->{num_full}, g{r.group})"),
-                  lambda: p.ours.cache_full_blocks(req, p.ob(r.blocks), r.num_cached, num_full,
-                                                   self.bs, r.group),
-                  lambda: p.vllm.cache_full_blocks(req, p.vb(r.blocks), r.num_cached, num_full,
-                                                   self.bs, r.group))
+        p.call(self.what(f"cache_full_blocks({r.num_cached}->{num_full}, g{r.group})"),
+               "cache_full_blocks", req, p.blocks(r.blocks), r.num_cached, num_full, self.bs,
+               r.group)
         r.num_cached = num_full
 
     def op_cache_partial_block(self):
@@ -6640,9 +6645,9 @@ class PoolTrace:
         else:
             key = ko.make_block_hash_with_group_id(rng.choice(self.known_keys), rng.choice([0, 1]))
         ntok = rng.choice([None, self.hbs * rng.randint(1, 8)])
-        call_both(self.what(f"_insert_block_hash(block {bid}, ntok={ntok})"),
-                  lambda: p.ours._insert_block_hash(key, p.ours.blocks[bid], ntok),
-                  lambda: p.vllm._insert_block_hash(key, p.vllm.blocks[bid], ntok))
+        block = Each((p.ours.blocks[bid], p.vllm.blocks[bid]))
+        p.call(self.what(f"_insert_block_hash(block {bid}, ntok={ntok})"), "_insert_block_hash",
+               key, block, ntok)
 
     def op_finish_request(self):
         rng, p = self.rng, self.pair
@@ -6653,9 +6658,8 @@ class PoolTrace:
                                                                                len(r.blocks))
         if rng.random() < 0.2:
             order.insert(rng.randint(0, len(order)), 0)  # the null block is skipped silently
-        call_both(self.what(f"free_blocks(request {order})"),
-                  lambda: p.ours.free_blocks(iter(p.ob(order))),
-                  lambda: p.vllm.free_blocks(p.vb(order)))
+        p.call(self.what(f"free_blocks(request {order})"), "free_blocks",
+               Each((iter(p.ob(order)), p.vb(order))))
 
     def op_touch(self):
         rng, p = self.rng, self.pair
@@ -6663,8 +6667,7 @@ class PoolTrace:
         ids = rng.sample(cands, rng.randint(0, min(4, len(cands))))
         if rng.random() < 0.2:
             ids.append(0)
-        call_both(self.what(f"touch({ids})"), lambda: p.ours.touch(p.ob(ids)),
-                  lambda: p.vllm.touch(p.vb(ids)))
+        p.call(self.what(f"touch({ids})"), "touch", p.blocks(ids))
         self.pins.extend(i for i in ids if i != 0)
 
     def op_unpin(self):
@@ -6676,9 +6679,7 @@ class PoolTrace:
         ids, self.pins = self.pins[:k], self.pins[k:]
         # vLLM 0.34's evict_first: cached ones to the front too
         kw = {"evict_first": True} if rng.random() < 0.3 else {}
-        call_both(self.what(f"free_blocks(pins {ids}, {kw})"),
-                  lambda: p.ours.free_blocks(p.ob(ids), **kw),
-                  lambda: p.vllm.free_blocks(p.vb(ids), **kw))
+        p.call(self.what(f"free_blocks(pins {ids}, {kw})"), "free_blocks", p.blocks(ids), **kw)
 
     def op_get_new_blocks(self):
         rng, p = self.rng, self.pair
@@ -6696,9 +6697,7 @@ class PoolTrace:
             return
         key = rng.choice(self.known_keys)
         gids = rng.choice([[0], [1], [0, 1], [1, 0]])
-        a, b, _ = call_both(self.what("get_cached_block"),
-                            lambda: p.ours.get_cached_block(key, gids),
-                            lambda: p.vllm.get_cached_block(key, gids))
+        a, b, _ = p.call(self.what("get_cached_block"), "get_cached_block", key, gids)
         assert_same(None if a is None else block_ids(a),
                     None if b is None else block_ids(b),
                     self.what("get_cached_block result"))
@@ -6720,8 +6719,7 @@ class PoolTrace:
         ids = set(rng.sample(range(p.ours.num_gpu_blocks), rng.randint(1, 4)))
         if rng.random() < 0.05:
             ids.add(p.ours.num_gpu_blocks)
-        call_both(self.what(f"evict_blocks({sorted(ids)})"), lambda: p.ours.evict_blocks(ids),
-                  lambda: p.vllm.evict_blocks(ids))
+        p.call(self.what(f"evict_blocks({sorted(ids)})"), "evict_blocks", ids)
 
     def op_reset(self):
         rng, p = self.rng, self.pair
@@ -6731,8 +6729,7 @@ class PoolTrace:
             p.free_blocks(self.pins)
             self.reqs, self.pins = [], []
             p.check(self.what("free all"))
-        a, b, _ = call_both(self.what("reset_prefix_cache"), p.ours.reset_prefix_cache,
-                            p.vllm.reset_prefix_cache)
+        a, b, _ = p.call(self.what("reset_prefix_cache"), "reset_prefix_cache")
         assert_same(a, b, self.what("reset_prefix_cache result"))
 
     def run(self, n_ops: int) -> None:
