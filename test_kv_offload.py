@@ -6646,8 +6646,8 @@ class PoolTrace:
             key = ko.make_block_hash_with_group_id(rng.choice(self.known_keys), rng.choice([0, 1]))
         ntok = rng.choice([None, self.hbs * rng.randint(1, 8)])
         block = Each((p.ours.blocks[bid], p.vllm.blocks[bid]))
-        p.call(self.what(f"_insert_block_hash(block {bid}, ntok={ntok})"), "_insert_block_hash",
-               key, block, ntok)
+        p.call(self.what(f"_insert_block_hash(block {bid}, ntok={ntok})"),
+               "_insert_block_hash", key, block, ntok)
 
     def op_finish_request(self):
         rng, p = self.rng, self.pair
@@ -6679,7 +6679,8 @@ class PoolTrace:
         ids, self.pins = self.pins[:k], self.pins[k:]
         # vLLM 0.34's evict_first: cached ones to the front too
         kw = {"evict_first": True} if rng.random() < 0.3 else {}
-        p.call(self.what(f"free_blocks(pins {ids}, {kw})"), "free_blocks", p.blocks(ids), **kw)
+        p.call(self.what(f"free_blocks(pins {ids}, {kw})"), "free_blocks", p.blocks(ids),
+               **kw)
 
     def op_get_new_blocks(self):
         rng, p = self.rng, self.pair
@@ -6861,8 +6862,9 @@ def to_ko_scheduler_output(so) -> ko.SchedulerOutput:
     return ko.SchedulerOutput(
         num_scheduled_tokens=num_scheduled,
         new_block_ids=new_block_ids,
-        # vLLM 0.34: every NewRequestData carries the whole table (is_full_table); before 0.34 a
-        # resumed request's whole table came among the cached ones, flagged in resumed_req_ids
+        # vLLM 0.34: every NewRequestData carries the whole table (is_full_table); before
+        # 0.34 a resumed request's whole table came among the cached ones, flagged in
+        # resumed_req_ids
         resumed_req_ids={r.req_id for r in so.scheduled_new_reqs} | resumed_cached,
         preempted_req_ids=set(so.preempted_req_ids or ()))
 
@@ -6999,8 +7001,8 @@ class ManagerTrace:
         self.gpu.check(w + " [GPU pool]")
 
     def both(self, op, name, *args):
-        """Method `name` of both managers (ours behind the adapter: both read one vLLM message),
-        then their states compared. Returns both results."""
+        """Method `name` of both managers (ours behind the adapter: both read one vLLM
+        message), then their states compared. Returns both results."""
         self.calls += 1
         a, b, _ = call_method(self.what(op), self.facing, self.vllm, name, *args)
         self.check(op)
@@ -7064,8 +7066,9 @@ class ManagerTrace:
     @staticmethod
     def output(new_reqs, cached_reqs, preempted):
         """One step's vLLM SchedulerOutput. new_reqs: [(rid, n, whole table, resumed)] in
-        scheduling order; cached_reqs, the running ones: [(rid, n, new ids or None)]. vLLM 0.34
-        sends resumed requests whole with the new ones; before, with the running ones after them."""
+        scheduling order; cached_reqs, the running ones: [(rid, n, new ids or None)]. vLLM
+        0.34 sends resumed requests whole with the new ones; before, with the running ones
+        after them."""
         resumed = {rid for rid, _, _, r in new_reqs if r}
         if not V_RESUMED_IN_NEW_REQS:
             cached_reqs = cached_reqs + [(rid, n, t) for rid, n, t, r in new_reqs if r]
